@@ -1,0 +1,29 @@
+"""The pass library: one pass a file, and the one ordered pipeline that compile runs."""
+
+from __future__ import annotations
+
+from ovshard.pass_manager import GraphPass
+from ovshard.passes.compress_weights import WEIGHT_FORMATS, CompressWeightsPass, WeightFormat
+from ovshard.passes.inject_beam_idx_gather import InjectBeamIdxGatherPass
+from ovshard.passes.make_stateful_kv import MakeStatefulKVPass
+from ovshard.passes.precompute_rotary import PrecomputeRotaryPass
+
+__all__ = [
+    "WEIGHT_FORMATS",
+    "CompressWeightsPass",
+    "InjectBeamIdxGatherPass",
+    "MakeStatefulKVPass",
+    "PrecomputeRotaryPass",
+    "WeightFormat",
+    "pipeline",
+]
+
+
+def pipeline(weights: WeightFormat) -> list[GraphPass]:
+    """The compile pipeline, in order. Ordering facts are checked in each pass's ``requires``."""
+    return [
+        PrecomputeRotaryPass(),  # rotary frequency math -> Gather by position_ids from a constant table
+        MakeStatefulKVPass(),  # past/present KV I/O -> ReadValue (zero initializer) / Assign
+        InjectBeamIdxGatherPass(),  # beam_idx i32 Parameter + Gather(axis 0) on every KV ReadValue
+        CompressWeightsPass(weights),  # fp16 / NNCF int8 / int4 weights, per WeightFormat
+    ]

@@ -1,0 +1,210 @@
+"""``ovshard compile``: checkpoint -> plan -> per stage (trace, passes, save) -> bundle, atomically.
+
+Stages are compiled one after another and each stage's tensors, torch module and graph are freed
+before the next starts, so peak memory follows the largest stage, not the model.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import openvino as ov
+
+from ovshard import names
+from ovshard.arch import ArchSpec, ModelDims, arch_for, read_dims
+from ovshard.checkpoint import Checkpoint, open_checkpoint
+from ovshard.costs import model_costs
+from ovshard.errors import BundleError
+from ovshard.instruments import (
+    DumpInstrument,
+    PrintAfterChangeInstrument,
+    ProgressInstrument,
+    ValidateInstrument,
+)
+from ovshard.manifest import Manifest, StageEntry, TensorSpec, sha256_file
+from ovshard.pass_manager import Instrument, PassContext, PassManager, PassRecord
+from ovshard.passes import WeightFormat, pipeline
+from ovshard.plan import PartitionPlan, plan_balanced, plan_budgets, plan_layers
+from ovshard.trace import StageSpec, trace_stage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DumpOptions:
+    """Which graphs to dump where. ``after``/``before`` are "all" or a set of pass names."""
+
+    dump_dir: Path | None = None
+    after: Collection[str] | str | None = None
+    before: Collection[str] | str | None = None
+    with_ir: bool = True
+    print_after_change: Callable[[str], None] | None = None
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    checkpoint: Path
+    output: Path
+    stages: int | None = None  # balanced split into this many stages
+    layers: tuple[tuple[int, int], ...] | None = None  # explicit half-open ranges
+    budgets: tuple[int, ...] | None = None  # per-node memory budgets in bytes
+    context_tokens: int = 4096  # KV cache length the budgets must hold
+    weights: WeightFormat = field(default_factory=WeightFormat)
+    max_positions: int | None = None  # rotary table length; default: max_position_embeddings
+    dumps: DumpOptions = field(default_factory=DumpOptions)
+
+
+def make_plan(config: CompileConfig, spec: ArchSpec, dims: ModelDims) -> PartitionPlan:
+    costs = model_costs(spec, dims, config.weights)
+    if config.layers is not None:
+        return plan_layers(costs, config.layers, config.context_tokens)
+    if config.budgets is not None:
+        return plan_budgets(costs, config.budgets, config.context_tokens)
+    return plan_balanced(costs, config.stages or 1, config.context_tokens)
+
+
+def _instruments(config: CompileConfig) -> list[Instrument]:
+    found: list[Instrument] = [ValidateInstrument(), ProgressInstrument()]
+    d = config.dumps
+    if d.dump_dir is not None and (d.after or d.before):
+        found.append(DumpInstrument(d.dump_dir, after=d.after, before=d.before, with_ir=d.with_ir))
+    if d.print_after_change is not None:
+        found.append(PrintAfterChangeInstrument(d.print_after_change))
+    return found
+
+
+def _tensor_specs(ports: list[ov.Output]) -> tuple[TensorSpec, ...]:
+    return tuple(
+        TensorSpec(port.get_any_name(), port.get_element_type().get_type_name(), str(port.get_partial_shape()))
+        for port in ports
+    )
+
+
+def compile_stage(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, stage: StageSpec, config: CompileConfig,
+                  max_positions: int, workdir: Path) -> tuple[StageEntry, list[PassRecord]]:
+    """Trace one stage, run the pipeline over it, save it; free everything before returning."""
+    start = time.perf_counter()
+    log.info("stage %d/%d: tracing layers [%d, %d)", stage.index, stage.num_stages, stage.start, stage.end)
+    model = trace_stage(ckpt, spec, dims, stage)
+    ctx = PassContext(stage.index, stage.num_stages, stage.start, stage.end, dims, max_positions)
+    model, records = PassManager(pipeline(config.weights), _instruments(config)).run(model, ctx)
+    xml = names.stage_xml(stage.index, stage.num_stages)
+    ov.save_model(model, workdir / xml, compress_to_fp16=False)
+    binary = xml.replace(".xml", ".bin")
+    entry = StageEntry(
+        index=stage.index,
+        layers=(stage.start, stage.end),
+        model_xml=xml,
+        model_bin=binary,
+        sha256={xml: sha256_file(workdir / xml), binary: sha256_file(workdir / binary)},
+        inputs=_tensor_specs(list(model.inputs)),
+        outputs=_tensor_specs(list(model.outputs)),
+        state_variables=tuple(sorted(v.get_info().variable_id for v in model.get_variables())),
+    )
+    del model
+    gc.collect()
+    log.info("stage %d/%d: done in %.1f s", stage.index, stage.num_stages, time.perf_counter() - start)
+    return entry, records
+
+
+def _generation(ckpt: Checkpoint) -> dict[str, Any]:
+    gen = ckpt.generation_config or {}
+    eos = gen.get("eos_token_id", ckpt.config.get("eos_token_id"))
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    return {"bos_token_id": gen.get("bos_token_id", ckpt.config.get("bos_token_id")),
+            "eos_token_ids": eos_ids,
+            "pad_token_id": gen.get("pad_token_id", ckpt.config.get("pad_token_id"))}
+
+
+def _copy_configs(ckpt: Checkpoint, workdir: Path) -> dict[str, str]:
+    """config.json and generation_config.json, which openvino-genai reads beside the model."""
+    copied = {}
+    for name in ("config.json", "generation_config.json"):
+        source = ckpt.path / name
+        if source.is_file():
+            shutil.copyfile(source, workdir / name)
+            copied[name] = sha256_file(workdir / name)
+    return copied
+
+
+def _tokenizer(ckpt: Checkpoint, workdir: Path) -> dict[str, Any] | None:
+    from ovshard.tokenizer import convert_tokenizer
+
+    if not ckpt.has_tokenizer:
+        log.warning("%s has no tokenizer; the bundle will take and return token ids only", ckpt.path)
+        return None
+    log.info("converting the tokenizer with openvino-tokenizers")
+    files = convert_tokenizer(ckpt.path, workdir)
+    if not files:
+        return None
+    return {"tokenizer": names.TOKENIZER_XML, "detokenizer": names.DETOKENIZER_XML,
+            "sha256": {f: sha256_file(workdir / f) for f in files}}
+
+
+def _workdir(output: Path) -> Path:
+    """A fresh temp folder beside ``output`` (same file system, so the final rename is atomic)."""
+    output = output.resolve()
+    if output.exists() and not (output / names.MANIFEST_FILE).is_file() and any(output.iterdir()):
+        raise BundleError(f"{output} exists and is not an ovshard bundle; choose another -o or empty it")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent))
+    except OSError as e:
+        raise BundleError(f"cannot write the bundle to {output}: {e.strerror}; choose a writable -o") from e
+
+
+def _publish(workdir: Path, output: Path) -> None:
+    """Move the finished bundle into place; an existing bundle there is replaced."""
+    output = output.resolve()
+    workdir.chmod(0o755)  # mkdtemp made it private
+    old = None
+    if output.exists():
+        old = output.with_name(f".{output.name}.old-{time.time_ns()}")
+        output.rename(old)
+    workdir.rename(output)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def compile_bundle(config: CompileConfig) -> Manifest:
+    """Compile ``config.checkpoint`` into a stage bundle at ``config.output``; return its manifest."""
+    ckpt = open_checkpoint(config.checkpoint)
+    spec, dims = arch_for(ckpt.config), read_dims(ckpt.config)
+    ckpt.validate_tensors(spec, dims)
+    plan = make_plan(config, spec, dims)
+    log.info("partition plan (%s):\n%s", plan.strategy, plan.format_table())
+    max_positions = config.max_positions or dims.max_position_embeddings
+    workdir = _workdir(config.output)
+    try:
+        entries, log_records = [], []
+        for s in plan.stages:
+            stage = StageSpec(s.index, len(plan.stages), s.layer_start, s.layer_end)
+            entry, records = compile_stage(ckpt, spec, dims, stage, config, max_positions, workdir)
+            entries.append(entry)
+            log_records += [r.to_dict() for r in records]
+        manifest = Manifest(
+            source={"path": str(ckpt.path), "fingerprint": ckpt.fingerprint(), "model_type": dims.model_type},
+            architecture=dims.to_dict(),
+            weights=config.weights.to_dict(),
+            plan=plan.to_dict(),
+            stages=tuple(entries),
+            pass_log=tuple(log_records),
+            tokenizer=_tokenizer(ckpt, workdir),
+            generation=_generation(ckpt),
+            runtime_hints={"max_positions": max_positions, "activation_type": "f32"},
+            extra_files=_copy_configs(ckpt, workdir),
+        )
+        (workdir / names.MANIFEST_FILE).write_text(manifest.to_json())
+        _publish(workdir, config.output)
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    return manifest

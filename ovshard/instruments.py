@@ -1,0 +1,109 @@
+"""Instruments around the pass pipeline: graph dumps, print-after-change, validation, progress.
+
+Dumps go to ``<dump-dir>/stage<i>/<NN>_<pass>.<ext>``: ``00_input`` is the traced graph, ``NN`` the
+pass's position in the pipeline; a dump before a pass is ``<NN>_<pass>.before.<ext>``. Each dump is
+written as OpenVINO IR (``.xml``/``.bin``, opens in Netron), Graphviz DOT (``.dot``, plus ``.svg``
+when ``dot`` is installed) and the deterministic text form (``.txt``) that golden tests diff.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection
+from pathlib import Path
+
+import openvino as ov
+
+from ovshard import names
+from ovshard.errors import PassError
+from ovshard.pass_manager import GraphPass, Instrument, PassContext, PassResult
+from ovshard.printer import graph_dot, graph_text, write_svg
+
+log = logging.getLogger(__name__)
+
+ALL = "all"
+
+
+def dump_stem(dump_dir: Path, stage: int, n: int, pass_name: str, before: bool = False) -> Path:
+    return dump_dir / f"stage{stage}" / f"{n:02d}_{pass_name}{'.before' if before else ''}"
+
+
+def write_dump(model: ov.Model, stem: Path, with_ir: bool = True) -> None:
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_name(stem.name + ".txt").write_text(graph_text(model))
+    dot = graph_dot(model)
+    stem.with_name(stem.name + ".dot").write_text(dot)
+    write_svg(dot, stem.with_name(stem.name + ".svg"))
+    if with_ir:
+        ov.save_model(model, stem.with_name(stem.name + ".xml"), compress_to_fp16=False)
+
+
+def _selected(selection: Collection[str] | str | None, pass_name: str) -> bool:
+    if not selection:
+        return False
+    return selection == ALL or pass_name in selection
+
+
+class DumpInstrument(Instrument):
+    """Write the graph before and/or after the selected passes (``"all"`` or a set of pass names)."""
+
+    def __init__(self, dump_dir: Path, after: Collection[str] | str | None = ALL,
+                 before: Collection[str] | str | None = None, with_ir: bool = True) -> None:
+        self.dump_dir, self.after, self.before, self.with_ir = Path(dump_dir), after, before, with_ir
+
+    def run_begin(self, model: ov.Model, ctx: PassContext) -> None:
+        write_dump(model, self.dump_dir / f"stage{ctx.stage_index}" / "00_input", self.with_ir)
+
+    def before_pass(self, p: GraphPass, model: ov.Model, ctx: PassContext, n: int) -> None:
+        if _selected(self.before, p.name):
+            write_dump(model, dump_stem(self.dump_dir, ctx.stage_index, n, p.name, before=True), self.with_ir)
+
+    def after_pass(self, p: GraphPass, result: PassResult, ctx: PassContext, n: int, seconds: float) -> None:
+        if _selected(self.after, p.name):
+            write_dump(result.model, dump_stem(self.dump_dir, ctx.stage_index, n, p.name), self.with_ir)
+
+    def on_failure(self, p: GraphPass, model: ov.Model, ctx: PassContext, n: int, error: Exception) -> None:
+        stem = dump_stem(self.dump_dir, ctx.stage_index, n, p.name + ".failed")
+        write_dump(model, stem, self.with_ir)
+        log.error("stage %d: %s failed; the graph it ran on is in %s.*", ctx.stage_index, p.name, stem)
+
+
+class PrintAfterChangeInstrument(Instrument):
+    """Hand the text form of the graph to ``emit`` after every pass that changed it."""
+
+    def __init__(self, emit: Callable[[str], None]) -> None:
+        self.emit = emit
+
+    def after_pass(self, p: GraphPass, result: PassResult, ctx: PassContext, n: int, seconds: float) -> None:
+        if result.modified:
+            self.emit(f"// ----- stage {ctx.stage_index} after {p.name} -----\n{graph_text(result.model)}")
+
+
+class ValidateInstrument(Instrument):
+    """After each pass: types and shapes re-infer, and the graph's I/O names stay within the contract."""
+
+    def after_pass(self, p: GraphPass, result: PassResult, ctx: PassContext, n: int, seconds: float) -> None:
+        model = result.model
+        try:
+            model.validate_nodes_and_infer_types()
+        except RuntimeError as e:
+            raise PassError(f"{ctx.where(p.name)} left an invalid graph: {e}") from e
+        allowed_in = {names.INPUT_IDS if ctx.first else names.HIDDEN_STATES, names.ATTENTION_MASK,
+                      names.POSITION_IDS, names.BEAM_IDX}
+        allowed_out = {names.LOGITS if ctx.last else names.HIDDEN_STATES}
+        for i in range(ctx.layer_start, ctx.layer_end):
+            allowed_in |= {names.past_key(i), names.past_value(i)}
+            allowed_out |= {names.present_key(i), names.present_value(i)}
+        found_in = {n for port in model.inputs for n in port.get_names()}
+        found_out = {n for port in model.outputs for n in port.get_names()}
+        if not found_in <= allowed_in or not found_out <= allowed_out:
+            raise PassError(f"{ctx.where(p.name)} left unexpected I/O: inputs {sorted(found_in - allowed_in)}, "
+                            f"outputs {sorted(found_out - allowed_out)}")
+
+
+class ProgressInstrument(Instrument):
+    """Log one line per pass: stage, pass, whether it changed the graph, seconds."""
+
+    def after_pass(self, p: GraphPass, result: PassResult, ctx: PassContext, n: int, seconds: float) -> None:
+        log.info("stage %d/%d: %-24s %s in %.2f s", ctx.stage_index, ctx.num_stages, p.name,
+                 "changed the graph" if result.modified else "no change", seconds)

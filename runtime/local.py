@@ -1,0 +1,61 @@
+"""All stages of a bundle in this process, run one after another: the reference runtime for tests.
+
+The networked runtime sends the same per-step inputs over TCP; this one calls the stages directly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+
+from ovshard.manifest import read_manifest, verify_files
+from ovshard.runtime.stage import Stage
+
+
+class LocalPipeline:
+    """Stage-by-stage execution of one stream through every stage of a bundle."""
+
+    def __init__(self, bundle: str | Path, device: str = "CPU", config: dict[str, str] | None = None,
+                 verify: bool = True) -> None:
+        self.bundle = Path(bundle)
+        self.manifest = read_manifest(self.bundle)
+        if verify:
+            verify_files(self.bundle, self.manifest)
+        core = ov.Core()
+        self.stages = [Stage(self.bundle, self.manifest, i, core, device, config)
+                       for i in range(self.manifest.num_stages)]
+        self.position = 0
+
+    def reset(self) -> None:
+        for stage in self.stages:
+            stage.reset()
+        self.position = 0
+
+    def forward(self, token_ids: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Feed new tokens; return logits [T, vocab] and each stage boundary's hidden states."""
+        ids = np.array([token_ids], dtype=np.int64)  # [1, T]
+        positions = np.arange(self.position, self.position + len(token_ids), dtype=np.int64)[None, :]
+        x, boundaries = ids, []
+        for stage in self.stages:
+            x = stage.step(x, positions)
+            boundaries.append(x)
+        self.position += len(token_ids)
+        return x[0], boundaries[:-1]
+
+    def generate_greedy(self, prompt: list[int], max_new_tokens: int,
+                        eos_ids: tuple[int, ...] = ()) -> tuple[list[int], list[np.ndarray]]:
+        """Greedy decode; returns the new tokens and the logits row that chose each."""
+        self.reset()
+        logits, _ = self.forward(prompt)
+        tokens, rows = [], []
+        for _ in range(max_new_tokens):
+            row = logits[-1]
+            token = int(np.argmax(row))
+            tokens.append(token)
+            rows.append(row)
+            if token in eos_ids:
+                break
+            logits, _ = self.forward([token])
+        return tokens, rows

@@ -1,0 +1,74 @@
+"""One compiled stage and the per-stream state a node keeps for it.
+
+A stage is driven step by step: the caller gives the new tokens' inputs (ids or hidden states) and
+their positions; the stage keeps the attention mask of everything in its KV cache itself, so only
+the new part ever needs to be sent to it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+
+from ovshard import names
+from ovshard.errors import BundleError
+from ovshard.manifest import Manifest, StageEntry
+
+log = logging.getLogger(__name__)
+
+# Hints that make a CPU stage compute like the Hugging Face reference (tests, verification).
+EXACT_HINTS = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+
+
+@dataclass
+class StreamState:
+    """What a stage remembers of one stream: the mask over its physical KV cache."""
+
+    mask: list[int] = field(default_factory=list)  # one entry per cached position, 1 = visible
+
+    @property
+    def cache_length(self) -> int:
+        return len(self.mask)
+
+
+class Stage:
+    """A compiled stage with one stateful InferRequest (one stream)."""
+
+    def __init__(self, bundle: Path, manifest: Manifest, index: int, core: ov.Core | None = None,
+                 device: str = "CPU", config: dict[str, str] | None = None) -> None:
+        if not 0 <= index < manifest.num_stages:
+            raise BundleError(f"stage {index} does not exist: the bundle has stages 0..{manifest.num_stages - 1}")
+        self.entry: StageEntry = manifest.stages[index]
+        self.max_positions = int(manifest.runtime_hints["max_positions"])
+        core = core or ov.Core()
+        path = Path(bundle) / self.entry.model_xml
+        log.info("stage %d: compiling %s on %s", index, path.name, device)
+        self.compiled = core.compile_model(str(path), device, config or {})
+        self.request = self.compiled.create_infer_request()
+        self.state = StreamState()
+        self.primary = names.INPUT_IDS if index == 0 else names.HIDDEN_STATES
+        self.output = names.LOGITS if index == manifest.num_stages - 1 else names.HIDDEN_STATES
+
+    def reset(self) -> None:
+        self.request.reset_state()
+        self.state = StreamState()
+
+    def step(self, x: np.ndarray, position_ids: np.ndarray, new_mask: list[int] | None = None) -> np.ndarray:
+        """Run new tokens through the stage. x: ids [1, T] or hidden [1, T, H]; positions [1, T]."""
+        seq = x.shape[1]
+        if int(position_ids.max(initial=0)) >= self.max_positions:
+            raise BundleError(f"position {int(position_ids.max())} is beyond this bundle's rotary table "
+                              f"({self.max_positions} positions); recompile with a larger --max-positions")
+        self.state.mask += new_mask if new_mask is not None else [1] * seq
+        inputs = {
+            self.primary: x,
+            names.ATTENTION_MASK: np.array([self.state.mask], dtype=np.int64),  # [1, cache + T]
+            names.POSITION_IDS: position_ids.astype(np.int64),
+            names.BEAM_IDX: np.zeros(1, dtype=np.int32),
+        }
+        result = self.request.infer(inputs)
+        return result[self.output].copy()

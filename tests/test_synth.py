@@ -1,0 +1,239 @@
+"""Random-weight checkpoints: loadable by transformers, faithful in every dtype, streamed in bounded memory."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ovshard import synth
+from ovshard.arch import arch_for, model_tensors, read_dims
+from ovshard.checkpoint import INDEX_FILE, open_checkpoint
+from ovshard.synth import SHAPES, float32_to_bfloat16_bits, llama_config, preset, write_checkpoint
+
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def test_tiny_loads_in_transformers_tensor_by_tensor(tmp_path: Path) -> None:
+    """transformers loads the tiny checkpoint with no missing/unexpected keys and the same tensor values."""
+    root = write_checkpoint(tmp_path / "tiny", SHAPES["tiny"])
+    model, info = LlamaForCausalLM.from_pretrained(root, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert model.config.rope_parameters == SHAPES["tiny"]["rope_parameters"]
+    ckpt = open_checkpoint(root)
+    state = model.state_dict()
+    assert set(state) == set(ckpt.tensor_names())
+    for name in ckpt.tensor_names():
+        assert torch.equal(state[name], ckpt.load(name)), name
+
+
+def test_tied_tiny_loads_with_shared_head(tmp_path: Path) -> None:
+    """A tied tiny checkpoint stores no lm_head and transformers ties it to the embedding."""
+    root = write_checkpoint(tmp_path / "tied", preset("tiny", tie_word_embeddings=True))
+    assert "lm_head.weight" not in open_checkpoint(root).tensor_names()
+    model = LlamaForCausalLM.from_pretrained(root)
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_tiny_greedy_top2_logits_are_not_tied(tmp_path: Path) -> None:
+    """The tiny preset's logits spread widely and the top two differ by far more than f32 noise (~3e-5)."""
+    model = LlamaForCausalLM.from_pretrained(write_checkpoint(tmp_path / "tiny", SHAPES["tiny"]))
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 5, 7, 9, 11, 3, 40, 17]])).logits[0]  # [seq, vocab]
+    top2 = logits.topk(2).values
+    gaps = top2[:, 0] - top2[:, 1]
+    assert logits.std() > 0.5
+    assert gaps.min() > 1e-3, f"near-tie: top-2 gaps per position {gaps.tolist()}"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_round_trips(tmp_path: Path, dtype: str) -> None:
+    """A f16/bf16 checkpoint holds torch's own rounding of the float32 checkpoint with the same seed."""
+    full = open_checkpoint(write_checkpoint(tmp_path / "f32", SHAPES["tiny"]))
+    half = open_checkpoint(write_checkpoint(tmp_path / dtype, SHAPES["tiny"], dtype=dtype))
+    assert half.config["dtype"] == dtype
+    expected_tag = {"float16": "F16", "bfloat16": "BF16"}[dtype]
+    for name in full.tensor_names():
+        assert half.tensor_info(name) == (expected_tag, full.tensor_info(name)[1])
+        assert half.nbytes(name) * 2 == full.nbytes(name)
+        rounded = full.load(name).to(TORCH_DTYPES[dtype]).float()
+        assert torch.equal(half.load(name), rounded), name
+    model = LlamaForCausalLM.from_pretrained(half.path, dtype=TORCH_DTYPES[dtype])
+    assert torch.equal(model.model.embed_tokens.weight.float(), half.load("model.embed_tokens.weight"))
+
+
+def test_bfloat16_rounding_matches_torch() -> None:
+    """float32 -> bfloat16 rounds to nearest, ties to even, like torch, including inf, NaN and overflow."""
+    one_bits = 0x3F800000
+    ties = np.array([one_bits | 0x8000, one_bits | 0x18000], dtype=np.uint32).view(
+        np.float32
+    )  # 1+2^-8, 1+3*2^-8
+    special = np.array([np.inf, -np.inf, 3.4e38, -0.0, 1e-45, np.finfo(np.float32).max], dtype=np.float32)
+    values = np.concatenate(
+        [ties, special, np.random.default_rng(0).standard_normal(10_000, dtype=np.float32) * 50]
+    )
+    ours = float32_to_bfloat16_bits(values)
+    theirs = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(ours, theirs)
+    assert ours[0] == 0x3F80 and ours[1] == 0x3F82  # both ties go to the even neighbour
+    nan = float32_to_bfloat16_bits(np.array([np.nan], dtype=np.float32))
+    assert np.isnan(torch.from_numpy(nan.view(np.int16)).view(torch.bfloat16).float().numpy()).all()
+
+
+@pytest.mark.parametrize(
+    ("name", "parameters"),
+    [("llama-3.2-1b", 1_235_814_400), ("llama-3.1-8b", 8_030_261_248), ("llama-3.1-70b", 70_553_706_496)],
+)
+def test_preset_builds_llama_config_of_real_size(name: str, parameters: int) -> None:
+    """Each real-shape preset is a valid transformers LlamaConfig whose tensors add up to the real model."""
+    config = LlamaConfig(**SHAPES[name])
+    assert config.rope_parameters == SHAPES[name]["rope_parameters"]
+    assert config.tie_word_embeddings is SHAPES[name]["tie_word_embeddings"]
+    as_saved = config.to_dict()
+    shapes = model_tensors(arch_for(as_saved), read_dims(as_saved))
+    assert sum(math.prod(s) for s in shapes.values()) == parameters
+
+
+def test_llama_3_2_1b_preset_is_the_real_config() -> None:
+    """The 1B preset carries Llama-3.2-1B's published dimensions and llama3 rope scaling."""
+    c = SHAPES["llama-3.2-1b"]
+    assert (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"]) == (
+        2048,
+        16,
+        32,
+        8,
+    )
+    assert (c["head_dim"], c["intermediate_size"], c["vocab_size"], c["max_position_embeddings"]) == (
+        64,
+        8192,
+        128256,
+        131072,
+    )
+    assert c["tie_word_embeddings"] is True
+    assert c["rope_parameters"] == {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+
+
+def test_overrides_replace_keys() -> None:
+    """llama_config/preset apply overrides and return fresh dicts that never alias the presets."""
+    config = preset("tiny", num_hidden_layers=2)
+    config["rope_parameters"]["factor"] = 99.0
+    assert config["num_hidden_layers"] == 2 and SHAPES["tiny"]["num_hidden_layers"] == 4
+    assert SHAPES["tiny"]["rope_parameters"]["factor"] == 8.0
+    assert llama_config(vocab_size=300)["vocab_size"] == 300
+    with pytest.raises(ValueError, match="choose one of tiny"):
+        preset("llama-9")
+
+
+def test_sharded_write_respects_shard_limit(tmp_path: Path) -> None:
+    """max_shard_bytes splits tensors in order into numbered shards with an index transformers can load."""
+    limit = 64 * 1024
+    root = write_checkpoint(tmp_path / "sharded", SHAPES["tiny"], max_shard_bytes=limit)
+    index = json.loads((root / INDEX_FILE).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors" and len(shards) > 2
+    ckpt = open_checkpoint(root)
+    assert index["metadata"]["total_size"] == sum(ckpt.nbytes(n) for n in ckpt.tensor_names())
+    for shard in shards:
+        names = [n for n, f in index["weight_map"].items() if f == shard]
+        assert len(names) == 1 or sum(ckpt.nbytes(n) for n in names) <= limit
+    _, info = LlamaForCausalLM.from_pretrained(root, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_seed_determines_values(tmp_path: Path) -> None:
+    """The same seed writes identical bytes; another seed writes other values."""
+    a = write_checkpoint(tmp_path / "a", SHAPES["tiny"], seed=7)
+    b = write_checkpoint(tmp_path / "b", SHAPES["tiny"], seed=7)
+    c = write_checkpoint(tmp_path / "c", SHAPES["tiny"], seed=8)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
+
+
+def test_norm_weights_are_near_one(tmp_path: Path) -> None:
+    """RMSNorm scales are 1 plus noise; projection weights are centred on 0 with std initializer_range."""
+    ckpt = open_checkpoint(write_checkpoint(tmp_path / "tiny", SHAPES["tiny"]))
+    norm, weight = ckpt.load("model.norm.weight"), ckpt.load("model.layers.0.mlp.up_proj.weight")
+    assert abs(norm.mean().item() - 1.0) < 0.05
+    assert abs(weight.mean().item()) < 0.01 and abs(weight.std().item() - 0.1) < 0.01
+
+
+def test_generation_config_carries_special_ids(tmp_path: Path) -> None:
+    """generation_config.json repeats the config's bos/eos ids."""
+    root = write_checkpoint(tmp_path / "tiny", preset("tiny", bos_token_id=5, eos_token_id=[6, 7]))
+    generation = json.loads((root / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (5, [6, 7])
+
+
+def test_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails midway leaves neither the output directory nor its temporary directory."""
+
+    def explode(*args: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(synth, "_write_shard", explode)
+    with pytest.raises(OSError, match="disk full"):
+        write_checkpoint(tmp_path / "out", SHAPES["tiny"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refuses_non_empty_output(tmp_path: Path) -> None:
+    """An existing non-empty output directory is not overwritten; an empty one is filled."""
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not an empty directory"):
+        write_checkpoint(tmp_path / "full", SHAPES["tiny"])
+    (tmp_path / "empty").mkdir()
+    write_checkpoint(tmp_path / "empty", SHAPES["tiny"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "full"]
+
+
+def test_rejects_unknown_dtype(tmp_path: Path) -> None:
+    """Only float32, float16 and bfloat16 storage is offered."""
+    with pytest.raises(ValueError, match="choose one of float32, float16, bfloat16"):
+        write_checkpoint(tmp_path / "x", SHAPES["tiny"], dtype="int8")
+
+
+MEMORY_PROBE = """
+import json, resource, sys
+from ovshard.synth import llama_config, write_checkpoint
+# five 64 MiB float32 tensors (embed, lm_head, gate, up, down) plus 16 MiB of attention: 336 MiB
+config = llama_config(vocab_size=16384, hidden_size=1024, num_hidden_layers=1, num_attention_heads=8,
+                      num_key_value_heads=8, head_dim=128, intermediate_size=16384)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+write_checkpoint(sys.argv[1], config)
+print(json.dumps({"growth_bytes": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024}))
+"""
+
+
+def test_writing_streams_in_bounded_memory(tmp_path: Path) -> None:
+    """Writing 336 MiB of 64 MiB tensors raises peak RSS by less than one tensor: values are streamed."""
+    out = tmp_path / "big"
+    run = subprocess.run(
+        [sys.executable, "-c", MEMORY_PROBE, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert run.returncode == 0, run.stderr
+    growth = json.loads(run.stdout)["growth_bytes"]
+    ckpt = open_checkpoint(out)
+    total = sum(ckpt.nbytes(n) for n in ckpt.tensor_names())
+    assert total > 330 * 2**20
+    assert growth < 64 * 2**20, (
+        f"peak RSS grew by {growth / 2**20:.0f} MiB while writing {total / 2**20:.0f} MiB"
+    )
