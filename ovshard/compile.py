@@ -71,10 +71,15 @@ def make_plan(config: CompileConfig, spec: ArchSpec, dims: ModelDims) -> Partiti
     return plan_balanced(costs, config.stages or 1, config.context_tokens)
 
 
+def _dumping(config: CompileConfig) -> bool:
+    d = config.dumps
+    return d.dump_dir is not None and bool(d.after or d.before)
+
+
 def _instruments(config: CompileConfig) -> list[Instrument]:
     found: list[Instrument] = [ValidateInstrument(), ProgressInstrument()]
     d = config.dumps
-    if d.dump_dir is not None and (d.after or d.before):
+    if _dumping(config):
         found.append(DumpInstrument(d.dump_dir, after=d.after, before=d.before, with_ir=d.with_ir))
     if d.print_after_change is not None:
         found.append(PrintAfterChangeInstrument(d.print_after_change))
@@ -92,7 +97,8 @@ def compile_stage(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, stage: Stag
                   max_positions: int, workdir: Path) -> tuple[StageEntry, list[PassRecord]]:
     """Trace one stage, run the pipeline over it, save it; free everything before returning."""
     start = time.perf_counter()
-    log.info("stage %d/%d: tracing layers [%d, %d)", stage.index, stage.num_stages, stage.start, stage.end)
+    log.info("stage %d (%d of %d): tracing layers [%d, %d)", stage.index, stage.index + 1, stage.num_stages,
+             stage.start, stage.end)
     model = trace_stage(ckpt, spec, dims, stage)
     ctx = PassContext(stage.index, stage.num_stages, stage.start, stage.end, dims, max_positions)
     model, records = PassManager(pipeline(config.weights), _instruments(config)).run(model, ctx)
@@ -111,7 +117,7 @@ def compile_stage(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, stage: Stag
     )
     del model
     gc.collect()
-    log.info("stage %d/%d: done in %.1f s", stage.index, stage.num_stages, time.perf_counter() - start)
+    log.info("stage %d: compiled in %.1f s", stage.index, time.perf_counter() - start)
     return entry, records
 
 
@@ -201,6 +207,7 @@ def compile_bundle(config: CompileConfig) -> Manifest:
             generation=_generation(ckpt),
             runtime_hints={"max_positions": max_positions, "activation_type": "f32"},
             extra_files=_copy_configs(ckpt, workdir),
+            dumps=str(config.dumps.dump_dir.resolve()) if _dumping(config) else None,
         )
         (workdir / names.MANIFEST_FILE).write_text(manifest.to_json())
         _publish(workdir, config.output)

@@ -9,6 +9,7 @@ when ``dot`` is installed) and the deterministic text form (``.txt``) that golde
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -52,6 +53,7 @@ class DumpInstrument(Instrument):
         self.dump_dir, self.after, self.before, self.with_ir = Path(dump_dir), after, before, with_ir
 
     def run_begin(self, model: ov.Model, ctx: PassContext) -> None:
+        shutil.rmtree(self.dump_dir / f"stage{ctx.stage_index}", ignore_errors=True)  # no stale dumps
         write_dump(model, self.dump_dir / f"stage{ctx.stage_index}" / "00_input", self.with_ir)
 
     def before_pass(self, p: GraphPass, model: ov.Model, ctx: PassContext, n: int) -> None:
@@ -105,5 +107,5 @@ class ProgressInstrument(Instrument):
     """Log one line per pass: stage, pass, whether it changed the graph, seconds."""
 
     def after_pass(self, p: GraphPass, result: PassResult, ctx: PassContext, n: int, seconds: float) -> None:
-        log.info("stage %d/%d: %-24s %s in %.2f s", ctx.stage_index, ctx.num_stages, p.name,
+        log.info("stage %d (%d of %d): %-24s %s in %.2f s", ctx.stage_index, ctx.stage_index + 1, ctx.num_stages, p.name,
                  "changed the graph" if result.modified else "no change", seconds)

@@ -52,6 +52,7 @@ class Manifest:
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
     extra_files: dict[str, str] = field(default_factory=dict)  # other files -> sha256
+    dumps: str | None = None  # folder of the compile's graph dumps, if it made any
 
     @property
     def num_stages(self) -> int:
@@ -77,7 +78,8 @@ class Manifest:
         )
         fields = {k: d[k] for k in ("source", "architecture", "weights", "plan", "tokenizer", "generation",
                                     "runtime_hints", "format", "version")}
-        return cls(stages=stages, pass_log=tuple(d["pass_log"]), extra_files=d.get("extra_files", {}), **fields)
+        return cls(stages=stages, pass_log=tuple(d["pass_log"]), extra_files=d.get("extra_files", {}),
+                   dumps=d.get("dumps"), **fields)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

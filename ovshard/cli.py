@@ -1,0 +1,148 @@
+"""The ``ovshard`` command line. Each subcommand builds one config object and calls one function."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ovshard.errors import OvshardError
+
+log = logging.getLogger("ovshard")
+
+WEIGHT_HELP = """weight format: fp32 (exact; for parity tests), fp16, int8 (per channel),
+int4_sym, int4_asym (default: asymmetric INT4 keeps more accuracy than symmetric at the same size)"""
+
+
+def _selection(text: str | None) -> frozenset[str] | str | None:
+    if text is None:
+        return None
+    return "all" if text == "all" else frozenset(t.strip() for t in text.split(",") if t.strip())
+
+
+def _add_compile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compile", help="compile a Hugging Face checkpoint into a stage bundle",
+                       description="Trace, convert and optimise a Hugging Face causal LM into N pipeline "
+                       "stages (one stateful OpenVINO IR each) plus manifest and tokenizer.")
+    p.add_argument("checkpoint", type=Path, help="folder with config.json and *.safetensors")
+    p.add_argument("-o", "--output", type=Path, default=Path("out"), help="bundle folder (default: out)")
+    split = p.add_mutually_exclusive_group()
+    split.add_argument("--stages", type=int, help="split into N stages, minimising the largest (default 1)")
+    split.add_argument("--layers", help="explicit half-open layer ranges, e.g. 0:3,3:5,5:7")
+    split.add_argument("--budgets", help="per-node memory budgets, e.g. 2GB,2GB,4GB (one stage each)")
+    p.add_argument("--context-tokens", type=int, default=4096,
+                   help="KV-cache length counted against --budgets (default 4096)")
+    p.add_argument("--weights", default="int4_asym",
+                   choices=("fp32", "fp16", "int8", "int4_sym", "int4_asym"), help=WEIGHT_HELP)
+    p.add_argument("--group-size", type=int, default=128, help="INT4 group size (default 128)")
+    p.add_argument("--ratio", type=float, default=1.0,
+                   help="share of weights in INT4, the rest INT8 (default 1.0)")
+    p.add_argument("--all-layers", action="store_true",
+                   help="INT4 also for the embedding and each stage's last MatMul (default: those stay INT8)")
+    p.add_argument("--max-positions", type=int,
+                   help="rotary table length = longest context served (default: max_position_embeddings)")
+    p.add_argument("--dump-after", metavar="all|PASS[,PASS]", help="dump the graph after these passes")
+    p.add_argument("--dump-before", metavar="all|PASS[,PASS]", help="dump the graph before these passes")
+    p.add_argument("--dump-dir", type=Path, help="where dumps go (default: <output>.dumps)")
+    p.add_argument("--no-dump-ir", action="store_true", help="dump text and DOT only, no IR copies")
+    p.add_argument("--print-after-change", action="store_true",
+                   help="print the graph text after every pass that changed it")
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="show a bundle's stages, pass log and graphs",
+                       description="Without --stage: stage table, pass log with timings, I/O of each "
+                       "stage. With --stage: that stage's graph; with --pass: the dump after that pass.")
+    p.add_argument("bundle", type=Path)
+    p.add_argument("--stage", type=int, help="stage index")
+    p.add_argument("--pass", dest="pass_name", metavar="PASS", help="e.g. InjectBeamIdxGatherPass")
+    p.add_argument("--format", default="text", choices=("text", "dot", "svg", "xml"),
+                   help="text and dot print the graph; svg and xml print the file's path")
+    p.add_argument("--diff", action="store_true", help="unified diff of the graph before/after --pass")
+    p.add_argument("--dump-dir", type=Path, help="dump folder if not the one the manifest records")
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="compile the built-in default model and print a report",
+                       description="Compile ../shared/models/stories260K (or a small random Llama when it "
+                       "is absent) into stages, check the KV-cache fusion, and generate a sample.")
+    p.add_argument("-o", "--output", type=Path, default=Path("out/demo"))
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--checkpoint", type=Path, help="compile this checkpoint instead of the default")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ovshard", description="Compile a Hugging Face causal LM into pipeline stages of stateful "
+        "OpenVINO IR, and inspect the result.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_compile(sub)
+    _add_inspect(sub)
+    _add_demo(sub)
+    return parser
+
+
+def _compile_config(args: argparse.Namespace):
+    from ovshard.compile import CompileConfig, DumpOptions
+    from ovshard.passes import WeightFormat
+    from ovshard.plan import parse_budgets, parse_layers
+
+    dump_dir = args.dump_dir or (args.output.parent / f"{args.output.name}.dumps")
+    emit = (lambda text: print(text, flush=True)) if args.print_after_change else None
+    return CompileConfig(
+        checkpoint=args.checkpoint,
+        output=args.output,
+        stages=args.stages,
+        layers=tuple(parse_layers(args.layers)) if args.layers else None,
+        budgets=tuple(parse_budgets(args.budgets)) if args.budgets else None,
+        context_tokens=args.context_tokens,
+        weights=WeightFormat(args.weights, args.group_size, args.ratio, args.all_layers),
+        max_positions=args.max_positions,
+        dumps=DumpOptions(dump_dir, _selection(args.dump_after), _selection(args.dump_before),
+                          not args.no_dump_ir, emit),
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "compile":
+        from ovshard.compile import compile_bundle
+        from ovshard.inspect import summary
+        from ovshard.manifest import read_manifest
+
+        compile_bundle(_compile_config(args))
+        print(summary(args.output, read_manifest(args.output)))
+        return 0
+    if args.command == "inspect":
+        from ovshard.inspect import InspectConfig, inspect_bundle
+
+        print(inspect_bundle(InspectConfig(args.bundle, args.stage, args.pass_name, args.format, args.diff,
+                                           args.dump_dir)))
+        return 0
+    from ovshard.demo import DemoConfig, run_demo
+
+    return 0 if run_demo(DemoConfig(args.output, args.stages, args.checkpoint)) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
+    logging.basicConfig(level=level, format="ovshard: %(message)s", stream=sys.stderr)
+    if not args.verbose:
+        for noisy in ("nncf", "transformers", "torch"):
+            logging.getLogger(noisy).setLevel(logging.ERROR)
+    try:
+        return _run(args)
+    except OvshardError as e:
+        print(f"ovshard {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"ovshard {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
