@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,10 +17,19 @@ WEIGHT_HELP = """weight format: fp32 (exact; for parity tests), fp16, int8 (per 
 int4_sym, int4_asym (default: asymmetric INT4 keeps more accuracy than symmetric at the same size)"""
 
 
-def _selection(text: str | None) -> frozenset[str] | str | None:
+def _selection(text: str | None, option: str, known: Sequence[str]) -> frozenset[str] | str | None:
+    """``all`` or a set of pass names; a name the pipeline lacks is an error, not a silent no-dump."""
     if text is None:
         return None
-    return "all" if text == "all" else frozenset(t.strip() for t in text.split(",") if t.strip())
+    if text == "all":
+        return "all"
+    chosen = frozenset(t.strip() for t in text.split(",") if t.strip())
+    unknown = sorted(chosen - set(known))
+    if unknown or not chosen:
+        found = ", ".join(unknown) if unknown else repr(text)
+        raise OvshardError(f"{option}: no pass named {found}; expected all or comma-separated names from "
+                           f"the pipeline: {', '.join(known)}")
+    return chosen
 
 
 def _add_compile(sub: argparse._SubParsersAction) -> None:
@@ -88,9 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _compile_config(args: argparse.Namespace):
     from ovshard.compile import CompileConfig, DumpOptions
-    from ovshard.passes import WeightFormat
+    from ovshard.passes import WeightFormat, pipeline
     from ovshard.plan import parse_budgets, parse_layers
 
+    weights = WeightFormat(args.weights, args.group_size, args.ratio, args.all_layers)
+    known = [p.name for p in pipeline(weights)]
     dump_dir = args.dump_dir or (args.output.parent / f"{args.output.name}.dumps")
     emit = (lambda text: print(text, flush=True)) if args.print_after_change else None
     return CompileConfig(
@@ -100,10 +112,10 @@ def _compile_config(args: argparse.Namespace):
         layers=tuple(parse_layers(args.layers)) if args.layers else None,
         budgets=tuple(parse_budgets(args.budgets)) if args.budgets else None,
         context_tokens=args.context_tokens,
-        weights=WeightFormat(args.weights, args.group_size, args.ratio, args.all_layers),
+        weights=weights,
         max_positions=args.max_positions,
-        dumps=DumpOptions(dump_dir, _selection(args.dump_after), _selection(args.dump_before),
-                          not args.no_dump_ir, emit),
+        dumps=DumpOptions(dump_dir, _selection(args.dump_after, "--dump-after", known),
+                          _selection(args.dump_before, "--dump-before", known), not args.no_dump_ir, emit),
     )
 
 
@@ -135,10 +147,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         for noisy in ("nncf", "transformers", "torch"):
             logging.getLogger(noisy).setLevel(logging.ERROR)
     try:
-        return _run(args)
+        code = _run(args)
+        sys.stdout.flush()  # a reader that went away (`| head`) shows up here rather than at exit
+        return code
     except OvshardError as e:
         print(f"ovshard {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # whoever read stdout stopped early (`ovshard inspect ... | head`): no traceback, and point stdout
+        # at /dev/null so the interpreter's final flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except KeyboardInterrupt:
         print(f"ovshard {args.command}: interrupted", file=sys.stderr)
         return 130

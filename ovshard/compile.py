@@ -105,17 +105,18 @@ def compile_stage(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, stage: Stag
     xml = names.stage_xml(stage.index, stage.num_stages)
     ov.save_model(model, workdir / xml, compress_to_fp16=False)
     binary = xml.replace(".xml", ".bin")
+    saved = ov.Core().read_model(workdir / xml)  # names as every reader will see them (weights mapped, not copied)
     entry = StageEntry(
         index=stage.index,
         layers=(stage.start, stage.end),
         model_xml=xml,
         model_bin=binary,
         sha256={xml: sha256_file(workdir / xml), binary: sha256_file(workdir / binary)},
-        inputs=_tensor_specs(list(model.inputs)),
-        outputs=_tensor_specs(list(model.outputs)),
+        inputs=_tensor_specs(list(saved.inputs)),
+        outputs=_tensor_specs(list(saved.outputs)),
         state_variables=tuple(sorted(v.get_info().variable_id for v in model.get_variables())),
     )
-    del model
+    del model, saved
     gc.collect()
     log.info("stage %d: compiled in %.1f s", stage.index, time.perf_counter() - start)
     return entry, records

@@ -72,8 +72,10 @@ def _dump_stems(folder: Path, pass_name: str) -> tuple[Path, Path]:
     """(graph before the pass, graph after it) as dump stems without extension."""
     after = sorted(p for p in folder.glob(f"[0-9][0-9]_{pass_name}.txt"))
     if not after:
-        known = sorted({p.stem.split("_", 1)[1] for p in folder.glob("[0-9][0-9]_*.txt")} - {"input"})
-        raise BundleError(f"no dump after pass {pass_name!r} in {folder}; dumped passes: {', '.join(known)}")
+        dumped = {p.stem.split("_", 1)[1] for p in folder.glob("[0-9][0-9]_*.txt")}
+        known = sorted(n for n in dumped - {"input"} if "." not in n)  # not <pass>.before / <pass>.failed
+        raise BundleError(f"no dump after pass {pass_name!r} in {folder}; dumped passes: "
+                          f"{', '.join(known) or 'none (recompile with --dump-after all)'}")
     stem = after[0].with_suffix("")
     before = stem.with_name(stem.name + ".before")
     if not _file(before, ".txt").exists():

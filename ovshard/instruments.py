@@ -16,7 +16,7 @@ from pathlib import Path
 import openvino as ov
 
 from ovshard import names
-from ovshard.errors import PassError
+from ovshard.errors import BundleError, PassError
 from ovshard.pass_manager import GraphPass, Instrument, PassContext, PassResult
 from ovshard.printer import graph_dot, graph_text, write_svg
 
@@ -30,10 +30,14 @@ def dump_stem(dump_dir: Path, stage: int, n: int, pass_name: str, before: bool =
 
 
 def write_dump(model: ov.Model, stem: Path, with_ir: bool = True) -> None:
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_name(stem.name + ".txt").write_text(graph_text(model))
-    dot = graph_dot(model)
-    stem.with_name(stem.name + ".dot").write_text(dot)
+    try:
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        stem.with_name(stem.name + ".txt").write_text(graph_text(model))
+        dot = graph_dot(model)
+        stem.with_name(stem.name + ".dot").write_text(dot)
+    except OSError as e:
+        raise BundleError(f"cannot write the graph dump {stem}.*: {e.strerror or e}; choose a writable "
+                          "--dump-dir") from e
     write_svg(dot, stem.with_name(stem.name + ".svg"))
     if with_ir:
         ov.save_model(model, stem.with_name(stem.name + ".xml"), compress_to_fp16=False)

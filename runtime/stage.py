@@ -51,7 +51,9 @@ class Stage:
         self.request = self.compiled.create_infer_request()
         self.state = StreamState()
         self.primary = names.INPUT_IDS if index == 0 else names.HIDDEN_STATES
-        self.output = names.LOGITS if index == manifest.num_stages - 1 else names.HIDDEN_STATES
+        # The activation output is port 0. A middle stage's output tensor is named hidden_states like
+        # its input; OpenVINO's IR reader makes tensor names unique, so it reads back as hidden_states_1.
+        self.output = self.compiled.output(0)
 
     def reset(self) -> None:
         self.request.reset_state()
