@@ -1,0 +1,33 @@
+# The two commands a fresh machine needs: `make demo` and `make test`. Both set up .venv first.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: setup demo test lint golden bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/ovshard demo
+
+lint: setup
+	$(BIN)/ruff check .
+
+test: lint
+	$(BIN)/python -m pytest -q -W ignore::DeprecationWarning
+
+golden: setup
+	$(BIN)/python -m pytest -q tests/test_golden.py --update-golden
+
+bench: setup
+	$(BIN)/python bench/compile_memory.py
+
+clean:
+	rm -rf out bench/results .pytest_cache .ruff_cache
