@@ -73,7 +73,7 @@ def build_stage_module(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, stage:
     inv_freq, scaling = rotary_frequencies(ckpt.path, dims)
     layers = []
     for i in range(stage.start, stage.end):
-        log.debug("stage %d: loading layer %d", stage.index, i)
+        log.info("stage %d: loading layer %d (%d of %d)", stage.index, i, i - stage.start + 1, stage.end - stage.start)
         layers.append(load_layer(ckpt, spec, dims, i, stage))
     embed = _load(ckpt, spec.embed, stage) if stage.first else None
     final_norm = lm_head = None

@@ -1,0 +1,28 @@
+"""A serving node needs only openvino, openvino-tokenizers and numpy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import compile_fp32
+
+HEAVY = ("torch", "transformers", "nncf", "onnx", "networkx", "safetensors")
+
+
+def test_running_a_bundle_imports_no_compile_time_package(stories: Path, tmp_path: Path) -> None:
+    """Loading and running a bundle stage by stage leaves torch, transformers, nncf (and co.) unimported."""
+    bundle = compile_fp32(stories, tmp_path / "b", stages=2)
+    script = f"""
+import sys
+from ovshard.runtime.local import LocalPipeline
+from ovshard.fusion import check_cpu_fusion
+pipe = LocalPipeline({str(bundle)!r})
+tokens, _ = pipe.generate_greedy([1, 403, 407], 4)
+assert len(tokens) == 4
+check_cpu_fusion(pipe.bundle, pipe.manifest)
+print(",".join(sorted(m for m in {HEAVY!r} if m in sys.modules)))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"runtime imported {out.stdout.strip()}"
