@@ -96,12 +96,34 @@ def write_svg(dot_text: str, path: Path) -> bool:
 
 
 def text_diff(before: str, after: str, before_name: str, after_name: str, context: int = 3) -> str:
-    """Return a unified diff of two texts (empty when they are equal)."""
-    diff = difflib.unified_diff(
-        before.splitlines(), after.splitlines(), before_name, after_name, n=context, lineterm=""
-    )
+    """Unified diff of two texts (empty when equal), graph texts aligned first so renumbering is no noise.
+
+    Inserting one node renumbers every ``%N`` after it. Before diffing, lines are matched on their
+    text with the numbers blanked out, each matched ``after`` node takes its ``before`` number, and
+    nodes without a match are renamed ``%new.N``: the diff then shows only what the change did.
+    """
+    after_lines = _renumber_like(before.splitlines(), after.splitlines())
+    diff = difflib.unified_diff(before.splitlines(), after_lines, before_name, after_name, n=context, lineterm="")
     text = "\n".join(diff)
     return text + "\n" if text else ""
+
+
+_NUMBERED = re.compile(r"%(\d+)")
+_DEFINED = re.compile(r"^%(\d+) = ")
+
+
+def _renumber_like(before: list[str], after: list[str]) -> list[str]:
+    """Rename the ``%N`` of ``after`` to the numbers of the matching ``before`` lines."""
+    blank = [_NUMBERED.sub("%_", line) for line in before], [_NUMBERED.sub("%_", line) for line in after]
+    matcher = difflib.SequenceMatcher(None, blank[0], blank[1], autojunk=False)
+    mapping: dict[str, str] = {}
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal" or (tag == "replace" and i2 - i1 == j2 - j1):
+            for b_line, a_line in zip(before[i1:i2], after[j1:j2], strict=True):
+                b_def, a_def = _DEFINED.match(b_line), _DEFINED.match(a_line)
+                if b_def and a_def:
+                    mapping[a_def.group(1)] = b_def.group(1)
+    return [_NUMBERED.sub(lambda m: "%" + mapping.get(m.group(1), "new." + m.group(1)), line) for line in after]
 
 
 def op_histogram(model: openvino.Model) -> dict[str, int]:

@@ -280,3 +280,13 @@ def test_deep_chain_prints_without_recursion_limit() -> None:
     lines = graph_text(ov.Model([_name(ops.result(node), "y", "y")], [x])).splitlines()
     assert lines[3] == "%x = Parameter -> f32[2]  # names: x"
     assert lines[4] == "%0 = Relu(%x) -> f32[2]" and lines[3003] == "%2999 = Relu(%2998) -> f32[2]"
+
+
+def test_text_diff_ignores_renumbering_from_an_insertion() -> None:
+    """A node inserted early shows as its own lines plus the one changed reader, not as a renumbered tail."""
+    before = "%0 = Constant f32[] 1.0\n%1 = Relu(%0) -> f32[]\n%2 = Exp(%1) -> f32[]\n%3 = Result(%2) -> f32[]\n"
+    after = ("%0 = Constant f32[] 1.0\n%1 = Relu(%0) -> f32[]\n%2 = Abs(%1) -> f32[]\n%3 = Exp(%2) -> f32[]\n"
+             "%4 = Result(%3) -> f32[]\n")
+    changed = [line for line in text_diff(before, after, "a", "b").splitlines()
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert changed == ["-%2 = Exp(%1) -> f32[]", "+%new.2 = Abs(%1) -> f32[]", "+%2 = Exp(%new.2) -> f32[]"]
