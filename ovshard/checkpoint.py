@@ -183,8 +183,14 @@ class Checkpoint:
         from safetensors import safe_open
 
         entry = self._entry(name)
-        with safe_open(str(self.path / entry.file), framework="pt") as f:
-            tensor: torch.Tensor = f.get_tensor(name)
+        try:
+            with safe_open(str(self.path / entry.file), framework="pt") as f:
+                tensor: torch.Tensor = f.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types for damaged files
+            raise CheckpointError(
+                f"cannot read tensor {name!r} from {self.path / entry.file}: {e}; the file is damaged or "
+                "truncated: copy or save the checkpoint again"
+            ) from e
         self.loaded.append(name)
         return tensor.to(torch.float32)
 

@@ -55,7 +55,8 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
                    help="rotary table length = longest context served (default: max_position_embeddings)")
     p.add_argument("--dump-after", metavar="all|PASS[,PASS]", help="dump the graph after these passes")
     p.add_argument("--dump-before", metavar="all|PASS[,PASS]", help="dump the graph before these passes")
-    p.add_argument("--dump-dir", type=Path, help="where dumps go (default: <output>.dumps)")
+    p.add_argument("--dump-dir", type=Path,
+                   help="where dumps go (default: <output>.dumps); alone, it means --dump-after all")
     p.add_argument("--no-dump-ir", action="store_true", help="dump text and DOT only, no IR copies")
     p.add_argument("--print-after-change", action="store_true",
                    help="print the graph text after every pass that changed it")
@@ -105,6 +106,9 @@ def _compile_config(args: argparse.Namespace):
     known = [p.name for p in pipeline(weights)]
     dump_dir = args.dump_dir or (args.output.parent / f"{args.output.name}.dumps")
     emit = (lambda text: print(text, flush=True)) if args.print_after_change else None
+    dump_after = args.dump_after
+    if args.dump_dir is not None and dump_after is None and args.dump_before is None:
+        dump_after = "all"  # asking for a dump folder means asking for dumps
     return CompileConfig(
         checkpoint=args.checkpoint,
         output=args.output,
@@ -114,7 +118,7 @@ def _compile_config(args: argparse.Namespace):
         context_tokens=args.context_tokens,
         weights=weights,
         max_positions=args.max_positions,
-        dumps=DumpOptions(dump_dir, _selection(args.dump_after, "--dump-after", known),
+        dumps=DumpOptions(dump_dir, _selection(dump_after, "--dump-after", known),
                           _selection(args.dump_before, "--dump-before", known), not args.no_dump_ir, emit),
     )
 

@@ -159,6 +159,8 @@ def _tokenizer(ckpt: Checkpoint, workdir: Path) -> dict[str, Any] | None:
 def _workdir(output: Path) -> Path:
     """A fresh temp folder beside ``output`` (same file system, so the final rename is atomic)."""
     output = output.resolve()
+    if output.exists() and not output.is_dir():
+        raise BundleError(f"{output} exists and is a file, not a folder; choose another -o")
     if output.exists() and not (output / names.MANIFEST_FILE).is_file() and any(output.iterdir()):
         raise BundleError(f"{output} exists and is not an ovshard bundle; choose another -o or empty it")
     try:

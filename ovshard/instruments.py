@@ -2,8 +2,9 @@
 
 Dumps go to ``<dump-dir>/stage<i>/<NN>_<pass>.<ext>``: ``00_input`` is the traced graph, ``NN`` the
 pass's position in the pipeline; a dump before a pass is ``<NN>_<pass>.before.<ext>``. Each dump is
-written as OpenVINO IR (``.xml``/``.bin``, opens in Netron), Graphviz DOT (``.dot``, plus ``.svg``
-when ``dot`` is installed) and the deterministic text form (``.txt``) that golden tests diff.
+written as OpenVINO IR (``.xml``/``.bin``, opens in Netron), Graphviz DOT (``.dot``; ``ovshard inspect
+--format svg`` renders it when ``dot`` is installed) and the deterministic text form (``.txt``) that
+golden tests diff.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import openvino as ov
 from ovshard import names
 from ovshard.errors import BundleError, PassError
 from ovshard.pass_manager import GraphPass, Instrument, PassContext, PassResult
-from ovshard.printer import graph_dot, graph_text, write_svg
+from ovshard.printer import graph_dot, graph_text
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,6 @@ def write_dump(model: ov.Model, stem: Path, with_ir: bool = True) -> None:
     except OSError as e:
         raise BundleError(f"cannot write the graph dump {stem}.*: {e.strerror or e}; choose a writable "
                           "--dump-dir") from e
-    write_svg(dot, stem.with_name(stem.name + ".svg"))
     if with_ir:
         ov.save_model(model, stem.with_name(stem.name + ".xml"), compress_to_fp16=False)
 

@@ -51,6 +51,8 @@ def _load(ckpt: Checkpoint, name: str, stage: StageSpec) -> torch.Tensor:
         return ckpt.load(name)
     except KeyError as e:
         raise CheckpointError(f"stage {stage.index}: tensor {name!r} is missing from {ckpt.path}") from e
+    except CheckpointError as e:
+        raise CheckpointError(f"stage {stage.index}: {e}") from e
 
 
 def load_layer(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, i: int, stage: StageSpec) -> LayerWeights:

@@ -8,6 +8,7 @@ with every dump flag, serves the inspect tests; the other compiles use tiny rand
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from safetensors import SafetensorError
 
 from ovshard.checkpoint import INDEX_FILE, open_checkpoint
 from ovshard.cli import main
@@ -48,7 +48,7 @@ def compile_args(checkpoint: Path, output: Path, *extra: str | Path) -> list[str
 
 
 def assert_refused(code: int, err: str, command: str, *fragments: str) -> None:
-    """Exit 2, one ``ovshard <command>: error:`` line naming every fragment, no traceback."""
+    """Exit 2 and an ``ovshard <command>: error:`` message naming every fragment, no traceback."""
     assert code == 2, err
     assert "Traceback" not in err
     assert err.startswith(f"ovshard {command}: error: "), err
@@ -77,15 +77,23 @@ class Built:
         return read_manifest(self.bundle)
 
 
+def path_without_graphviz() -> str:
+    """PATH minus the folders holding Graphviz `dot`, so dumps skip SVG rendering (seconds per graph)."""
+    folders = os.environ.get("PATH", "").split(os.pathsep)
+    return os.pathsep.join(d for d in folders if d and not (Path(d) / "dot").exists())
+
+
 @pytest.fixture(scope="module")
 def built(stories: Path, tmp_path_factory: pytest.TempPathFactory) -> Built:
+    """stories260K in two stages with dumps before/after every pass, text only, printing after changes."""
     root = tmp_path_factory.mktemp("built")
     bundle, dumps = root / "out", root / "dumps"
     process = subprocess.run(
         [*OVSHARD, "compile", str(stories), "--stages", "2", "--weights", "fp32", "-o", str(bundle),
          "--dump-after", "all", "--dump-before", "all", "--no-dump-ir", "--dump-dir", str(dumps),
          "--print-after-change"],
-        cwd=root, capture_output=True, text=True, timeout=300, check=False)
+        cwd=root, env={**os.environ, "PATH": path_without_graphviz()}, capture_output=True, text=True,
+        timeout=300, check=False)
     assert process.returncode == 0, process.stderr
     return Built(bundle, dumps, process)
 
@@ -235,8 +243,6 @@ def test_output_folder_that_is_not_a_bundle(capsys: pytest.CaptureFixture[str], 
     assert list(tmp_path.glob(".notes.*")) == []
 
 
-@pytest.mark.xfail(raises=NotADirectoryError, strict=True,
-                   reason="bug in ovshard/compile.py _workdir: output.iterdir() on a regular file")
 def test_output_that_is_a_file(capsys: pytest.CaptureFixture[str], stories: Path, tmp_path: Path) -> None:
     """-o naming an existing regular file is refused and the file is left alone."""
     out = tmp_path / "file.txt"
@@ -262,13 +268,13 @@ def test_failure_in_stage_1_leaves_no_output(tmp_path: Path) -> None:
     process = subprocess.run(
         [*OVSHARD, "compile", str(ckpt), "--layers", "0:2,2:4", "--weights", "fp32", "-o", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
-    assert process.returncode != 0
+    assert process.returncode == 2, process.stderr
+    assert "Traceback" not in process.stderr
+    assert "stage 1: cannot read tensor" in process.stderr
     assert "stage 0: compiled" in process.stderr  # the failure came mid-way, after a stage was written
     assert_nothing_written(out)
 
 
-@pytest.mark.xfail(raises=SafetensorError, strict=True,
-                   reason="bug in ovshard/checkpoint.py Checkpoint.load: safetensors errors escape untranslated")
 def test_unreadable_tensor_data(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """A weight file safetensors refuses at load time gives exit 2 naming the file, not a traceback."""
     ckpt = tiny(tmp_path / "ckpt")
@@ -354,7 +360,7 @@ def test_inspect_diff_shows_beam_idx_gathers(capsys: pytest.CaptureFixture[str],
     assert code == 0, err
     assert "+input beam_idx: i32[?]" in out.splitlines()
     assert re.search(r"^\+%beam_idx = Parameter -> i32\[\?\]", out, flags=re.M)
-    gathers = re.findall(r"^\+%\d+ = Gather\(%\d+, %beam_idx, %\d+\)", out, flags=re.M)
+    gathers = re.findall(r"^\+%[\w.]+ = Gather\(%[\w.]+, %beam_idx, %[\w.]+\)", out, flags=re.M)
     assert len(gathers) == len(built.manifest.stages[1].state_variables)
 
 

@@ -21,6 +21,7 @@ def assert_matches_hf(checkpoint: Path, bundle: Path, prompt: list[int]) -> floa
     first_bad = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b), None)
     assert tokens == ref_tokens, f"greedy tokens diverge from HF at step {first_bad}"
     assert diff <= MAX_LOGIT_DIFF, f"max |logit diff| {diff:.2e} > {MAX_LOGIT_DIFF:.0e}"
+    print(f"{bundle.parent.name}: {NEW_TOKENS}/{NEW_TOKENS} greedy tokens equal, max |logit diff| {diff:.2e}")
     return diff
 
 
