@@ -151,7 +151,8 @@ def _compiler(proc: psutil.Process, wrapped: bool) -> psutil.Process | None:
     return kids[0] if kids else None
 
 
-def run_compile(cmd: list[str], wrapped: bool, interval: float, echo: bool) -> tuple[int, float, Trace]:
+def run_compile(cmd: list[str], wrapped: bool, interval: float, echo: bool,
+                extra_env: dict[str, str] | None = None) -> tuple[int, float, Trace]:
     """Run ``cmd``; sample the compiler process's RSS and timestamp its output lines.
 
     Only the compiler process itself is sampled, not its descendants: openvino_telemetry forks the
@@ -160,7 +161,7 @@ def run_compile(cmd: list[str], wrapped: bool, interval: float, echo: bool) -> t
     double-count. The forks are counted in ``Trace.forks``.
     """
     trace = Trace()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     ps = psutil.Process(proc.pid)
@@ -262,12 +263,14 @@ def measure(n: int, args: argparse.Namespace, ckpt: dict[str, Any]) -> dict[str,
     wrapped = TIME_BIN.exists() and not args.no_time
     full = [str(TIME_BIN), "-v", "-o", str(time_file), *cmd] if wrapped else cmd
     print(f"\n$ {' '.join(cmd)}", file=sys.stderr, flush=True)
-    rc, wall, trace = run_compile(full, wrapped, args.interval, args.echo)
+    extra_env = {"CI": "true"} if args.no_telemetry else {}
+    rc, wall, trace = run_compile(full, wrapped, args.interval, args.echo, extra_env)
     timev = parse_time_v(time_file)
     sampled_peak = max((s[1] for s in trace.samples), default=0)
     result: dict[str, Any] = {
         "stages": n,
         "command": cmd,
+        "extra_env": extra_env,
         "returncode": rc,
         "wall_s": round(wall, 2),
         "peak_rss_bytes": timev.get("max_rss_bytes", sampled_peak),
@@ -301,6 +304,7 @@ def measure(n: int, args: argparse.Namespace, ckpt: dict[str, Any]) -> dict[str,
             "pass_s": passes,
             "save_s": ph.get("save IR + sha256", {}).get("seconds"),
             "peak_rss_bytes": max((p["peak_rss_bytes"] or 0 for p in ph.values()), default=None),
+            "rss_after_bytes": ph.get("save IR + sha256", {}).get("rss_at_end_bytes"),  # once the stage is freed
         })
     result["stage_table"] = stage_rows
     result["weights"] = manifest["weights"]
@@ -331,28 +335,32 @@ def report(results: dict[str, Any]) -> str:
     out = [f"checkpoint: {ck['path']} ({ck['shape']}, {ck['dtype']}, {ck['parameters'] / 1e9:.3f} B parameters)",
            f"  on disk {gb(ck['size_on_disk_bytes'])}; tensors as stored {gb(ck['stored_tensor_bytes'])}, "
            f"as float32 {gb(whole)}", ""]
-    rows = [["stages", "wall", "peak RSS", "peak/largest stage f32", "largest stage f32", "whole model f32",
-             "peak/whole"]]
+    rows = [["stages", "wall", "user", "sys", "peak RSS", "peak/largest stage f32", "largest stage f32",
+             "whole model f32", "peak/whole", "forks"]]
     for r in results["runs"]:
         if r["returncode"] != 0:
-            rows.append([str(r["stages"]), f"{r['wall_s']:.0f} s", gb(r["peak_rss_bytes"]), f"FAILED rc={r['returncode']}",
-                         "-", gb(whole), "-"])
+            rows.append([str(r["stages"]), f"{r['wall_s']:.0f} s", "-", "-", gb(r["peak_rss_bytes"]),
+                         f"FAILED rc={r['returncode']}", "-", gb(whole), "-", "-"])
             continue
         largest = max(s["f32_weight_bytes"] for s in r["stage_table"])
-        rows.append([str(r["stages"]), f"{r['wall_s']:.0f} s", gb(r["peak_rss_bytes"]),
+        tv = r["time_v"]
+        rows.append([str(r["stages"]), f"{r['wall_s']:.0f} s", f"{tv.get('user_s', 0):.0f} s",
+                     f"{tv.get('system_s', 0):.0f} s", gb(r["peak_rss_bytes"]),
                      f"{r['peak_rss_bytes'] / largest:.2f}x", gb(largest), gb(whole),
-                     f"{r['peak_rss_bytes'] / whole:.2f}x"])
+                     f"{r['peak_rss_bytes'] / whole:.2f}x", str(r["forks_seen"])])
     out.append(table(rows))
     for r in results["runs"]:
         if r["returncode"] != 0:
             continue
         names = list(dict.fromkeys(p for s in r["stage_table"] for p in s["pass_s"]))
         out += ["", f"{r['stages']} stage(s): per stage, seconds (manifest pass_log; trace/save from log times)"]
-        rows = [["stage", "layers", "f32 weights", ".bin", "peak RSS", "trace", *names, "save", "total"]]
+        rows = [["stage", "layers", "f32 weights", ".bin", "peak RSS", "RSS after", "trace",
+                 *(p.removesuffix("Pass") for p in names), "save", "total"]]
         for s in r["stage_table"]:
             secs = [s["trace_s"] or 0.0, *(s["pass_s"].get(p, 0.0) for p in names), s["save_s"] or 0.0]
             rows.append([str(s["index"]), f"[{s['layers'][0]}, {s['layers'][1]})", gb(s["f32_weight_bytes"]),
-                         gb(s["bin_bytes"]), gb(s["peak_rss_bytes"]), *(f"{x:.1f}" for x in secs),
+                         gb(s["bin_bytes"]), gb(s["peak_rss_bytes"]), gb(s["rss_after_bytes"]),
+                         *(f"{x:.1f}" for x in secs),
                          f"{sum(secs):.1f}"])
         out.append(table(rows))
         startup = next((p for p in r["phases"] if p["phase"].startswith("startup")), None)
@@ -384,6 +392,9 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
     parser.add_argument("--keep-bundles", action="store_true", help="do not delete the bundles after measuring")
     parser.add_argument("--no-time", action="store_true", help="do not wrap in /usr/bin/time -v")
+    parser.add_argument("--no-telemetry", action="store_true",
+                        help="run the compiler with CI=true, which turns off openvino_telemetry in OVC and NNCF "
+                        "(it forks the compiler once per event); default: the environment as it is")
     parser.add_argument("--echo", action="store_true", help="echo the compiler's log lines as they come")
     args = parser.parse_args()
     args.work = args.work.resolve()
@@ -398,6 +409,7 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total,
                     "platform": platform.platform(), "python": platform.python_version(), "versions": versions()},
         "checkpoint": ckpt,
+        "no_telemetry": args.no_telemetry,
         "runs": [],
     }
     args.results.parent.mkdir(parents=True, exist_ok=True)
