@@ -10,8 +10,6 @@ Differences from Hugging Face's modules, all deliberate:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,13 +17,27 @@ from torch import nn
 from ovshard.arch import ModelDims
 
 
-@dataclass
-class LayerWeights:
-    """One decoder layer's tensors, f32, in Hugging Face's layout ([out_features, in_features])."""
+class Weights(nn.Module):
+    """Tensors held as non-persistent buffers: torch.jit.trace then reads them as module attributes.
 
-    input_norm: torch.Tensor
-    post_attention_norm: torch.Tensor
-    linears: dict[str, tuple[torch.Tensor, torch.Tensor | None]]  # q,k,v,o,gate,up,down -> (weight, bias)
+    Plain tensor attributes would be baked into the traced graph as constants, and PyTorch's global
+    compilation unit keeps those graphs (and so every stage's f32 weights) alive until the process
+    exits; buffers are freed with the module, so compile memory stays at one stage.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor | None]) -> None:
+        super().__init__()
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor, persistent=False)
+
+
+def layer_weights(input_norm: torch.Tensor, post_attention_norm: torch.Tensor,
+                  linears: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> Weights:
+    """One decoder layer: norms and q,k,v,o,gate,up,down (weight [out, in], bias or None)."""
+    tensors: dict[str, torch.Tensor | None] = {"input_norm": input_norm, "post_attention_norm": post_attention_norm}
+    for key, (weight, bias) in linears.items():
+        tensors[f"{key}_weight"], tensors[f"{key}_bias"] = weight, bias
+    return Weights(tensors)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,7 +79,7 @@ class StageModule(nn.Module):
     def __init__(
         self,
         dims: ModelDims,
-        layers: list[LayerWeights],
+        layers: list[Weights],
         inv_freq: torch.Tensor,
         attention_scaling: float,
         embed: torch.Tensor | None,
@@ -76,25 +88,23 @@ class StageModule(nn.Module):
     ) -> None:
         super().__init__()
         self.dims = dims
-        self.layers = layers
-        self.inv_freq = inv_freq
+        self.layers = nn.ModuleList(layers)
         self.attention_scaling = attention_scaling
-        self.embed = embed
-        self.final_norm = final_norm
-        self.lm_head = lm_head
+        self.globals = Weights({"inv_freq": inv_freq, "embed": embed, "final_norm": final_norm,
+                                "lm_head": lm_head})
 
     def rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [batch, seq, head_dim] for integer positions [batch, seq] (HF's formula)."""
-        freqs = position_ids[..., None].float() * self.inv_freq  # [batch, seq, head_dim / 2]
+        freqs = position_ids[..., None].float() * self.globals.inv_freq  # [batch, seq, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
 
-    def attention(self, x, layer: LayerWeights, cos, sin, mask, past_k, past_v):
+    def attention(self, x, layer: Weights, cos, sin, mask, past_k, past_v):
         d = self.dims
         b, t, _ = x.shape
-        q = F.linear(x, *layer.linears["q"]).view(b, t, d.num_heads, d.head_dim).transpose(1, 2)
-        k = F.linear(x, *layer.linears["k"]).view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2)
-        v = F.linear(x, *layer.linears["v"]).view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2)
+        q = F.linear(x, layer.q_weight, layer.q_bias).view(b, t, d.num_heads, d.head_dim).transpose(1, 2)
+        k = F.linear(x, layer.k_weight, layer.k_bias).view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2)
+        v = F.linear(x, layer.v_weight, layer.v_bias).view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2)
         cos, sin = cos[:, None], sin[:, None]  # [batch, 1, seq, head_dim]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
@@ -104,11 +114,12 @@ class StageModule(nn.Module):
             q, repeat_kv(k, d.kv_groups), repeat_kv(v, d.kv_groups), attn_mask=mask, scale=d.head_dim**-0.5
         )  # [batch, heads, seq, head_dim]
         out = out.transpose(1, 2).reshape(b, t, d.num_heads * d.head_dim)
-        return F.linear(out, *layer.linears["o"]), k, v
+        return F.linear(out, layer.o_weight, layer.o_bias), k, v
 
     def forward(self, x, attention_mask, position_ids, *past):
         d = self.dims
-        h = F.embedding(x, self.embed) if self.embed is not None else x  # [batch, seq, hidden]
+        g = self.globals
+        h = F.embedding(x, g.embed) if g.embed is not None else x  # [batch, seq, hidden]
         cos, sin = self.rotary(position_ids)
         mask = causal_padding_mask(attention_mask, h.shape[1])
         presents = []
@@ -118,9 +129,10 @@ class StageModule(nn.Module):
             )
             h = h + attn
             m = rms_norm(h, layer.post_attention_norm, d.rms_norm_eps)
-            gate = F.silu(F.linear(m, *layer.linears["gate"]))
-            h = h + F.linear(gate * F.linear(m, *layer.linears["up"]), *layer.linears["down"])
+            gate = F.silu(F.linear(m, layer.gate_weight, layer.gate_bias))
+            up = F.linear(m, layer.up_weight, layer.up_bias)
+            h = h + F.linear(gate * up, layer.down_weight, layer.down_bias)
             presents += [k, v]
-        if self.lm_head is not None:
-            h = F.linear(rms_norm(h, self.final_norm, d.rms_norm_eps), self.lm_head)  # [batch, seq, vocab]
+        if g.lm_head is not None:
+            h = F.linear(rms_norm(h, g.final_norm, d.rms_norm_eps), g.lm_head)  # [batch, seq, vocab]
         return (h, *presents)

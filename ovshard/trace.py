@@ -18,7 +18,7 @@ from ovshard import names
 from ovshard.arch import ArchSpec, ModelDims
 from ovshard.errors import CheckpointError
 from ovshard.rope import rotary_frequencies
-from ovshard.stage_module import LayerWeights, StageModule
+from ovshard.stage_module import StageModule, Weights, layer_weights
 
 if TYPE_CHECKING:
     from ovshard.checkpoint import Checkpoint
@@ -55,7 +55,7 @@ def _load(ckpt: Checkpoint, name: str, stage: StageSpec) -> torch.Tensor:
         raise CheckpointError(f"stage {stage.index}: {e}") from e
 
 
-def load_layer(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, i: int, stage: StageSpec) -> LayerWeights:
+def load_layer(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, i: int, stage: StageSpec) -> Weights:
     linears = {}
     templates = dict(zip(_LINEARS, (spec.q_proj, spec.k_proj, spec.v_proj, spec.o_proj,
                                     spec.gate_proj, spec.up_proj, spec.down_proj), strict=False))
@@ -64,10 +64,9 @@ def load_layer(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, i: int, stage:
         has_bias = dims.attention_bias if key in ("q", "k", "v", "o") else dims.mlp_bias
         bias = _load(ckpt, prefix + ".bias", stage) if has_bias else None
         linears[key] = (_load(ckpt, prefix + ".weight", stage), bias)
-    return LayerWeights(
-        input_norm=_load(ckpt, spec.input_norm.format(i=i), stage),
-        post_attention_norm=_load(ckpt, spec.post_attention_norm.format(i=i), stage),
-        linears=linears,
+    return layer_weights(
+        _load(ckpt, spec.input_norm.format(i=i), stage), _load(ckpt, spec.post_attention_norm.format(i=i), stage),
+        linears,
     )
 
 

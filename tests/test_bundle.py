@@ -105,3 +105,30 @@ def test_one_stage_bundle_runs_in_openvino_genai(stories: Path, tmp_path: Path) 
     config.do_sample = False
     result = pipe.generate(ov.Tensor(np.array([prompt], dtype=np.int64)), config)
     assert list(result.tokens[0]) == ours
+
+
+def test_compiling_a_stage_frees_its_weights(tmp_path: Path) -> None:
+    """Every tensor a stage loaded is garbage once its IR is saved: compile memory follows one stage."""
+    import gc
+    import weakref
+
+    from ovshard.compile import CompileConfig, compile_stage
+    from ovshard.passes import WeightFormat
+
+    checkpoint = write_checkpoint(tmp_path / "ckpt", llama_config())
+    ckpt = open_checkpoint(checkpoint)
+    dims = read_dims(ckpt.config)
+    refs: list[weakref.ref] = []
+    load = ckpt.load
+
+    def recording_load(name: str):
+        tensor = load(name)
+        refs.append(weakref.ref(tensor))
+        return tensor
+
+    ckpt.load = recording_load  # type: ignore[method-assign]
+    config = CompileConfig(checkpoint, tmp_path / "out", weights=WeightFormat("fp32"))
+    compile_stage(ckpt, ckpt.spec, dims, StageSpec(0, 2, 0, 2), config, 64, tmp_path)
+    gc.collect()
+    alive = [r for r in refs if r() is not None]
+    assert refs and not alive, f"{len(alive)} of {len(refs)} loaded tensors are still alive"
