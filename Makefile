@@ -27,7 +27,7 @@ golden: setup
 	$(BIN)/python -m pytest -q tests/test_golden.py --update-golden
 
 bench: setup
-	$(BIN)/python bench/compile_memory.py
+	$(BIN)/python bench/compile_memory.py --stages 2,4 --monolithic
 
 clean:
 	rm -rf out bench/results .pytest_cache .ruff_cache

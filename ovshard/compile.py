@@ -30,10 +30,10 @@ from ovshard.instruments import (
     ValidateInstrument,
 )
 from ovshard.manifest import Manifest, StageEntry, TensorSpec, sha256_file
-from ovshard.pass_manager import Instrument, PassContext, PassManager, PassRecord
+from ovshard.pass_manager import Instrument, PassContext, PassManager, PassRecord, StageSpec
 from ovshard.passes import WeightFormat, pipeline
 from ovshard.plan import PartitionPlan, plan_balanced, plan_budgets, plan_layers
-from ovshard.trace import StageSpec, trace_stage
+from ovshard.trace import trace_stage
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def compile_stage(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, stage: Stag
     log.info("stage %d (%d of %d): tracing layers [%d, %d)", stage.index, stage.index + 1, stage.num_stages,
              stage.start, stage.end)
     model = trace_stage(ckpt, spec, dims, stage)
-    ctx = PassContext(stage.index, stage.num_stages, stage.start, stage.end, dims, max_positions)
+    ctx = PassContext(stage, dims, max_positions)
     model, records = PassManager(pipeline(config.weights), _instruments(config)).run(model, ctx)
     xml = names.stage_xml(stage.index, stage.num_stages)
     ov.save_model(model, workdir / xml, compress_to_fp16=False)

@@ -57,21 +57,21 @@ class DumpInstrument(Instrument):
         self.dump_dir, self.after, self.before, self.with_ir = Path(dump_dir), after, before, with_ir
 
     def run_begin(self, model: ov.Model, ctx: PassContext) -> None:
-        shutil.rmtree(self.dump_dir / f"stage{ctx.stage_index}", ignore_errors=True)  # no stale dumps
-        write_dump(model, self.dump_dir / f"stage{ctx.stage_index}" / "00_input", self.with_ir)
+        shutil.rmtree(self.dump_dir / f"stage{ctx.stage.index}", ignore_errors=True)  # no stale dumps
+        write_dump(model, self.dump_dir / f"stage{ctx.stage.index}" / "00_input", self.with_ir)
 
     def before_pass(self, p: GraphPass, model: ov.Model, ctx: PassContext, n: int) -> None:
         if _selected(self.before, p.name):
-            write_dump(model, dump_stem(self.dump_dir, ctx.stage_index, n, p.name, before=True), self.with_ir)
+            write_dump(model, dump_stem(self.dump_dir, ctx.stage.index, n, p.name, before=True), self.with_ir)
 
     def after_pass(self, p: GraphPass, result: PassResult, ctx: PassContext, n: int, seconds: float) -> None:
         if _selected(self.after, p.name):
-            write_dump(result.model, dump_stem(self.dump_dir, ctx.stage_index, n, p.name), self.with_ir)
+            write_dump(result.model, dump_stem(self.dump_dir, ctx.stage.index, n, p.name), self.with_ir)
 
     def on_failure(self, p: GraphPass, model: ov.Model, ctx: PassContext, n: int, error: Exception) -> None:
-        stem = dump_stem(self.dump_dir, ctx.stage_index, n, p.name + ".failed")
+        stem = dump_stem(self.dump_dir, ctx.stage.index, n, p.name + ".failed")
         write_dump(model, stem, self.with_ir)
-        log.error("stage %d: %s failed; the graph it ran on is in %s.*", ctx.stage_index, p.name, stem)
+        log.error("stage %d: %s failed; the graph it ran on is in %s.*", ctx.stage.index, p.name, stem)
 
 
 class PrintAfterChangeInstrument(Instrument):
@@ -82,7 +82,7 @@ class PrintAfterChangeInstrument(Instrument):
 
     def after_pass(self, p: GraphPass, result: PassResult, ctx: PassContext, n: int, seconds: float) -> None:
         if result.modified:
-            self.emit(f"// ----- stage {ctx.stage_index} after {p.name} -----\n{graph_text(result.model)}")
+            self.emit(f"// ----- stage {ctx.stage.index} after {p.name} -----\n{graph_text(result.model)}")
 
 
 class ValidateInstrument(Instrument):
@@ -94,10 +94,10 @@ class ValidateInstrument(Instrument):
             model.validate_nodes_and_infer_types()
         except RuntimeError as e:
             raise PassError(f"{ctx.where(p.name)} left an invalid graph: {e}") from e
-        allowed_in = {names.INPUT_IDS if ctx.first else names.HIDDEN_STATES, names.ATTENTION_MASK,
+        allowed_in = {names.INPUT_IDS if ctx.stage.first else names.HIDDEN_STATES, names.ATTENTION_MASK,
                       names.POSITION_IDS, names.BEAM_IDX}
-        allowed_out = {names.LOGITS if ctx.last else names.HIDDEN_STATES}
-        for i in range(ctx.layer_start, ctx.layer_end):
+        allowed_out = {names.LOGITS if ctx.stage.last else names.HIDDEN_STATES}
+        for i in range(ctx.stage.start, ctx.stage.end):
             allowed_in |= {names.past_key(i), names.past_value(i)}
             allowed_out |= {names.present_key(i), names.present_value(i)}
         found_in = {n for port in model.inputs for n in port.get_names()}
@@ -111,5 +111,5 @@ class ProgressInstrument(Instrument):
     """Log one line per pass: stage, pass, whether it changed the graph, seconds."""
 
     def after_pass(self, p: GraphPass, result: PassResult, ctx: PassContext, n: int, seconds: float) -> None:
-        log.info("stage %d (%d of %d): %-24s %s in %.2f s", ctx.stage_index, ctx.stage_index + 1, ctx.num_stages, p.name,
+        log.info("stage %d (%d of %d): %-24s %s in %.2f s", ctx.stage.index, ctx.stage.index + 1, ctx.stage.num_stages, p.name,
                  "changed the graph" if result.modified else "no change", seconds)

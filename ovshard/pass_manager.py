@@ -28,29 +28,40 @@ class PassResult:
     modified: bool
 
 
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage of an N-stage split: layers [start, end)."""
+
+    index: int
+    num_stages: int
+    start: int
+    end: int
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.end)
+
+
 @dataclass
 class PassContext:
     """What a pass may know about the stage it runs on. ``history`` lists the passes run so far."""
 
-    stage_index: int
-    num_stages: int
-    layer_start: int
-    layer_end: int
+    stage: StageSpec
     dims: Any  # ovshard.arch.ModelDims
     max_positions: int
     history: list[str] = field(default_factory=list)
 
-    @property
-    def first(self) -> bool:
-        return self.stage_index == 0
-
-    @property
-    def last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
-
     def where(self, pass_name: str) -> str:
         done = ", ".join(self.history) or "none"
-        return f"stage {self.stage_index}, {pass_name} (after passes [{done}])"
+        return f"stage {self.stage.index}, {pass_name} (after passes [{done}])"
 
 
 class GraphPass(ABC):
@@ -130,7 +141,7 @@ class PassManager:
             seconds = time.perf_counter() - start
             for inst in self.instruments:
                 inst.after_pass(p, result, ctx, n, seconds)
-            records.append(PassRecord(ctx.stage_index, p.name, result.modified, seconds))
+            records.append(PassRecord(ctx.stage.index, p.name, result.modified, seconds))
             ctx.history.append(p.name)
             model = result.model
         return model, records

@@ -90,8 +90,9 @@ class StageModule(nn.Module):
         self.dims = dims
         self.layers = nn.ModuleList(layers)
         self.attention_scaling = attention_scaling
+        self.head_is_embed = lm_head is not None and lm_head is embed  # tied, in a one-stage model
         self.globals = Weights({"inv_freq": inv_freq, "embed": embed, "final_norm": final_norm,
-                                "lm_head": lm_head})
+                                "lm_head": None if self.head_is_embed else lm_head})  # no buffer twice
 
     def rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [batch, seq, head_dim] for integer positions [batch, seq] (HF's formula)."""
@@ -133,6 +134,7 @@ class StageModule(nn.Module):
             up = F.linear(m, layer.up_weight, layer.up_bias)
             h = h + F.linear(gate * up, layer.down_weight, layer.down_bias)
             presents += [k, v]
-        if g.lm_head is not None:
-            h = F.linear(rms_norm(h, g.final_norm, d.rms_norm_eps), g.lm_head)  # [batch, seq, vocab]
+        head = g.embed if self.head_is_embed else g.lm_head
+        if head is not None:
+            h = F.linear(rms_norm(h, g.final_norm, d.rms_norm_eps), head)  # [batch, seq, vocab]
         return (h, *presents)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import openvino as ov
@@ -17,6 +16,7 @@ import torch
 from ovshard import names
 from ovshard.arch import ArchSpec, ModelDims
 from ovshard.errors import CheckpointError
+from ovshard.pass_manager import StageSpec
 from ovshard.rope import rotary_frequencies
 from ovshard.stage_module import StageModule, Weights, layer_weights
 
@@ -26,24 +26,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """What to trace: layers [start, end) of an N-stage split."""
-
-    index: int
-    num_stages: int
-    start: int
-    end: int
-
-    @property
-    def first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def last(self) -> bool:
-        return self.index == self.num_stages - 1
 
 
 def _load(ckpt: Checkpoint, name: str, stage: StageSpec) -> torch.Tensor:

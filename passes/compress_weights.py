@@ -99,7 +99,7 @@ class CompressWeightsPass(GraphPass):
             kwargs.update(group_size=self.fmt.group_size, ratio=self.fmt.ratio, all_layers=self.fmt.all_layers,
                           advanced_parameters=AdvancedCompressionParameters(
                               group_size_fallback_mode=GroupSizeFallbackMode.ADJUST))
-        log.info("stage %d: NNCF %s on %d weights", ctx.stage_index, self.fmt.mode, len(float_weights(model)))
+        log.info("stage %d: NNCF %s on %d weights", ctx.stage.index, self.fmt.mode, len(float_weights(model)))
         nncf.compress_weights(model, **kwargs)
 
     def ensures(self, model: ov.Model, ctx: PassContext) -> None:

@@ -21,14 +21,14 @@ from ovshard.pass_manager import GraphPass, PassContext, PassResult
 def kv_pairs(ctx: PassContext) -> list[tuple[str, str]]:
     """(past input, present output) names of the stage's layers, keys then values per layer."""
     pairs = []
-    for i in range(ctx.layer_start, ctx.layer_end):
+    for i in range(ctx.stage.start, ctx.stage.end):
         pairs += [(names.past_key(i), names.present_key(i)), (names.past_value(i), names.present_value(i))]
     return pairs
 
 
 def _empty_cache(model: ov.Model, ctx: PassContext) -> ov.Node:
     """zeros [batch, kv_heads, 0, head_dim], batch taken from the stage's primary input."""
-    primary = graph.parameter(model, names.INPUT_IDS if ctx.first else names.HIDDEN_STATES)
+    primary = graph.parameter(model, names.INPUT_IDS if ctx.stage.first else names.HIDDEN_STATES)
     batch = ops.gather(ops.shape_of(primary), ops.constant(np.array([0], np.int64)), ops.constant(np.int64(0)))
     rest = ops.constant(np.array([ctx.dims.num_kv_heads, 0, ctx.dims.head_dim], np.int64))
     shape = ops.concat([batch, rest], axis=0)  # [batch, kv_heads, 0, head_dim]
@@ -44,10 +44,10 @@ class MakeStatefulKVPass(GraphPass):
         if any(present) and not all(present):
             missing = [p for (p, _), ok in zip(kv_pairs(ctx), present, strict=False) if not ok]
             raise self.fail(ctx, f"some KV inputs are missing: {missing}; expected all of layers "
-                            f"[{ctx.layer_start}, {ctx.layer_end}) or none")
+                            f"[{ctx.stage.start}, {ctx.stage.end}) or none")
         if not any(present) and stateful != {past for past, _ in kv_pairs(ctx)}:
             raise self.fail(ctx, "the graph has neither past_key_values inputs nor the KV variables of layers "
-                            f"[{ctx.layer_start}, {ctx.layer_end}); was it traced with a KV cache?")
+                            f"[{ctx.stage.start}, {ctx.stage.end}); was it traced with a KV cache?")
 
     def call(self, model: ov.Model, ctx: PassContext) -> PassResult:
         if graph.parameter(model, kv_pairs(ctx)[0][0]) is None:

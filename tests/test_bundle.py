@@ -14,8 +14,9 @@ from ovshard import names
 from ovshard.arch import layer_tensors, read_dims
 from ovshard.checkpoint import open_checkpoint
 from ovshard.manifest import read_manifest, verify_files
+from ovshard.pass_manager import StageSpec
 from ovshard.synth import llama_config, write_checkpoint
-from ovshard.trace import StageSpec, trace_stage
+from ovshard.trace import trace_stage
 
 
 @pytest.fixture(scope="module")

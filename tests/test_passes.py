@@ -13,7 +13,7 @@ from ovshard import names
 from ovshard.arch import read_dims
 from ovshard.checkpoint import open_checkpoint
 from ovshard.errors import PassError
-from ovshard.pass_manager import PassContext
+from ovshard.pass_manager import PassContext, StageSpec
 from ovshard.passes import (
     CompressWeightsPass,
     InjectBeamIdxGatherPass,
@@ -24,7 +24,7 @@ from ovshard.passes import (
 )
 from ovshard.passes.compress_weights import float_weights
 from ovshard.printer import graph_text
-from ovshard.trace import StageSpec, trace_stage
+from ovshard.trace import trace_stage
 
 PROMPT = np.array([[1, 403, 407, 261, 378, 14]], dtype=np.int64)  # [batch 1, seq 6]
 
@@ -33,7 +33,7 @@ def traced(stories: Path, index: int = 1, num_stages: int = 2, start: int = 3, e
     ckpt = open_checkpoint(stories)
     dims = read_dims(ckpt.config)
     model = trace_stage(ckpt, ckpt.spec, dims, StageSpec(index, num_stages, start, end))
-    return model, PassContext(index, num_stages, start, end, dims, dims.max_position_embeddings)
+    return model, PassContext(StageSpec(index, num_stages, start, end), dims, dims.max_position_embeddings)
 
 
 def run(model: ov.Model, ctx: PassContext, steps: int = 2) -> list[np.ndarray]:
@@ -44,7 +44,7 @@ def run(model: ov.Model, ctx: PassContext, steps: int = 2) -> list[np.ndarray]:
     request = compiled.create_infer_request()
     d = ctx.dims
     past = {n: np.zeros((1, d.num_kv_heads, 0, d.head_dim), np.float32)
-            for i in range(ctx.layer_start, ctx.layer_end) for n in (names.past_key(i), names.past_value(i))}
+            for i in range(ctx.stage.start, ctx.stage.end) for n in (names.past_key(i), names.past_value(i))}
     outputs, total = [], 0
     for seq in (PROMPT.shape[1],) + (1,) * steps:
         x = rng.standard_normal((1, seq, d.hidden_size)).astype(np.float32)  # [batch, seq, hidden]
@@ -54,7 +54,7 @@ def run(model: ov.Model, ctx: PassContext, steps: int = 2) -> list[np.ndarray]:
         inputs = {k: v for k, v in {**feed, **past}.items() if k in {n for p in compiled.inputs for n in p.names}}
         result = request.infer(inputs)
         outputs.append(result[compiled.output(0)].copy())
-        for i in range(ctx.layer_start, ctx.layer_end):
+        for i in range(ctx.stage.start, ctx.stage.end):
             for name, present in ((names.past_key(i), names.present_key(i)),
                                   (names.past_value(i), names.present_value(i))):
                 if present in {n for p in compiled.outputs for n in p.names}:
