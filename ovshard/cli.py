@@ -87,7 +87,13 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ovshard", description="Compile a Hugging Face causal LM into pipeline stages of stateful "
-        "OpenVINO IR, and inspect the result.")
+        "OpenVINO IR, and inspect the result.", formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+        "  ovshard compile path/to/hf-checkpoint --stages 4 -o out/\n"
+        "  ovshard compile CKPT --budgets 2GB,2GB,4GB --weights int4_sym --dump-after all\n"
+        "  ovshard inspect out/\n"
+        "  ovshard inspect out/ --stage 1 --pass InjectBeamIdxGatherPass --diff\n"
+        "  ovshard demo")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
