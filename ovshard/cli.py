@@ -75,6 +75,23 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dump-dir", type=Path, help="dump folder if not the one the manifest records")
 
 
+def _add_verify(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verify", help="prove the KV-cache fusions fired and the numbers match",
+                       description="Check file checksums; compile each stage on --device and read the "
+                       "runtime graph (one KV-fused SDPA per layer, no attention MatMul/Softmax, weights in "
+                       "the manifest's precision); with --predict, check the fusion preconditions statically "
+                       "(no device needed); with --reference, compare against the Hugging Face model. "
+                       "Exit 0 only if every check passes.")
+    p.add_argument("bundle", type=Path)
+    p.add_argument("--device", help="OpenVINO device for the runtime-graph check (default CPU, or none "
+                   "when only --predict is given)")
+    p.add_argument("--predict", metavar="GPU,CPU", help="static fusion prediction for these devices")
+    p.add_argument("--reference", type=Path, metavar="HF_CHECKPOINT", help="compare against this checkpoint")
+    p.add_argument("--prompt", default="Once upon a time", help="prompt for --reference")
+    p.add_argument("--tokens", type=int, default=32, help="greedy tokens compared with --reference")
+    p.add_argument("--json", action="store_true", help="machine-readable report")
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="compile the built-in default model and print a report",
                        description="Compile ../shared/models/stories260K (or a small random Llama when it "
@@ -99,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_compile(sub)
     _add_inspect(sub)
+    _add_verify(sub)
     _add_demo(sub)
     return parser
 
@@ -129,6 +147,18 @@ def _compile_config(args: argparse.Namespace):
     )
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from ovshard.verify import VerifyConfig, format_report, report_json, verify_bundle
+
+    predict = tuple(d.strip().upper() for d in args.predict.split(",") if d.strip()) if args.predict else ()
+    device = args.device or (None if predict else "CPU")
+    if device and device.lower() == "none":
+        device = None
+    rows = verify_bundle(VerifyConfig(args.bundle, device, predict, args.reference, args.prompt, args.tokens))
+    print(report_json(rows) if args.json else format_report(rows))
+    return 0 if all(r.verdict != "FAIL" for r in rows) else 1
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.command == "compile":
         from ovshard.compile import compile_bundle
@@ -144,6 +174,8 @@ def _run(args: argparse.Namespace) -> int:
         print(inspect_bundle(InspectConfig(args.bundle, args.stage, args.pass_name, args.format, args.diff,
                                            args.dump_dir)))
         return 0
+    if args.command == "verify":
+        return _verify(args)
     from ovshard.demo import DemoConfig, run_demo
 
     return 0 if run_demo(DemoConfig(args.output, args.stages, args.checkpoint)) else 1

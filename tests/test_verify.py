@@ -1,0 +1,108 @@
+"""``ovshard verify``: runtime-graph fusion checks, reference comparison, report and exit codes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openvino as ov
+import pytest
+from conftest import compile_fp32
+
+from ovshard.cli import main
+from ovshard.manifest import read_manifest, sha256_file
+from ovshard.synth import llama_config, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def bundle(stories: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return compile_fp32(stories, tmp_path_factory.mktemp("verify") / "b", stages=2)
+
+
+def verify(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(["-q", "verify", *argv])
+    return code, capsys.readouterr().out
+
+
+def test_cpu_runtime_graph_passes(capsys: pytest.CaptureFixture[str], bundle: Path) -> None:
+    """A compiled bundle shows one fused SDPA per layer and no MatMul/Softmax on CPU: exit 0."""
+    code, out = verify(capsys, str(bundle), "--json")
+    report = json.loads(out)
+    assert code == 0 and report["ok"]
+    fused = {r["stage"]: r["found"] for r in report["rows"] if r["check"].startswith("KV-fused SDPA")}
+    assert fused == {0: "3", 1: "2"}
+
+
+def test_reference_comparison_is_exact_for_fp32(capsys: pytest.CaptureFixture[str], stories: Path,
+                                                bundle: Path) -> None:
+    """--reference compares every stage boundary and the logits with HF (<= 1e-4) and all greedy tokens."""
+    code, out = verify(capsys, str(bundle), "--device", "none", "--reference", str(stories), "--tokens", "16",
+                       "--json")
+    rows = json.loads(out)["rows"]
+    assert code == 0
+    checks = {r["check"]: r for r in rows}
+    assert "max |diff| hidden states after layer 3 (f32 hints)" in checks
+    assert float(checks["max |diff| logits (f32 hints)"]["found"]) <= 1e-4
+    assert checks["greedy top-1 agreement over 16 tokens"]["found"] == "100.0%"
+
+
+def test_reference_mismatch_fails(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A bundle checked against a different checkpoint of the same shape fails with exit 1."""
+    ours = write_checkpoint(tmp_path / "a", llama_config(), seed=1)
+    other = write_checkpoint(tmp_path / "b", llama_config(), seed=2)
+    compiled = compile_fp32(ours, tmp_path / "bundle", stages=2)
+    code, out = verify(capsys, str(compiled), "--device", "none", "--reference", str(other), "--tokens", "8")
+    assert code == 1
+    failed = [line for line in out.splitlines() if line.rstrip().endswith("FAIL")]
+    assert any("logits" in line for line in failed) and any("agreement" in line for line in failed)
+
+
+def _remove_beam_gathers(bundle: Path) -> None:
+    """Rewire every KV ReadValue straight to its readers (undoing InjectBeamIdxGatherPass) in stage 1."""
+    m = read_manifest(bundle)
+    entry = m.stages[1]
+    model = ov.Core().read_model(str(bundle / entry.model_xml))
+    for op in model.get_ordered_ops():
+        if op.get_type_name() == "Gather" and op.input_value(0).get_node().get_type_name() == "ReadValue":
+            op.output(0).replace(op.input_value(0))
+    model.remove_parameter([p for p in model.get_parameters() if "beam_idx" in p.output(0).get_names()][0])
+    ov.save_model(model, bundle / "tmp.xml", compress_to_fp16=False)
+    (bundle / "tmp.xml").replace(bundle / entry.model_xml)
+    (bundle / "tmp.bin").replace(bundle / entry.model_bin)
+    raw = json.loads((bundle / "manifest.json").read_text())
+    raw["stages"][1]["sha256"] = {f: sha256_file(bundle / f) for f in (entry.model_xml, entry.model_bin)}
+    (bundle / "manifest.json").write_text(json.dumps(raw))
+
+
+def test_missing_beam_gather_fails_the_runtime_check(capsys: pytest.CaptureFixture[str], stories: Path,
+                                                     tmp_path: Path) -> None:
+    """Without the beam_idx Gather the CPU plugin does not fuse the KV cache: verify names the stage, exit 1."""
+    broken = compile_fp32(stories, tmp_path / "b", stages=2)
+    _remove_beam_gathers(broken)
+    code, out = verify(capsys, str(broken), "--json")
+    rows = json.loads(out)["rows"]
+    assert code == 1
+    failed = {(r["stage"], r["check"]) for r in rows if r["verdict"] == "FAIL"}
+    assert (1, "KV-fused SDPA (beam_idx + 2 MemoryInput)") in failed
+    assert not any(stage == 0 for stage, _ in failed)
+
+
+def test_absent_device_is_skipped_with_a_reason(capsys: pytest.CaptureFixture[str], bundle: Path) -> None:
+    """On a machine without an Intel GPU, --device GPU says so and skips instead of failing."""
+    if "GPU" in ov.Core().available_devices:
+        pytest.skip("this machine has a GPU; the skip path does not apply")
+    code, out = verify(capsys, str(bundle), "--device", "GPU")
+    assert code == 0
+    assert "runtime graph on GPU" in out and "none here" in out and "skip" in out
+
+
+def test_weight_storage_matches_the_manifest(capsys: pytest.CaptureFixture[str], stories: Path,
+                                             tmp_path: Path) -> None:
+    """An INT4 bundle's runtime graph stores u4 weights (u8 where INT8 is kept), as the manifest says."""
+    from ovshard.compile import CompileConfig, compile_bundle
+
+    compile_bundle(CompileConfig(stories, tmp_path / "b", stages=1))
+    capsys.readouterr()  # NNCF's progress bar
+    code, out = verify(capsys, str(tmp_path / "b"), "--json")
+    row = [r for r in json.loads(out)["rows"] if r["check"] == "weight storage"][0]
+    assert code == 0 and row["expected"] == "int4_asym: u4/u8" and "u4" in row["found"]
