@@ -37,6 +37,8 @@ from ovshard.trace import trace_stage
 
 log = logging.getLogger(__name__)
 
+PREDICTED_DEVICES = ("CPU", "GPU")  # the static fusion predictor runs for these after every stage
+
 
 @dataclass(frozen=True)
 class DumpOptions:
@@ -102,6 +104,7 @@ def compile_stage(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, stage: Stag
     model = trace_stage(ckpt, spec, dims, stage)
     ctx = PassContext(stage, dims, max_positions)
     model, records = PassManager(pipeline(config.weights), _instruments(config)).run(model, ctx)
+    _predict_fusion(model, stage)
     xml = names.stage_xml(stage.index, stage.num_stages)
     ov.save_model(model, workdir / xml, compress_to_fp16=False)
     binary = xml.replace(".xml", ".bin")
@@ -120,6 +123,20 @@ def compile_stage(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, stage: Stag
     gc.collect()
     log.info("stage %d: compiled in %.1f s", stage.index, time.perf_counter() - start)
     return entry, records
+
+
+def _predict_fusion(model: ov.Model, stage: StageSpec) -> None:
+    """Log whether the CPU and GPU plugins will fuse the KV cache; warn, naming what blocks it, if not."""
+    from ovshard.predict import predict_model
+
+    for device in PREDICTED_DEVICES:
+        prediction = predict_model(model, device, stage.index)
+        log.info("stage %d: %s KV-cache fusion predicted for %d/%d layers", stage.index, device,
+                 prediction.fused_layers, prediction.layers)
+        for check in prediction.checks:
+            if not check.holds:
+                log.warning("stage %d: %s fusion will not fire for %s: %s (%s)", stage.index, device,
+                            check.subject, check.condition, check.detail)
 
 
 def _generation(ckpt: Checkpoint) -> dict[str, Any]:
