@@ -106,3 +106,20 @@ def test_weight_storage_matches_the_manifest(capsys: pytest.CaptureFixture[str],
     code, out = verify(capsys, str(tmp_path / "b"), "--json")
     row = [r for r in json.loads(out)["rows"] if r["check"] == "weight storage"][0]
     assert code == 0 and row["expected"] == "int4_asym: u4/u8" and "u4" in row["found"]
+
+
+def test_predict_needs_no_device_and_explains_a_failure(capsys: pytest.CaptureFixture[str], stories: Path,
+                                                        tmp_path: Path) -> None:
+    """--predict GPU,CPU checks the IR statically: a good bundle passes; a stage without the Gather fails
+    with the condition named for each of its layers, on both devices."""
+    good = compile_fp32(stories, tmp_path / "good", stages=2)
+    code, out = verify(capsys, str(good), "--predict", "GPU,CPU", "--json")
+    assert code == 0 and {r["check"] for r in json.loads(out)["rows"]} >= {
+        "GPU fusion predicted (static)", "CPU fusion predicted (static)"}
+    broken = compile_fp32(stories, tmp_path / "broken", stages=2)
+    _remove_beam_gathers(broken)
+    code, out = verify(capsys, str(broken), "--predict", "GPU,CPU", "--json")
+    failed = [r for r in json.loads(out)["rows"] if r["verdict"] == "FAIL"]
+    assert code == 1
+    assert {r["stage"] for r in failed} == {1}
+    assert any("layer 3" in r["check"] for r in failed) and any("layer 4" in r["check"] for r in failed)
