@@ -12,6 +12,7 @@ Three kinds of check, each a row of (stage, check, expected, found, verdict):
 from __future__ import annotations
 
 import json
+import textwrap
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -136,12 +137,25 @@ def verify_bundle(config: VerifyConfig) -> list[Row]:
     return rows
 
 
+_WIDE = 48  # a "found" text longer than this goes on wrapped lines under its row
+
+
 def format_report(rows: list[Row]) -> str:
     table = [["stage", "check", "expected", "found", "verdict"]]
-    table += [["-" if r.stage is None else str(r.stage), r.check, r.expected, r.found, r.verdict] for r in rows]
+    notes: dict[int, str] = {}
+    for r in rows:
+        found = r.found
+        if len(found) > _WIDE:
+            notes[len(table)], found = found, "(below)"
+        table.append(["-" if r.stage is None else str(r.stage), r.check, r.expected, found, r.verdict])
     widths = [max(len(r[i]) for r in table) for i in range(5)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = []
+    for n, r in enumerate(table):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        if n in notes:
+            lines += textwrap.wrap(notes[n], width=110, initial_indent="         ", subsequent_indent="         ")
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
     failed = sum(r.verdict == "FAIL" for r in rows)
     lines.append(f"\n{len(rows) - failed} passed or skipped, {failed} failed")
     return "\n".join(lines)
