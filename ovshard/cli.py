@@ -51,6 +51,9 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
                    help="share of weights in INT4, the rest INT8 (default 1.0)")
     p.add_argument("--all-layers", action="store_true",
                    help="INT4 also for the embedding and each stage's last MatMul (default: those stay INT8)")
+    p.add_argument("--frontend", default="torchscript", choices=("torchscript", "onnx"),
+                   help="torchscript: torch.jit.trace + OpenVINO's PyTorch front end (default); onnx: "
+                   "torch.onnx.export at opset 23 + OpenVINO's ONNX front end")
     p.add_argument("--max-positions", type=int,
                    help="rotary table length = longest context served (default: max_position_embeddings)")
     p.add_argument("--dump-after", metavar="all|PASS[,PASS]", help="dump the graph after these passes")
@@ -142,6 +145,7 @@ def _compile_config(args: argparse.Namespace):
         context_tokens=args.context_tokens,
         weights=weights,
         max_positions=args.max_positions,
+        frontend=args.frontend,
         dumps=DumpOptions(dump_dir, _selection(dump_after, "--dump-after", known),
                           _selection(args.dump_before, "--dump-before", known), not args.no_dump_ir, emit),
     )

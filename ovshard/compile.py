@@ -61,6 +61,7 @@ class CompileConfig:
     context_tokens: int = 4096  # KV cache length the budgets must hold
     weights: WeightFormat = field(default_factory=WeightFormat)
     max_positions: int | None = None  # rotary table length; default: max_position_embeddings
+    frontend: str = "torchscript"  # "torchscript" or "onnx": how the stage module reaches OpenVINO
     dumps: DumpOptions = field(default_factory=DumpOptions)
 
 
@@ -101,7 +102,7 @@ def compile_stage(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, stage: Stag
     start = time.perf_counter()
     log.info("stage %d (%d of %d): tracing layers [%d, %d)", stage.index, stage.index + 1, stage.num_stages,
              stage.start, stage.end)
-    model = trace_stage(ckpt, spec, dims, stage)
+    model = trace_stage(ckpt, spec, dims, stage, config.frontend)
     ctx = PassContext(stage, dims, max_positions)
     model, records = PassManager(pipeline(config.weights), _instruments(config)).run(model, ctx)
     _predict_fusion(model, stage)
@@ -217,7 +218,8 @@ def compile_bundle(config: CompileConfig) -> Manifest:
             entries.append(entry)
             log_records += [r.to_dict() for r in records]
         manifest = Manifest(
-            source={"path": str(ckpt.path), "fingerprint": ckpt.fingerprint(), "model_type": dims.model_type},
+            source={"path": str(ckpt.path), "fingerprint": ckpt.fingerprint(), "model_type": dims.model_type,
+                    "frontend": config.frontend},
             architecture=dims.to_dict(),
             weights=config.weights.to_dict(),
             plan=plan.to_dict(),

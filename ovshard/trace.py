@@ -2,12 +2,30 @@
 
 Only the stage's own tensors are read: its layers, the embedding in the first stage, the final norm
 and lm_head (or the tied embedding) in the last.
+
+Two front ends turn the same stage module into the same contract (I/O names, types, partial shapes,
+attention as one ScaledDotProductAttention per layer), so one pass pipeline serves both:
+
+- ``torchscript``: ``torch.jit.trace`` + OpenVINO's PyTorch front end (the default).
+- ``onnx``: ``torch.onnx.export`` (the torch.export-based exporter, opset 23) to a temporary file +
+  OpenVINO's ONNX front end. Opset 23 is the first with an ONNX ``Attention`` op: the exporter maps
+  ``F.scaled_dot_product_attention`` to it and OpenVINO turns it into ScaledDotProductAttention with
+  the concatenated K/V as direct inputs, the shape the CPU plugin's StatefulSDPAFusion matches. Lower
+  opsets (and the legacy TorchScript-based exporter) decompose attention into MatMul/Softmax;
+  OpenVINO re-fuses that into an SDPA whose keys pass through extra Transposes (and, with the
+  torch.export exporter, Reshapes), so the KV cache is never fused into attention on CPU. At opset 24
+  OpenVINO 2026.4 converts ``Attention`` with extra Pad ops, and the fusion fails too.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
+import tempfile
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import openvino as ov
@@ -15,7 +33,7 @@ import torch
 
 from ovshard import names
 from ovshard.arch import ArchSpec, ModelDims
-from ovshard.errors import CheckpointError
+from ovshard.errors import CheckpointError, OvshardError
 from ovshard.pass_manager import StageSpec
 from ovshard.rope import rotary_frequencies
 from ovshard.stage_module import StageModule, Weights, layer_weights
@@ -25,6 +43,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+FRONTENDS = ("torchscript", "onnx")
+ONNX_OPSET = 23  # the first opset with an Attention op (see the module docstring)
 _LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
@@ -104,8 +124,72 @@ def _input_signature(dims: ModelDims, stage: StageSpec) -> list[tuple[ov.Partial
     return [first, ids, ids] + [kv] * (2 * (stage.end - stage.start))
 
 
-def trace_stage(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, stage: StageSpec) -> ov.Model:
-    """Trace the stage with torch.jit.trace and convert it; I/O carry the contract's names."""
+def _dynamic_shapes(stage: StageSpec) -> tuple:
+    """Dynamic axes of forward()'s arguments for torch.export: batch, seq and past length.
+
+    Every axis is ``Dim.DYNAMIC``: the exporter works out how they relate (the mask is past + seq
+    long) rather than being told, and the ONNX graph leaves them all free.
+    """
+    dynamic = torch.export.Dim.DYNAMIC
+    x = {0: dynamic, 1: dynamic}  # [batch, seq] ids or [batch, seq, hidden]
+    mask = {0: dynamic, 1: dynamic}  # [batch, past + seq]
+    positions = {0: dynamic, 1: dynamic}  # [batch, seq]
+    past = tuple({0: dynamic, 2: dynamic} for _ in range(2 * (stage.end - stage.start)))  # [b, kv_heads, past, d]
+    return (x, mask, positions, past)  # *past is one tuple
+
+
+@contextmanager
+def _quiet_logger(name: str) -> Iterator[None]:
+    """Hold back INFO/WARNING records of one logger (torch's exporter warns that torchvision is absent)."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _export_onnx(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, stage: StageSpec, path: Path) -> None:
+    """Write the stage module to ``path`` as ONNX, its weights to an external data file beside it.
+
+    The module (the stage's f32 weights) lives only in this function, so it is freed before
+    OpenVINO reads the file back. ``optimize=False``: onnxscript's optimizer (0.7.2) keeps the last
+    graph it rewrote, weights included, in module-level rewrite rules, so every stage's f32 weights
+    would stay alive until the process exits; OpenVINO folds constants itself anyway.
+    """
+    try:
+        import onnxscript  # noqa: F401  (the torch.export-based exporter is built on it)
+    except ImportError as e:
+        raise OvshardError("the onnx front end needs the onnxscript package; install ovshard[compile] "
+                           "or use the torchscript front end") from e
+    module = build_stage_module(ckpt, spec, dims, stage).eval()
+    with torch.no_grad(), warnings.catch_warnings(), _quiet_logger("torch.onnx._internal.exporter._registration"):
+        warnings.simplefilter("ignore", FutureWarning)  # torch.export's own deprecations, nothing to act on
+        torch.onnx.export(
+            module, _example_inputs(dims, stage), path, dynamo=True, opset_version=ONNX_OPSET,
+            input_names=input_names(stage), output_names=output_names(stage),
+            dynamic_shapes=_dynamic_shapes(stage), external_data=True, optimize=False, verbose=False,
+        )
+
+
+def _onnx_model(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, stage: StageSpec) -> ov.Model:
+    """Export to a temporary folder and convert the file.
+
+    OpenVINO maps the external weights file instead of reading it, so the model's weights stay
+    backed by that (deleted) file until the model is freed: the temporary folder (``TMPDIR``) needs
+    room for the stage's f32 weights. Where an open mapping blocks deletion (Windows), the folder
+    would be left behind rather than fail the compile.
+    """
+    with tempfile.TemporaryDirectory(prefix="ovshard-onnx-", ignore_cleanup_errors=True) as tmp:
+        path = Path(tmp) / f"stage_{stage.index}.onnx"
+        log.info("stage %d: exporting to ONNX (opset %d)", stage.index, ONNX_OPSET)
+        _export_onnx(ckpt, spec, dims, stage, path)
+        gc.collect()  # the torch weights are garbage now: free them before OpenVINO maps its copy
+        return ov.convert_model(path)
+
+
+def _torchscript_model(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, stage: StageSpec) -> ov.Model:
     module = build_stage_module(ckpt, spec, dims, stage).eval()
     example = _example_inputs(dims, stage)
     with torch.no_grad(), warnings.catch_warnings():
@@ -113,6 +197,18 @@ def trace_stage(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, stage: StageS
         traced = torch.jit.trace(module, example, check_trace=False)
         model = ov.convert_model(traced, example_input=example, input=_input_signature(dims, stage))
     del traced, module
+    return model
+
+
+def trace_stage(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, stage: StageSpec,
+                frontend: str = "torchscript") -> ov.Model:
+    """Trace the stage through ``frontend`` (one of FRONTENDS) and convert it; I/O carry the contract's names."""
+    if frontend not in FRONTENDS:
+        raise ValueError(f"front end {frontend!r}; expected one of {FRONTENDS}")
+    if frontend == "onnx":
+        model = _onnx_model(ckpt, spec, dims, stage)
+    else:
+        model = _torchscript_model(ckpt, spec, dims, stage)
     for port, name in zip(model.inputs, input_names(stage), strict=True):
         port.get_tensor().set_names({name})
     for port, name in zip(model.outputs, output_names(stage), strict=True):
