@@ -13,7 +13,7 @@ import numpy as np
 from ovshard.compile import CompileConfig, DumpOptions, compile_bundle
 from ovshard.fusion import check_cpu_fusion
 from ovshard.inspect import summary
-from ovshard.manifest import Manifest, read_manifest
+from ovshard.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,6 @@ def run_demo(config: DemoConfig) -> bool:
     checkpoint = config.checkpoint or default_checkpoint(config.output.parent)
     manifest = compile_bundle(CompileConfig(checkpoint, config.output, stages=config.stages,
                                             dumps=DumpOptions()))
-    manifest = read_manifest(config.output)
     print(f"== compiled {checkpoint} into {config.output}\n")
     print(summary(config.output, manifest))
     print("\n== KV-cache fusion on CPU (compiled runtime graph)")

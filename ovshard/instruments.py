@@ -94,12 +94,8 @@ class ValidateInstrument(Instrument):
             model.validate_nodes_and_infer_types()
         except RuntimeError as e:
             raise PassError(f"{ctx.where(p.name)} left an invalid graph: {e}") from e
-        allowed_in = {names.INPUT_IDS if ctx.stage.first else names.HIDDEN_STATES, names.ATTENTION_MASK,
-                      names.POSITION_IDS, names.BEAM_IDX}
-        allowed_out = {names.LOGITS if ctx.stage.last else names.HIDDEN_STATES}
-        for i in range(ctx.stage.start, ctx.stage.end):
-            allowed_in |= {names.past_key(i), names.past_value(i)}
-            allowed_out |= {names.present_key(i), names.present_value(i)}
+        allowed_in = {*names.stage_inputs(ctx.stage.first, ctx.stage.layers), names.BEAM_IDX}
+        allowed_out = set(names.stage_outputs(ctx.stage.last, ctx.stage.layers))
         found_in = {n for port in model.inputs for n in port.get_names()}
         found_out = {n for port in model.outputs for n in port.get_names()}
         if not found_in <= allowed_in or not found_out <= allowed_out:

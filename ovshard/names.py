@@ -5,6 +5,8 @@ These are optimum-intel's names, so a one-stage bundle is an ordinary stateful O
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 INPUT_IDS = "input_ids"  # i64 [batch, seq]            stage 0 only
 HIDDEN_STATES = "hidden_states"  # f32 [batch, seq, hidden]  input of stages > 0, output of stages < N-1
 ATTENTION_MASK = "attention_mask"  # i64 [batch, past + seq]
@@ -29,6 +31,20 @@ def present_key(layer: int) -> str:
 
 def present_value(layer: int) -> str:
     return f"present.{layer}.value"
+
+
+def kv_pairs(layers: Iterable[int]) -> list[tuple[str, str]]:
+    """(past input, present output) names of the given layers, key then value for each."""
+    return [pair for i in layers for pair in ((past_key(i), present_key(i)), (past_value(i), present_value(i)))]
+
+
+def stage_inputs(first: bool, layers: Iterable[int]) -> list[str]:
+    """Inputs of a traced stage, in order (MakeStatefulKVPass later turns the KV ones into state)."""
+    return [INPUT_IDS if first else HIDDEN_STATES, ATTENTION_MASK, POSITION_IDS, *(p for p, _ in kv_pairs(layers))]
+
+
+def stage_outputs(last: bool, layers: Iterable[int]) -> list[str]:
+    return [LOGITS if last else HIDDEN_STATES, *(p for _, p in kv_pairs(layers))]
 
 
 MANIFEST_FILE = "manifest.json"

@@ -101,15 +101,11 @@ def _example_inputs(dims: ModelDims, stage: StageSpec, batch: int = 2, seq: int 
 
 
 def input_names(stage: StageSpec) -> list[str]:
-    first = names.INPUT_IDS if stage.first else names.HIDDEN_STATES
-    kv = [n for i in range(stage.start, stage.end) for n in (names.past_key(i), names.past_value(i))]
-    return [first, names.ATTENTION_MASK, names.POSITION_IDS, *kv]
+    return names.stage_inputs(stage.first, stage.layers)
 
 
 def output_names(stage: StageSpec) -> list[str]:
-    first = names.LOGITS if stage.last else names.HIDDEN_STATES
-    kv = [n for i in range(stage.start, stage.end) for n in (names.present_key(i), names.present_value(i))]
-    return [first, *kv]
+    return names.stage_outputs(stage.last, stage.layers)
 
 
 def _input_signature(dims: ModelDims, stage: StageSpec) -> list[tuple[ov.PartialShape, ov.Type]]:

@@ -20,10 +20,7 @@ from ovshard.pass_manager import GraphPass, PassContext, PassResult
 
 def kv_pairs(ctx: PassContext) -> list[tuple[str, str]]:
     """(past input, present output) names of the stage's layers, keys then values per layer."""
-    pairs = []
-    for i in range(ctx.stage.start, ctx.stage.end):
-        pairs += [(names.past_key(i), names.present_key(i)), (names.past_value(i), names.present_value(i))]
-    return pairs
+    return names.kv_pairs(ctx.stage.layers)
 
 
 def _empty_cache(model: ov.Model, ctx: PassContext) -> ov.Node:
