@@ -23,8 +23,9 @@ as f16 by default (``ACTIVATION_WIRE_DTYPE``; f32 on request), token ids as i64.
 
     kind  message   fields                                         meaning
     1     Hello     role ("head"|"upstream"), protocol,            first frame on a connection: who calls,
-                    bundle_fingerprint, stage, auth (object|null)  which bundle and stage it expects
-                                                                   (auth: reserved for authentication)
+                    bundle_fingerprint, stage, auth (object|null), which bundle and stage it expects; from
+                    next_hop (str|null)                            the head, next_hop is the next stage's
+                                                                   host:port (auth: reserved)
     2     HelloOk   stage, bundle_fingerprint, num_stages          the handshake is accepted
     3     Open      stream                                         start a stream (empty KV cache and mask)
     4     Reset     stream                                         empty a stream's KV cache and mask
@@ -187,6 +188,11 @@ def _check_str(where: str, value: Any) -> None:
         raise _fail(where, "a string", value)
 
 
+def _check_opt_str(where: str, value: Any) -> None:
+    if value is not None:
+        _check_str(where, value)
+
+
 def _check_opt_int(where: str, value: Any) -> None:
     if value is not None:
         _check_int(where, value)
@@ -232,6 +238,7 @@ _CHECKS = {
     "int": _check_int,
     "str": _check_str,
     "int | None": _check_opt_int,
+    "str | None": _check_opt_str,
     "Tensor": _check_tensor,
     "Tensor | None": _check_opt_tensor,
     "tuple[int, ...]": _check_int_tuple,
@@ -280,6 +287,7 @@ class Hello(_Message):
     bundle_fingerprint: str
     stage: int  # the stage the caller expects this node to serve
     auth: dict[str, Any] | None = None  # reserved for authentication (a later issue)
+    next_hop: str | None = None  # from the head: "host:port" of the next stage (None for the last)
 
     def _check(self) -> None:
         if self.role not in ROLES:

@@ -273,7 +273,7 @@ def test_mistyped_fields_of_every_kind_are_refused() -> None:
     for msg in EXAMPLES:
         data = encode(msg)
         for name, value in json.loads(split(data)[1]).items():
-            wrong = "x" if not isinstance(value, str) else 5
+            wrong = [1] if value is None else "x" if not isinstance(value, str) else 5
             header = json.dumps({**json.loads(split(data)[1]), name: wrong}).encode()
             with pytest.raises(ProtocolError) as e:
                 decode(*split(frame(msg.KIND, header, split(data)[2])))
