@@ -95,6 +95,48 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable report")
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve one stage of a bundle over TCP",
+                       description="Load one stage (checking its sha256 against the manifest), compile it on "
+                       "--device with a model cache so restarts are fast, and serve it until Ctrl-C.")
+    p.add_argument("bundle", type=Path)
+    p.add_argument("--stage", type=int, required=True)
+    p.add_argument("--listen", default="127.0.0.1:7000", help="host:port (default 127.0.0.1:7000)")
+    p.add_argument("--device", default="CPU", help="OpenVINO device: CPU, GPU, NPU, AUTO (default CPU)")
+    p.add_argument("--exact", action="store_true", help="f32 inference and KV cache (parity with HF)")
+    p.add_argument("--wire-f32", action="store_true", help="send activations as f32 (default f16)")
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text through stage workers",
+                       description="Connect to every stage (one host:port per stage, in order), stream the "
+                       "generated text to stdout and timings to stderr.")
+    p.add_argument("bundle", type=Path, help="the same bundle the workers serve (manifest and tokenizer)")
+    p.add_argument("--stages", required=True, help="host0:7000,host1:7001,...")
+    _add_sampling(p)
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", default="Once upon a time")
+    p.add_argument("--prompt-ids", help="comma-separated token ids (for bundles without a tokenizer)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stats", choices=("text", "json"), default="text", help="timings on stderr")
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="start a local worker process per stage and generate",
+                       description="Everything on this machine: one `ovshard serve` process per stage on "
+                       "loopback, then generate as `ovshard generate` would.")
+    p.add_argument("bundle", type=Path)
+    p.add_argument("--local", action="store_true", required=True, help="workers on this machine")
+    p.add_argument("--exact", action="store_true", help="f32 inference and KV cache (parity with HF)")
+    _add_sampling(p)
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="compile the built-in default model and print a report",
                        description="Compile ../shared/models/stories260K (or a small random Llama when it "
@@ -120,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile(sub)
     _add_inspect(sub)
     _add_verify(sub)
+    _add_serve(sub)
+    _add_generate(sub)
+    _add_run(sub)
     _add_demo(sub)
     return parser
 
@@ -180,6 +225,10 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "verify":
         return _verify(args)
+    if args.command in ("serve", "generate", "run"):
+        from ovshard.runtime import cli as runtime_cli
+
+        return getattr(runtime_cli, args.command)(args)
     from ovshard.demo import DemoConfig, run_demo
 
     return 0 if run_demo(DemoConfig(args.output, args.stages, args.checkpoint)) else 1

@@ -12,11 +12,13 @@ HEAVY = ("torch", "transformers", "nncf", "onnx", "networkx", "safetensors")
 
 
 def test_running_a_bundle_imports_no_compile_time_package(stories: Path, tmp_path: Path) -> None:
-    """Loading and running a bundle stage by stage leaves torch, transformers, nncf (and co.) unimported."""
+    """Running a bundle, and importing the worker, head, protocol and sampler, leaves torch, transformers,
+    nncf (and co.) unimported."""
     bundle = compile_fp32(stories, tmp_path / "b", stages=2)
     script = f"""
 import sys
 from ovshard.runtime.local import LocalPipeline
+from ovshard.runtime import cli, head, protocol, sampler, worker
 from ovshard.fusion import check_cpu_fusion
 pipe = LocalPipeline({str(bundle)!r})
 tokens, _ = pipe.generate_greedy([1, 403, 407], 4)

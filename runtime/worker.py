@@ -1,0 +1,263 @@
+"""A stage worker: serves one stage of a bundle over TCP in the chain head -> 0 -> ... -> N-1 -> head.
+
+Connections start with Hello. A *head* connection carries Open/Reset/Close/Rewind/Ping (and, at
+stage 0, Step); the last stage answers every Step on the head connection that opened the stream. An
+*upstream* connection (from the previous stage) carries Step. A stage before the last connects to
+the ``next_hop`` the head names and forwards each Step, its input replaced by the activations. One
+network traversal per decode step. A malformed frame gets an Error and closes that connection only.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+
+from ovshard import names
+from ovshard.errors import BundleError, OvshardError
+from ovshard.manifest import read_manifest, sha256_file, verify_files
+from ovshard.runtime import protocol as p
+
+log = logging.getLogger(__name__)
+
+
+def bundle_fingerprint(bundle: Path) -> str:
+    """What both ends of a connection must agree on: the manifest's sha256."""
+    return "sha256:" + sha256_file(Path(bundle) / names.MANIFEST_FILE)
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise OvshardError(f"address {text!r}: expected host:port, e.g. 127.0.0.1:7001")
+    return host, int(port)
+
+
+class Connection:
+    """A socket with a write lock (several threads may answer on it)."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock, self.peer, self.lock = sock, peer, threading.Lock()
+
+    def send(self, msg: p.Message) -> None:
+        with self.lock:
+            p.write_message(self.sock, msg)
+
+
+@dataclass
+class StreamSlot:
+    """One user stream at this stage: its stateful request and the mask over its KV cache."""
+
+    request: ov.InferRequest
+    head: Connection | None  # where the last stage sends this stream's results
+    mask: list[int] = field(default_factory=list)
+
+
+class StageWorker:
+    def __init__(self, bundle: Path, stage: int, device: str = "CPU", config: dict | None = None,
+                 cache_dir: Path | None = None, wire_dtype: str = p.ACTIVATION_WIRE_DTYPE) -> None:
+        self.bundle = Path(bundle)
+        self.manifest = read_manifest(self.bundle)
+        if not 0 <= stage < self.manifest.num_stages:
+            raise BundleError(f"--stage {stage}: the bundle has stages 0..{self.manifest.num_stages - 1}")
+        verify_files(self.bundle, self.manifest, stages=[stage])
+        self.stage, self.entry = stage, self.manifest.stages[stage]
+        self.last = stage == self.manifest.num_stages - 1
+        self.fingerprint = bundle_fingerprint(self.bundle)
+        self.wire_dtype = wire_dtype
+        core = ov.Core()
+        core.set_property({"CACHE_DIR": str(cache_dir or self.bundle / ".ov_cache")})
+        log.info("stage %d: compiling %s on %s", stage, self.entry.model_xml, device)
+        self.compiled = core.compile_model(str(self.bundle / self.entry.model_xml), device, config or {})
+        self.streams: dict[int, StreamSlot] = {}
+        self.downstream: Connection | None = None
+        self.lock = threading.Lock()
+        self.server: socket.socket | None = None
+
+    # ----- serving -----
+    def serve(self, host: str, port: int, ready: threading.Event | None = None) -> None:
+        self.server = socket.create_server((host, port), reuse_port=False)
+        log.info("stage %d: listening on %s:%d", self.stage, host, self.server.getsockname()[1])
+        if ready is not None:
+            ready.set()
+        while True:
+            try:
+                sock, addr = self.server.accept()
+            except OSError:
+                return  # closed by stop()
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._handle, args=(Connection(sock, f"{addr[0]}:{addr[1]}"),),
+                             daemon=True).start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    def _handle(self, conn: Connection) -> None:
+        try:
+            role = self._handshake(conn)
+            while True:
+                self._dispatch(conn, role, p.read_message(conn.sock))
+        except p.ConnectionClosed:
+            pass
+        except p.ProtocolError as e:
+            log.warning("stage %d: malformed frame from %s: %s", self.stage, conn.peer, e)
+            self._try_send(conn, p.Error(e.code, f"stage {self.stage}: {e}"))
+        except OvshardError as e:
+            log.warning("stage %d: %s", self.stage, e)
+            self._try_send(conn, p.Error("failed", f"stage {self.stage}: {e}"))
+        finally:
+            conn.sock.close()
+
+    def _try_send(self, conn: Connection, msg: p.Message) -> None:
+        try:
+            conn.send(msg)
+        except OSError:
+            pass
+
+    def _handshake(self, conn: Connection) -> str:
+        hello = p.read_message(conn.sock)
+        if not isinstance(hello, p.Hello):
+            raise p.ProtocolError("bad_header", f"expected Hello first, got {type(hello).__name__}")
+        problem = None
+        if hello.stage != self.stage:
+            problem = f"this node serves stage {self.stage}, the peer expected stage {hello.stage}"
+        elif hello.bundle_fingerprint != self.fingerprint:
+            problem = (f"bundle mismatch: this node serves {self.fingerprint[:19]}..., the peer has "
+                       f"{hello.bundle_fingerprint[:19]}...; copy the same bundle to every node")
+        if problem:
+            conn.send(p.Error("refused", f"stage {self.stage} at {self._where()}: {problem}"))
+            raise p.ConnectionClosed(problem, clean=True)
+        if hello.role == "head" and hello.next_hop and not self.last:
+            self._connect_downstream(hello.next_hop)
+        conn.send(p.HelloOk(self.stage, self.fingerprint, self.manifest.num_stages))
+        return hello.role
+
+    def _where(self) -> str:
+        if self.server is None:
+            return "?"
+        host, port = self.server.getsockname()[:2]
+        return f"{host}:{port}"
+
+    def _connect_downstream(self, address: str) -> None:
+        with self.lock:
+            if self.downstream is not None and self.downstream.peer == address:
+                return
+            sock = connect(address, self.stage + 1, self.fingerprint, "upstream")
+            self.downstream = Connection(sock, address)
+            threading.Thread(target=self._drain_downstream, args=(self.downstream,), daemon=True).start()
+
+    def _drain_downstream(self, conn: Connection) -> None:
+        """Errors the next stage reports about our Steps are logged (the head hears them too)."""
+        try:
+            while True:
+                msg = p.read_message(conn.sock)
+                if isinstance(msg, p.Error):
+                    log.warning("stage %d: next stage reported: %s", self.stage, msg.message)
+        except (p.ConnectionClosed, p.ProtocolError, OSError):
+            pass
+
+    # ----- messages -----
+    def _dispatch(self, conn: Connection, role: str, msg: p.Message) -> None:
+        if isinstance(msg, p.Ping):
+            conn.send(p.Pong(msg.nonce))
+        elif isinstance(msg, p.Open):
+            self.streams[msg.stream] = StreamSlot(self.compiled.create_infer_request(),
+                                                  conn if role == "head" else None)
+        elif isinstance(msg, p.Reset):
+            slot = self._slot(msg.stream)
+            slot.request.reset_state()
+            slot.mask = []
+        elif isinstance(msg, p.Close):
+            self.streams.pop(msg.stream, None)
+        elif isinstance(msg, p.Rewind):
+            self._rewind(self._slot(msg.stream), msg.count)
+        elif isinstance(msg, p.Step):
+            self._step(conn, msg)
+        else:
+            raise p.ProtocolError("unknown_kind", f"stage {self.stage} does not take {type(msg).__name__}")
+
+    def _slot(self, stream: int) -> StreamSlot:
+        slot = self.streams.get(stream)
+        if slot is None:
+            raise OvshardError(f"stream {stream} is not open at stage {self.stage}; send Open first")
+        return slot
+
+    @staticmethod
+    def _rewind(slot: StreamSlot, count: int) -> None:
+        """Hide the last ``count`` visible positions: the mask is zeroed, the KV cache stays as is."""
+        visible = [i for i, m in enumerate(slot.mask) if m]
+        for i in visible[len(visible) - count:] if count else []:
+            slot.mask[i] = 0
+
+    def _step(self, conn: Connection, msg: p.Step) -> None:
+        slot = self._slot(msg.stream)
+        x = msg.tensor.to_array()
+        seq = x.shape[1]
+        if len(msg.mask_delta) != seq:
+            raise OvshardError(f"Step of stream {msg.stream}: {seq} new tokens but {len(msg.mask_delta)} "
+                               "mask entries")
+        start = time.perf_counter()
+        slot.mask.extend(msg.mask_delta)
+        inputs = {
+            self.compiled.input(0).get_any_name(): x if self.stage == 0 else x.astype(np.float32),
+            names.ATTENTION_MASK: np.array([slot.mask], dtype=np.int64),  # [1, cache + T]
+            names.POSITION_IDS: np.arange(msg.position, msg.position + seq, dtype=np.int64)[None, :],
+            names.BEAM_IDX: np.zeros(1, dtype=np.int32),
+        }
+        out = slot.request.infer(inputs)[self.compiled.output(0)]
+        seconds = time.perf_counter() - start
+        if not self.last:
+            if self.downstream is None:
+                raise OvshardError(f"stage {self.stage} has no next stage: the head did not name one")
+            self.downstream.send(p.Step(msg.stream, msg.seq, msg.position, msg.mask_delta, msg.want,
+                                        p.Tensor.from_array(out, self.wire_dtype)))
+            return
+        (slot.head or conn).send(self._answer(msg, out, seconds))
+
+    def _answer(self, msg: p.Step, logits: np.ndarray, seconds: float) -> p.Result:
+        """What the head's sampler needs, and no more: argmax ids, top-k, or the last row of logits."""
+        mode, k = p.parse_want(msg.want)
+        timings = {f"stage{self.stage}_infer": seconds}
+        if mode == "argmax":
+            ids = logits.argmax(-1).astype(np.int64)  # [B, T]
+            return p.Result(msg.stream, msg.seq, p.Tensor.from_array(ids), timings)
+        last = logits[:, -1:, :]  # [B, 1, V]
+        if mode == "topk":
+            idx = np.argsort(-last, axis=-1, kind="stable")[..., :k]
+            values = np.take_along_axis(last, idx, -1)
+            return p.Result(msg.stream, msg.seq, p.Tensor.from_array(values, "f32"), timings,
+                            p.Tensor.from_array(idx.astype(np.int64)))
+        return p.Result(msg.stream, msg.seq, p.Tensor.from_array(last, "f32"), timings)
+
+
+def connect(address: str, stage: int, fingerprint: str, role: str, next_hop: str | None = None,
+            timeout: float = 30.0) -> socket.socket:
+    """Open a connection to a stage and complete the handshake; errors name the host:port and stage."""
+    host, port = parse_address(address)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as e:
+        raise OvshardError(f"cannot reach stage {stage} at {address}: {e.strerror or e}; is "
+                           f"`ovshard serve BUNDLE --stage {stage}` running there?") from e
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        p.write_message(sock, p.Hello(role, p.PROTOCOL_VERSION, fingerprint, stage, None, next_hop))
+        reply = p.read_message(sock)
+    except (OSError, p.ConnectionClosed, p.ProtocolError) as e:
+        sock.close()
+        raise OvshardError(f"stage {stage} at {address} closed the handshake: {e}") from e
+    if isinstance(reply, p.Error):
+        sock.close()
+        raise OvshardError(f"stage {stage} at {address} refused: {reply.message}")
+    if not isinstance(reply, p.HelloOk):
+        sock.close()
+        raise OvshardError(f"stage {stage} at {address} answered {type(reply).__name__} to Hello")
+    sock.settimeout(None)
+    return sock
