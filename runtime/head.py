@@ -38,17 +38,27 @@ class Stats:
     new_tokens: int = 0
     first_token_s: float = 0.0
     total_s: float = 0.0
-    step_s: list[float] = field(default_factory=list)
-    infer_s: list[float] = field(default_factory=list)  # last stage's compute per step
+    step_s: list[float] = field(default_factory=list)  # head-measured round trip of each step
+    stage_s: list[dict[str, float]] = field(default_factory=list)  # each stage's compute per step
 
     def to_dict(self) -> dict:
-        decode = self.step_s[1:]
-        return {
-            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
-            "time_to_first_token_s": round(self.first_token_s, 4),
-            "decode_tokens_per_s": round(len(decode) / sum(decode), 2) if decode else None,
-            "mean_step_ms": round(1000 * float(np.mean(decode)), 2) if decode else None,
-        }
+        """Decode-phase figures (the first step, the prefill, is in time_to_first_token_s).
+
+        per-hop network ms = (step round trip - sum of stage compute) / hops, hops = stages + 1
+        (head -> stage 0 -> ... -> last -> head): transfer, serialisation and waiting.
+        """
+        decode, stages = self.step_s[1:], self.stage_s[1:]
+        report: dict = {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+                        "time_to_first_token_s": round(self.first_token_s, 4)}
+        if decode:
+            compute = [sum(s.values()) for s in stages]
+            hops = len(stages[0]) + 1
+            report["decode_tokens_per_s"] = round(len(decode) / sum(decode), 2)
+            report["mean_step_ms"] = round(1000 * float(np.mean(decode)), 3)
+            for name in stages[0]:
+                report[f"{name}_compute_ms"] = round(1000 * float(np.mean([s[name] for s in stages])), 3)
+            report["per_hop_network_ms"] = round(1000 * float(np.mean(decode) - np.mean(compute)) / hops, 3)
+        return report
 
 
 class Head:
@@ -125,7 +135,7 @@ class Head:
                 t0 = time.perf_counter()
                 result = self.step(stream, position, feed, want)
                 stats.step_s.append(time.perf_counter() - t0)
-                stats.infer_s.append(sum(result.timings.values()))
+                stats.stage_s.append(dict(result.timings))
                 token = self._pick(result, config, rng)
                 position += len(feed)
                 if not tokens:

@@ -31,12 +31,14 @@ as f16 by default (``ACTIVATION_WIRE_DTYPE``; f32 on request), token ids as i64.
     4     Reset     stream                                         empty a stream's KV cache and mask
     5     Close     stream                                         forget a stream
     6     Step      stream, seq, position, mask_delta, want,       run the new tokens: tensor is input_ids
-                    tensor                                         i64 [B,T] or hidden_states [B,T,H];
+                    tensor, timings                                i64 [B,T] or hidden_states [B,T,H];
                                                                    position = first new position id;
                                                                    mask_delta = the mask entries appended
                                                                    for the new tokens (never the whole
                                                                    mask); want = "argmax" | "topk:K" |
-                                                                   "logits" (what the last stage returns)
+                                                                   "logits" (what the last stage returns);
+                                                                   timings: name -> seconds spent by the
+                                                                   stages it passed (per-hop accounting)
     7     Rewind    stream, count                                  hide the last `count` cached positions
     8     Result    stream, seq, tensor, timings, indices          the last stage's answer to Step `seq`:
                                                                    argmax ids i64 [B,T]; top-k values
@@ -333,6 +335,7 @@ class Step(_Message):
     mask_delta: tuple[int, ...]  # mask entries appended for the new tokens (never the whole mask)
     want: str  # "argmax" | "topk:K" | "logits"
     tensor: Tensor  # input_ids i64 [B,T] or hidden_states [B,T,H]
+    timings: dict[str, float] = field(default_factory=dict)  # seconds each earlier stage spent on it
 
     def _check(self) -> None:
         if any(entry not in (0, 1) for entry in self.mask_delta):

@@ -212,19 +212,18 @@ class StageWorker:
             names.BEAM_IDX: np.zeros(1, dtype=np.int32),
         }
         out = slot.request.infer(inputs)[self.compiled.output(0)]
-        seconds = time.perf_counter() - start
+        timings = {**msg.timings, f"stage{self.stage}": time.perf_counter() - start}
         if not self.last:
             if self.downstream is None:
                 raise OvshardError(f"stage {self.stage} has no next stage: the head did not name one")
             self.downstream.send(p.Step(msg.stream, msg.seq, msg.position, msg.mask_delta, msg.want,
-                                        p.Tensor.from_array(out, self.wire_dtype)))
+                                        p.Tensor.from_array(out, self.wire_dtype), timings))
             return
-        (slot.head or conn).send(self._answer(msg, out, seconds))
+        (slot.head or conn).send(self._answer(msg, out, timings))
 
-    def _answer(self, msg: p.Step, logits: np.ndarray, seconds: float) -> p.Result:
+    def _answer(self, msg: p.Step, logits: np.ndarray, timings: dict[str, float]) -> p.Result:
         """What the head's sampler needs, and no more: argmax ids, top-k, or the last row of logits."""
         mode, k = p.parse_want(msg.want)
-        timings = {f"stage{self.stage}_infer": seconds}
         if mode == "argmax":
             ids = logits.argmax(-1).astype(np.int64)  # [B, T]
             return p.Result(msg.stream, msg.seq, p.Tensor.from_array(ids), timings)

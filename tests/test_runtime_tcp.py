@@ -97,3 +97,55 @@ def test_run_local_streams_text(bundles: dict[int, Path]) -> None:
                           "--exact", "--max-tokens", "20"], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.startswith("Once upon a time, there was a little girl named Lily")
     assert "decode_tokens_per_s" in out.stderr
+
+
+def test_llama3_rope_random_checkpoint_over_four_stages(tmp_path: Path) -> None:
+    """A random-weight llama3-rope Llama split into 4 worker processes generates HF's greedy tokens."""
+    from ovshard.synth import llama_config, write_checkpoint
+
+    checkpoint = write_checkpoint(tmp_path / "ckpt", llama_config(), seed=5)
+    bundle = compile_fp32(checkpoint, tmp_path / "b", stages=4)
+    expected, _ = hf_greedy(checkpoint, [1, 17, 42, 99], 20)
+    with local_workers(bundle, exact=True) as addresses:
+        head = Head(bundle, addresses)
+        try:
+            assert list(head.generate([1, 17, 42, 99], SamplingConfig(max_tokens=20))) == expected
+        finally:
+            head.close()
+
+
+def test_a_stage_dying_mid_stream_is_named(bundles: dict[int, Path]) -> None:
+    """When a worker process dies during generation the head raises naming that stage and its address."""
+    with local_workers(bundles[2], exact=True) as addresses:
+        head = Head(bundles[2], addresses)
+        try:
+            tokens = head.generate([1, 403], SamplingConfig(max_tokens=200))
+            next(tokens)
+            import psutil
+
+            port = int(addresses[1].split(":")[1])
+            listening = [c.pid for c in psutil.net_connections("tcp") if c.laddr.port == port and c.status == "LISTEN"]
+            psutil.Process(listening[0]).kill()
+            with pytest.raises(OvshardError, match=r"stage \d at 127.0.0.1:\d+ (closed|reported)"):
+                for _ in tokens:
+                    pass
+        finally:
+            head.close()
+
+
+def test_ctrl_c_stops_a_worker_cleanly(bundles: dict[int, Path]) -> None:
+    """SIGINT to `ovshard serve` ends it with exit 0 and no traceback."""
+    import signal
+    import time
+
+    from ovshard.runtime.cli import _wait_listening
+
+    address = f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "ovshard.cli", "-q", "serve", str(bundles[1]), "--stage", "0",
+                             "--listen", address], stderr=subprocess.PIPE, text=True)
+    _wait_listening(address, proc, 120)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
