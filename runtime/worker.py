@@ -82,7 +82,11 @@ class StageWorker:
 
     # ----- serving -----
     def serve(self, host: str, port: int, ready: threading.Event | None = None) -> None:
-        self.server = socket.create_server((host, port), reuse_port=False)
+        try:
+            self.server = socket.create_server((host, port))
+        except OSError as e:
+            raise OvshardError(f"stage {self.stage} cannot listen on {host}:{port}: {e.strerror or e}; "
+                               "choose another --listen port") from e
         log.info("stage %d: listening on %s:%d", self.stage, host, self.server.getsockname()[1])
         if ready is not None:
             ready.set()
@@ -132,6 +136,7 @@ class StageWorker:
             problem = (f"bundle mismatch: this node serves {self.fingerprint[:19]}..., the peer has "
                        f"{hello.bundle_fingerprint[:19]}...; copy the same bundle to every node")
         if problem:
+            log.warning("stage %d: refused %s: %s", self.stage, conn.peer, problem)
             conn.send(p.Error("refused", f"stage {self.stage} at {self._where()}: {problem}"))
             raise p.ConnectionClosed(problem, clean=True)
         if hello.role == "head" and hello.next_hop and not self.last:

@@ -149,3 +149,24 @@ def test_ctrl_c_stops_a_worker_cleanly(bundles: dict[int, Path]) -> None:
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "Traceback" not in err
+
+
+def test_refusal_is_logged_by_the_worker_and_a_busy_port_is_a_clear_error(bundles: dict[int, Path]) -> None:
+    """Both sides of a refused handshake say why; serving on a port in use names the port."""
+    address = f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "ovshard.cli", "serve", str(bundles[1]), "--stage", "0",
+                             "--listen", address], stderr=subprocess.PIPE, text=True)
+    try:
+        from ovshard.runtime.cli import _wait_listening
+
+        _wait_listening(address, proc, 120)
+        with pytest.raises(OvshardError, match="the peer expected stage 3"):
+            connect(address, 3, bundle_fingerprint(bundles[1]), "head")
+        busy = subprocess.run([sys.executable, "-m", "ovshard.cli", "serve", str(bundles[1]), "--stage", "0",
+                               "--listen", address], capture_output=True, text=True, timeout=120)
+        assert busy.returncode == 2 and f"cannot listen on {address}" in busy.stderr
+        assert "Traceback" not in busy.stderr
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "refused" in err and "the peer expected stage 3" in err
