@@ -35,11 +35,10 @@ class LocalPipeline:
 
     def forward(self, token_ids: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
         """Feed new tokens; return logits [T, vocab] and each stage boundary's hidden states."""
-        ids = np.array([token_ids], dtype=np.int64)  # [1, T]
-        positions = np.arange(self.position, self.position + len(token_ids), dtype=np.int64)[None, :]
-        x, boundaries = ids, []
+        x = np.array([token_ids], dtype=np.int64)  # [1, T]
+        boundaries = []
         for stage in self.stages:
-            x = stage.step(x, positions)
+            x = stage.step(x, self.position)
             boundaries.append(x)
         self.position += len(token_ids)
         return x[0], boundaries[:-1]

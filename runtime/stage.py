@@ -35,6 +35,20 @@ class StreamState:
         return len(self.mask)
 
 
+def step_inputs(primary: str, x: np.ndarray, mask: list[int], position: int, max_positions: int) -> dict:
+    """One step's inputs: x is ids [1, T] or activations [1, T, H]; mask covers cache + the T new tokens."""
+    seq = x.shape[1]
+    if position + seq > max_positions:
+        raise BundleError(f"position {position + seq - 1} is beyond this bundle's rotary table "
+                          f"({max_positions} positions); recompile with a larger --max-positions")
+    return {
+        primary: x,
+        names.ATTENTION_MASK: np.array([mask], dtype=np.int64),  # [1, cache + T]
+        names.POSITION_IDS: np.arange(position, position + seq, dtype=np.int64)[None, :],  # [1, T]
+        names.BEAM_IDX: np.zeros(1, dtype=np.int32),
+    }
+
+
 class Stage:
     """A compiled stage with one stateful InferRequest (one stream)."""
 
@@ -59,18 +73,8 @@ class Stage:
         self.request.reset_state()
         self.state = StreamState()
 
-    def step(self, x: np.ndarray, position_ids: np.ndarray, new_mask: list[int] | None = None) -> np.ndarray:
-        """Run new tokens through the stage. x: ids [1, T] or hidden [1, T, H]; positions [1, T]."""
-        seq = x.shape[1]
-        if int(position_ids.max(initial=0)) >= self.max_positions:
-            raise BundleError(f"position {int(position_ids.max())} is beyond this bundle's rotary table "
-                              f"({self.max_positions} positions); recompile with a larger --max-positions")
-        self.state.mask += new_mask if new_mask is not None else [1] * seq
-        inputs = {
-            self.primary: x,
-            names.ATTENTION_MASK: np.array([self.state.mask], dtype=np.int64),  # [1, cache + T]
-            names.POSITION_IDS: position_ids.astype(np.int64),
-            names.BEAM_IDX: np.zeros(1, dtype=np.int32),
-        }
-        result = self.request.infer(inputs)
-        return result[self.output].copy()
+    def step(self, x: np.ndarray, position: int, new_mask: list[int] | None = None) -> np.ndarray:
+        """Run new tokens through the stage. x: ids [1, T] or hidden [1, T, H]; position: the first's id."""
+        self.state.mask += new_mask if new_mask is not None else [1] * x.shape[1]
+        inputs = step_inputs(self.primary, x, self.state.mask, position, self.max_positions)
+        return self.request.infer(inputs)[self.output].copy()

@@ -23,6 +23,7 @@ from ovshard import names
 from ovshard.errors import BundleError, OvshardError
 from ovshard.manifest import read_manifest, sha256_file, verify_files
 from ovshard.runtime import protocol as p
+from ovshard.runtime.stage import step_inputs
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class StageWorker:
         self.stage, self.entry = stage, self.manifest.stages[stage]
         self.last = stage == self.manifest.num_stages - 1
         self.fingerprint = bundle_fingerprint(self.bundle)
+        self.max_positions = int(self.manifest.runtime_hints["max_positions"])
         self.wire_dtype = wire_dtype
         core = ov.Core()
         core.set_property({"CACHE_DIR": str(cache_dir or self.bundle / ".ov_cache")})
@@ -209,13 +211,10 @@ class StageWorker:
             raise OvshardError(f"Step of stream {msg.stream}: {seq} new tokens but {len(msg.mask_delta)} "
                                "mask entries")
         start = time.perf_counter()
+        primary = names.INPUT_IDS if self.stage == 0 else names.HIDDEN_STATES
+        inputs = step_inputs(primary, x if self.stage == 0 else x.astype(np.float32), slot.mask + list(msg.mask_delta),
+                             msg.position, self.max_positions)
         slot.mask.extend(msg.mask_delta)
-        inputs = {
-            self.compiled.input(0).get_any_name(): x if self.stage == 0 else x.astype(np.float32),
-            names.ATTENTION_MASK: np.array([slot.mask], dtype=np.int64),  # [1, cache + T]
-            names.POSITION_IDS: np.arange(msg.position, msg.position + seq, dtype=np.int64)[None, :],
-            names.BEAM_IDX: np.zeros(1, dtype=np.int32),
-        }
         out = slot.request.infer(inputs)[self.compiled.output(0)]
         timings = {**msg.timings, f"stage{self.stage}": time.perf_counter() - start}
         if not self.last:
