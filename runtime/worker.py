@@ -27,6 +27,8 @@ from ovshard.runtime.stage import step_inputs
 
 log = logging.getLogger(__name__)
 
+OPEN_WAIT_S = 5.0  # how long a Step waits for its stream's Open to arrive on the head connection
+
 
 def bundle_fingerprint(bundle: Path) -> str:
     """What both ends of a connection must agree on: the manifest's sha256."""
@@ -80,6 +82,7 @@ class StageWorker:
         self.streams: dict[int, StreamSlot] = {}
         self.downstream: Connection | None = None
         self.lock = threading.Lock()
+        self.opened = threading.Condition()
         self.server: socket.socket | None = None
 
     # ----- serving -----
@@ -109,7 +112,13 @@ class StageWorker:
         try:
             role = self._handshake(conn)
             while True:
-                self._dispatch(conn, role, p.read_message(conn.sock))
+                msg = p.read_message(conn.sock)
+                try:
+                    self._dispatch(conn, role, msg)
+                except p.ProtocolError:
+                    raise
+                except (OvshardError, RuntimeError, ValueError) as e:  # a bad request, not a bad frame
+                    self._report(conn, msg, e)
         except p.ConnectionClosed:
             pass
         except p.ProtocolError as e:
@@ -120,6 +129,14 @@ class StageWorker:
             self._try_send(conn, p.Error("failed", f"stage {self.stage}: {e}"))
         finally:
             conn.sock.close()
+
+    def _report(self, conn: Connection, msg: p.Message, error: Exception) -> None:
+        """Tell the head of the stream (or the sender) that a request failed; keep the connection."""
+        stream = getattr(msg, "stream", None)
+        slot = self.streams.get(stream) if stream is not None else None
+        log.warning("stage %d: %s of stream %s failed: %s", self.stage, type(msg).__name__, stream, error)
+        self._try_send(slot.head if slot and slot.head else conn,
+                       p.Error("failed", f"stage {self.stage}: {error}", stream))
 
     def _try_send(self, conn: Connection, msg: p.Message) -> None:
         try:
@@ -175,8 +192,10 @@ class StageWorker:
         if isinstance(msg, p.Ping):
             conn.send(p.Pong(msg.nonce))
         elif isinstance(msg, p.Open):
-            self.streams[msg.stream] = StreamSlot(self.compiled.create_infer_request(),
-                                                  conn if role == "head" else None)
+            with self.opened:
+                self.streams[msg.stream] = StreamSlot(self.compiled.create_infer_request(),
+                                                      conn if role == "head" else None)
+                self.opened.notify_all()
         elif isinstance(msg, p.Reset):
             slot = self._slot(msg.stream)
             slot.request.reset_state()
@@ -191,7 +210,11 @@ class StageWorker:
             raise p.ProtocolError("unknown_kind", f"stage {self.stage} does not take {type(msg).__name__}")
 
     def _slot(self, stream: int) -> StreamSlot:
-        slot = self.streams.get(stream)
+        """The open stream; waits briefly, as a Step forwarded by the previous stage can overtake the
+        head's Open to this stage (they travel on different connections)."""
+        with self.opened:
+            self.opened.wait_for(lambda: stream in self.streams, timeout=OPEN_WAIT_S)
+            slot = self.streams.get(stream)
         if slot is None:
             raise OvshardError(f"stream {stream} is not open at stage {self.stage}; send Open first")
         return slot

@@ -170,3 +170,15 @@ def test_refusal_is_logged_by_the_worker_and_a_busy_port_is_a_clear_error(bundle
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert "refused" in err and "the peer expected stage 3" in err
+
+
+def test_a_bad_request_is_answered_and_the_connection_stays(bundles: dict[int, Path]) -> None:
+    """A Step for a stream that was never opened gets an Error naming the stream; the same head then works."""
+    with local_workers(bundles[1], exact=True) as addresses:
+        head = Head(bundles[1], addresses)
+        try:
+            with pytest.raises(OvshardError, match="stream 99 is not open at stage 0"):
+                head.step(99, 0, [1, 403], "argmax")
+            assert len(list(head.generate([1, 403], SamplingConfig(max_tokens=3)))) == 3
+        finally:
+            head.close()
