@@ -60,7 +60,7 @@ def _load(ckpt: Checkpoint, name: str, stage: StageSpec) -> torch.Tensor:
 def load_layer(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, i: int, stage: StageSpec) -> Weights:
     linears = {}
     templates = dict(zip(_LINEARS, (spec.q_proj, spec.k_proj, spec.v_proj, spec.o_proj,
-                                    spec.gate_proj, spec.up_proj, spec.down_proj), strict=False))
+                                    spec.gate_proj, spec.up_proj, spec.down_proj), strict=True))
     for key, template in templates.items():
         prefix = template.format(i=i)
         has_bias = dims.attention_bias if key in ("q", "k", "v", "o") else dims.mlp_bias

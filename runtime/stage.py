@@ -8,7 +8,6 @@ the new part ever needs to be sent to it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -22,17 +21,6 @@ log = logging.getLogger(__name__)
 
 # Hints that make a CPU stage compute like the Hugging Face reference (tests, verification).
 EXACT_HINTS = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
-
-
-@dataclass
-class StreamState:
-    """What a stage remembers of one stream: the mask over its physical KV cache."""
-
-    mask: list[int] = field(default_factory=list)  # one entry per cached position, 1 = visible
-
-    @property
-    def cache_length(self) -> int:
-        return len(self.mask)
 
 
 def step_inputs(primary: str, x: np.ndarray, mask: list[int], position: int, max_positions: int) -> dict:
@@ -63,7 +51,7 @@ class Stage:
         log.info("stage %d: compiling %s on %s", index, path.name, device)
         self.compiled = core.compile_model(str(path), device, config or {})
         self.request = self.compiled.create_infer_request()
-        self.state = StreamState()
+        self.mask: list[int] = []  # one entry per cached position, 1 = visible
         self.primary = names.INPUT_IDS if index == 0 else names.HIDDEN_STATES
         # The activation output is port 0. A middle stage's output tensor is named hidden_states like
         # its input; OpenVINO's IR reader makes tensor names unique, so it reads back as hidden_states_1.
@@ -71,10 +59,10 @@ class Stage:
 
     def reset(self) -> None:
         self.request.reset_state()
-        self.state = StreamState()
+        self.mask = []
 
     def step(self, x: np.ndarray, position: int, new_mask: list[int] | None = None) -> np.ndarray:
         """Run new tokens through the stage. x: ids [1, T] or hidden [1, T, H]; position: the first's id."""
-        self.state.mask += new_mask if new_mask is not None else [1] * x.shape[1]
-        inputs = step_inputs(self.primary, x, self.state.mask, position, self.max_positions)
+        self.mask += new_mask if new_mask is not None else [1] * x.shape[1]
+        inputs = step_inputs(self.primary, x, self.mask, position, self.max_positions)
         return self.request.infer(inputs)[self.output].copy()
