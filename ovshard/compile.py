@@ -30,7 +30,7 @@ from ovshard.instruments import (
     ValidateInstrument,
 )
 from ovshard.manifest import Manifest, StageEntry, TensorSpec, sha256_file
-from ovshard.pass_manager import Instrument, PassContext, PassManager, PassRecord, StageSpec
+from ovshard.pass_manager import GraphPass, Instrument, PassContext, PassManager, PassRecord, StageSpec
 from ovshard.passes import WeightFormat, pipeline
 from ovshard.plan import PartitionPlan, plan_balanced, plan_budgets, plan_layers
 from ovshard.trace import trace_stage
@@ -63,6 +63,20 @@ class CompileConfig:
     max_positions: int | None = None  # rotary table length; default: max_position_embeddings
     frontend: str = "torchscript"  # "torchscript" or "onnx": how the stage module reaches OpenVINO
     dumps: DumpOptions = field(default_factory=DumpOptions)
+    skip_passes: tuple[str, ...] = ()  # pipeline passes not to run (A/B experiments, e.g. the beam_idx Gather)
+
+    def __post_init__(self) -> None:
+        if not self.skip_passes:
+            return
+        known = [p.name for p in pipeline(self.weights)]
+        unknown = [name for name in self.skip_passes if name not in known]
+        if unknown:
+            raise ValueError(f"skip_passes names {unknown}, which the pipeline does not have; "
+                             f"expected names from {known}")
+
+    def passes(self) -> list[GraphPass]:
+        """The pipeline this config runs: ``pipeline(weights)`` without ``skip_passes``."""
+        return [p for p in pipeline(self.weights) if p.name not in self.skip_passes]
 
 
 def make_plan(config: CompileConfig, spec: ArchSpec, dims: ModelDims) -> PartitionPlan:
@@ -104,7 +118,7 @@ def compile_stage(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, stage: Stag
              stage.start, stage.end)
     model = trace_stage(ckpt, spec, dims, stage, config.frontend)
     ctx = PassContext(stage, dims, max_positions)
-    model, records = PassManager(pipeline(config.weights), _instruments(config)).run(model, ctx)
+    model, records = PassManager(config.passes(), _instruments(config)).run(model, ctx)
     _predict_fusion(model, stage)
     xml = names.stage_xml(stage.index, stage.num_stages)
     ov.save_model(model, workdir / xml, compress_to_fp16=False)
