@@ -146,6 +146,35 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", type=Path, help="compile this checkpoint instead of the default")
 
 
+def _add_proxy(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("proxy", help="relay TCP with added latency and a bandwidth cap (WAN emulation)",
+                       description="Accept connections on --listen and relay each to --target, delaying every "
+                       "chunk by the one-way latency of its direction and, with --bandwidth-mbit, by its "
+                       "serialisation time. Runs until Ctrl-C.")
+    p.add_argument("--listen", default="127.0.0.1:7100", help="host:port (default 127.0.0.1:7100)")
+    p.add_argument("--target", required=True, help="host:port to relay to, e.g. a stage worker")
+    p.add_argument("--latency-ms", type=float, default=0.0, help="one-way latency client -> target (default 0)")
+    p.add_argument("--latency-back-ms", type=float,
+                   help="one-way latency target -> client (default: --latency-ms)")
+    p.add_argument("--bandwidth-mbit", type=float, help="cap each direction at this many Mbit/s (default: none)")
+
+
+def _add_synth(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("synth", help="write a random-weight Llama checkpoint of a named shape or config.json",
+                       description="Write a Hugging Face checkpoint (config.json, generation_config.json, "
+                       "safetensors) with seeded random weights, streamed tensor by tensor in bounded memory "
+                       "and renamed into place when complete.")
+    p.add_argument("shape", help="tiny, llama-3.2-1b, llama-3.1-8b, llama-3.1-70b, or the path of a Llama "
+                   "config.json (or of the folder holding it)")
+    p.add_argument("-o", "--output", type=Path, required=True, help="checkpoint folder (new or empty)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                   help="storage dtype (default: the config's dtype; float32 for the named shapes)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--layers", type=int, help="override num_hidden_layers, e.g. 1 for a small test")
+    p.add_argument("--max-shard-size", default="2GB", help="split into shards of at most this size (default 2GB)")
+    p.add_argument("--dry-run", action="store_true", help="report the files, parameters and bytes; write nothing")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ovshard", description="Compile a Hugging Face causal LM into pipeline stages of stateful "
@@ -166,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_run(sub)
     _add_demo(sub)
+    _add_proxy(sub)
+    _add_synth(sub)
     return parser
 
 
@@ -229,6 +260,14 @@ def _run(args: argparse.Namespace) -> int:
         from ovshard.runtime import cli as runtime_cli
 
         return getattr(runtime_cli, args.command)(args)
+    if args.command == "proxy":
+        from ovshard.runtime.wanproxy import main_proxy
+
+        return main_proxy(args)
+    if args.command == "synth":
+        from ovshard.synth import main_synth
+
+        return main_synth(args)
     from ovshard.demo import DemoConfig, run_demo
 
     return 0 if run_demo(DemoConfig(args.output, args.stages, args.checkpoint)) else 1

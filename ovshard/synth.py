@@ -13,6 +13,7 @@ preset uses 0.1) keeps greedy decoding clear of near-ties between the top two lo
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import logging
@@ -31,6 +32,8 @@ import numpy as np
 
 from ovshard.arch import ArchSpec, ModelDims, arch_for, model_tensors, read_dims
 from ovshard.checkpoint import CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from ovshard.errors import CheckpointError, OvshardError, PlanError
+from ovshard.plan import format_bytes, parse_budgets
 
 logger = logging.getLogger(__name__)
 
@@ -286,9 +289,12 @@ def write_checkpoint(
             std=float(config.get("initializer_range", 0.02)),
             norms=_norm_names(spec, dims),
         )
+        written, total = 0, sum(sizes.values())
         for k, (file, names) in enumerate(zip(files, shards, strict=True)):
-            logger.info("writing %s (%d/%d, %d tensors)", file, k + 1, len(files), len(names))
+            logger.info("writing %s (%d/%d, %d tensors; %.0f%% of %s done)", file, k + 1, len(files),
+                        len(names), 100 * written / total, format_bytes(total))
             _write_shard(tmp / file, names, shapes, sizes, values)
+            written += sum(sizes[n] for n in names)
         if len(files) > 1:
             index = {
                 "metadata": {"total_size": sum(sizes.values())},
@@ -303,3 +309,92 @@ def write_checkpoint(
         raise
     logger.info("wrote %s: %d tensors, %d bytes", out, len(shapes), sum(sizes.values()))
     return out
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """What :func:`write_checkpoint` would write for a config: files with their tensors, and the totals."""
+
+    files: tuple[tuple[str, tuple[str, ...], int], ...]  # (file name, tensor names in file order, bytes)
+    shapes: dict[str, tuple[int, ...]]
+    parameters: int
+    nbytes: int
+
+
+def checkpoint_layout(config: dict[str, Any], dtype: str = "float32",
+                      max_shard_bytes: int | None = None) -> CheckpointLayout:
+    """The files, tensor shapes, parameter count and bytes of ``config``'s checkpoint, computed from shapes alone."""
+    if dtype not in STORAGE_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {', '.join(STORAGE_DTYPES)}")
+    shapes = model_tensors(arch_for(config), read_dims(config))
+    itemsize = np.dtype(STORAGE_DTYPES[dtype][1]).itemsize
+    sizes = {name: math.prod(shape) * itemsize for name, shape in shapes.items()}
+    shards = _plan_shards(sizes, max_shard_bytes)
+    names = [SINGLE_FILE] if len(shards) == 1 else [
+        f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))
+    ]  # the same naming as write_checkpoint
+    files = tuple((file, tuple(tensors), sum(sizes[t] for t in tensors))
+                  for file, tensors in zip(names, shards, strict=True))
+    parameters = sum(math.prod(shape) for shape in shapes.values())
+    return CheckpointLayout(files, shapes, parameters, parameters * itemsize)
+
+
+def shape_config(source: str, layers: int | None = None) -> dict[str, Any]:
+    """The config of a named shape (``SHAPES``) or of a Llama config.json (a file or the folder holding it)."""
+    path = Path(source)
+    if source in SHAPES:
+        config = preset(source)
+    elif path.is_file() or (path / CONFIG_FILE).is_file():
+        config = _read_config(path if path.is_file() else path / CONFIG_FILE)
+    else:
+        raise OvshardError(f"unknown shape {source!r}: expected one of {', '.join(SHAPES)}, or the path of a "
+                           "Hugging Face config.json of a Llama model (or of the folder holding it)")
+    if layers is not None:
+        if layers < 1:
+            raise OvshardError(f"--layers {layers}: expected at least 1 layer")
+        config["num_hidden_layers"] = layers
+    read_dims(config)  # a non-Llama model_type or a missing key fails here, naming what is wrong
+    return config
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read it as JSON ({e}); expected a Hugging Face config.json") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: expected a JSON object (a Hugging Face config.json), found "
+                              f"{type(config).__name__}")
+    return config
+
+
+def main_synth(args: argparse.Namespace) -> int:
+    """``ovshard synth``: write (or with ``--dry-run`` only describe) a random-weight checkpoint."""
+    config = shape_config(args.shape, args.layers)
+    legacy_dtype = config.pop("torch_dtype", None)  # written back once, as the transformers-5 "dtype"
+    dtype = args.dtype or config.get("dtype") or legacy_dtype or "float32"
+    if dtype not in STORAGE_DTYPES:
+        raise OvshardError(f"the config's dtype is {dtype!r}; pass --dtype with one of {', '.join(STORAGE_DTYPES)}")
+    max_shard_bytes = _parse_size(args.max_shard_size)
+    layout = checkpoint_layout(config, dtype, max_shard_bytes)
+    logger.info("%s: %d layers, %d tensors in %d file(s)", args.shape, config["num_hidden_layers"],
+                len(layout.shapes), len(layout.files))
+    for file, tensors, nbytes in layout.files:
+        logger.debug("%s: %d tensors, %s", file, len(tensors), format_bytes(nbytes))
+    if not args.dry_run:
+        try:
+            write_checkpoint(args.output, config, seed=args.seed, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        except FileExistsError as e:
+            raise OvshardError(str(e)) from e
+    verb = "would write" if args.dry_run else "wrote"
+    print(f"{verb} {args.output}: {layout.parameters:,} parameters, {layout.nbytes:,} bytes "
+          f"({format_bytes(layout.nbytes)}, {dtype}) in {len(layout.files)} safetensors file(s)")
+    return 0
+
+
+def _parse_size(text: str) -> int:
+    try:
+        (size,) = parse_budgets(text)
+    except (PlanError, ValueError) as e:
+        raise OvshardError(f"--max-shard-size {text!r}: expected one size such as 2GB, 500MB or 1.5GiB") from e
+    return size

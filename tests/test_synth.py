@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from ovshard import synth
 from ovshard.arch import arch_for, model_tensors, read_dims
@@ -237,3 +240,125 @@ def test_writing_streams_in_bounded_memory(tmp_path: Path) -> None:
     assert growth < 64 * 2**20, (
         f"peak RSS grew by {growth / 2**20:.0f} MiB while writing {total / 2**20:.0f} MiB"
     )
+
+
+# `ovshard synth`: the command line over write_checkpoint
+
+
+def _synth(*args: str) -> tuple[int, str]:
+    """Run ``ovshard synth ARGS`` in this process; return the exit code and stdout."""
+    import contextlib
+    import io
+
+    from ovshard.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["synth", *args])
+    return code, out.getvalue()
+
+
+def _summary(stdout: str) -> tuple[int, int, int]:
+    """(parameters, bytes, files) from synth's final line."""
+    m = re.search(r"([\d,]+) parameters, ([\d,]+) bytes .* in (\d+) safetensors file", stdout.splitlines()[-1])
+    assert m, stdout
+    return int(m.group(1).replace(",", "")), int(m.group(2).replace(",", "")), int(m.group(3))
+
+
+def test_cli_writes_tiny_checkpoint_that_transformers_loads(tmp_path: Path) -> None:
+    """`ovshard synth tiny` writes a checkpoint AutoModelForCausalLM loads with the tiny config and no gaps."""
+    out = tmp_path / "tiny"
+    code, stdout = _synth("tiny", "-o", str(out), "--seed", "3")
+    assert code == 0
+    assert stdout.startswith(f"wrote {out}: ")
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    tiny = SHAPES["tiny"]
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        assert getattr(model.config, key) == tiny[key], key
+    parameters, nbytes, files = _summary(stdout)
+    assert parameters == sum(p.numel() for p in model.parameters()) and nbytes == 4 * parameters and files == 1
+    again = write_checkpoint(tmp_path / "api", SHAPES["tiny"], seed=3)
+    assert (out / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("name", "parameters"),
+    [("llama-3.2-1b", 1_235_814_400), ("llama-3.1-8b", 8_030_261_248), ("llama-3.1-70b", 70_553_706_496)],
+)
+def test_cli_dry_run_reports_real_size_and_writes_nothing(tmp_path: Path, name: str, parameters: int) -> None:
+    """`--dry-run` on a real shape reports its true parameter count and bytes, and leaves no folder."""
+    code, stdout = _synth(name, "-o", str(tmp_path / name), "--dry-run", "--dtype", "bfloat16")
+    assert code == 0
+    assert stdout.startswith(f"would write {tmp_path / name}: ")
+    reported, nbytes, files = _summary(stdout)
+    assert (reported, nbytes) == (parameters, 2 * parameters)
+    assert files == len(synth.checkpoint_layout(preset(name), "bfloat16", 2 * 10**9).files) > 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_one_layer_of_llama_3_2_1b_has_the_real_tensor_shapes(tmp_path: Path) -> None:
+    """`synth llama-3.2-1b --layers 1` writes the real 1B tensor shapes for one layer, tied, in bf16 (~620 MB)."""
+    out = tmp_path / "1b"
+    code, _ = _synth("llama-3.2-1b", "-o", str(out), "--layers", "1", "--dtype", "bfloat16")
+    assert code == 0
+    ckpt = open_checkpoint(out)
+    expected = {
+        "model.embed_tokens.weight": (128256, 2048),
+        "model.layers.0.input_layernorm.weight": (2048,),
+        "model.layers.0.self_attn.q_proj.weight": (2048, 2048),
+        "model.layers.0.self_attn.k_proj.weight": (512, 2048),
+        "model.layers.0.self_attn.v_proj.weight": (512, 2048),
+        "model.layers.0.self_attn.o_proj.weight": (2048, 2048),
+        "model.layers.0.post_attention_layernorm.weight": (2048,),
+        "model.layers.0.mlp.gate_proj.weight": (8192, 2048),
+        "model.layers.0.mlp.up_proj.weight": (8192, 2048),
+        "model.layers.0.mlp.down_proj.weight": (2048, 8192),
+        "model.norm.weight": (2048,),
+    }  # no lm_head: the 1B ties it to the embedding
+    assert {n: ckpt.tensor_info(n) for n in ckpt.tensor_names()} == {n: ("BF16", s) for n, s in expected.items()}
+    assert ckpt.config == {**preset("llama-3.2-1b"), "num_hidden_layers": 1, "dtype": "bfloat16"}
+    shutil.rmtree(out)  # 620 MB: do not keep it among pytest's retained temp folders
+
+
+def test_cli_accepts_a_llama_config_json(tmp_path: Path) -> None:
+    """A Hugging Face config.json path works, and its legacy torch_dtype becomes the default storage dtype."""
+    config = llama_config(hidden_size=32, head_dim=8, intermediate_size=64, num_hidden_layers=2)
+    del config["dtype"]
+    config["torch_dtype"] = "float16"
+    path = tmp_path / "src" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(config))
+    code, _ = _synth(str(path), "-o", str(tmp_path / "out"))
+    assert code == 0
+    ckpt = open_checkpoint(tmp_path / "out")
+    assert ckpt.config["dtype"] == "float16" and "torch_dtype" not in ckpt.config
+    assert ckpt.tensor_info("model.layers.1.mlp.up_proj.weight") == ("F16", (64, 32))
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_layout_matches_what_is_written(tmp_path: Path) -> None:
+    """checkpoint_layout (what --dry-run reports) names the same files and tensors write_checkpoint writes."""
+    limit = 64 * 1024
+    layout = synth.checkpoint_layout(SHAPES["tiny"], "float32", limit)
+    root = write_checkpoint(tmp_path / "sharded", SHAPES["tiny"], max_shard_bytes=limit)
+    weight_map = json.loads((root / INDEX_FILE).read_text())["weight_map"]
+    assert {n: f for f, names, _ in layout.files for n in names} == weight_map
+    for file, _, nbytes in layout.files:  # a file is an 8-byte header length, the header, then the data
+        with (root / file).open("rb") as f:
+            (header_bytes,) = struct.unpack("<Q", f.read(8))
+        assert (root / file).stat().st_size == 8 + header_bytes + nbytes, file
+    assert sum(b for _, _, b in layout.files) == layout.nbytes
+
+
+def test_cli_unknown_shape_fails_with_the_known_ones() -> None:
+    """An unknown shape name exits 2 with one line listing the shapes and mentioning config.json, no traceback."""
+    run = subprocess.run([sys.executable, "-m", "ovshard.cli", "synth", "llama-9", "-o", "never"],
+                         capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "ovshard synth: error: unknown shape 'llama-9': expected one of tiny, llama-3.2-1b, llama-3.1-8b, "
+        "llama-3.1-70b, or the path of a Hugging Face config.json of a Llama model (or of the folder holding it)"
+    ]
+    assert not (Path(__file__).resolve().parents[1] / "never").exists()
