@@ -28,6 +28,7 @@ golden: setup
 
 bench: setup
 	$(BIN)/python bench/compile_memory.py --stages 2,4 --monolithic
+	CI=true $(BIN)/python bench/suite.py
 
 clean:
 	rm -rf out bench/results .pytest_cache .ruff_cache

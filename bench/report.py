@@ -2,8 +2,9 @@
 (bar plots), and ``<results>/summary.md`` gathered from every scenario JSON in the folder.
 
 A scenario's ``plot`` spec: ``group_by`` (one panel per value of this column), then either ``label``
-(columns joined into each bar's label) with ``value`` (the bar's column), or ``bars`` (several value
-columns, one bar each, labelled by column name); ``skip`` ({column: value}) leaves rows out.
+(a ``str.format`` template over the row, e.g. ``"{runtime}, {stages} stages"``) with ``value`` (the
+bar's column), or ``bars`` (several value columns, one bar each, labelled by column name); ``skip``
+({column: value}) leaves rows out.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def plot(key: str, title: str, rows: list[dict[str, Any]], spec: dict[str, Any],
 def _bars(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[tuple[str, float]]:
     if "bars" in spec:
         return [(column, row[column]) for row in rows for column in spec["bars"]]
-    return [(" ".join(str(row[c]) for c in spec["label"]), row[spec["value"]]) for row in rows]
+    return [(spec["label"].format(**row), row[spec["value"]]) for row in rows]
 
 
 def write_scenario(results: Path, key: str, title: str, result: dict[str, Any], machine: dict[str, Any],

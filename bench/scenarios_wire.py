@@ -172,7 +172,7 @@ def wire_bytes(bench: Bench) -> dict[str, Any]:
         "rows": rows, "summary": summary,
         "notes": ["the header holds the stream, seq, position, mask delta, want, tensor spec and the timings "
                   "of the stages the step passed, so it grows by one timing entry per hop"],
-        "plot": {"ylabel": "bytes per decode step", "group_by": "model", "label": ["stages", "hop"],
+        "plot": {"ylabel": "bytes per decode step", "group_by": "model", "label": "{stages} stages: {hop}",
                  "value": "bytes/step (median)", "skip": {"hop": "all hops"}},
     }
 
