@@ -125,6 +125,14 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int)
     p.add_argument("--stats", choices=("text", "json"), default="text", help="timings on stderr")
+    p.add_argument("--speculative", default="prompt-lookup", metavar="prompt-lookup|draft:PATH|off",
+                   help="drafter: n-gram lookup in the prompt and generated text (default), a one-stage draft "
+                   "bundle with the same tokenizer run on this node, or off (plain decoding)")
+    p.add_argument("--draft-k", default="auto", metavar="N|auto",
+                   help="drafts verified per pipeline traversal; auto picks K from the acceptance rate and "
+                   "the measured step cost (default auto)")
+    p.add_argument("--compact-share", type=float, default=0.5,
+                   help="compact a stream's KV caches when rewound holes reach this share (default 0.5)")
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:

@@ -16,8 +16,11 @@ import openvino as ov
 
 from ovshard.errors import OvshardError
 from ovshard.manifest import Manifest, read_manifest
-from ovshard.runtime.head import Head, Stats
+from ovshard.runtime.decode import Stats
+from ovshard.runtime.head import Head
+from ovshard.runtime.kv import CompactionPolicy
 from ovshard.runtime.sampler import IncrementalDetokenizer, SamplingConfig
+from ovshard.runtime.speculative import Speculation, make_speculation
 from ovshard.runtime.stage import EXACT_HINTS
 from ovshard.runtime.worker import StageWorker, parse_address
 
@@ -67,17 +70,27 @@ def _sampling(args: argparse.Namespace, m: Manifest) -> SamplingConfig:
         raise OvshardError(str(e)) from e
 
 
+def _speculation(args: argparse.Namespace, m: Manifest) -> Speculation | None:
+    try:
+        policy = CompactionPolicy(hole_share=args.compact_share, limit=int(m.runtime_hints["max_positions"]))
+    except ValueError as e:
+        raise OvshardError(f"--compact-share: {e}") from e
+    return make_speculation(args.speculative, args.draft_k, m, config=EXACT_HINTS if getattr(args, "exact", False) else None,
+                            policy=policy)
+
+
 def _generate(args: argparse.Namespace, addresses: list[str]) -> int:
     m = read_manifest(args.bundle)
     text = Text(args.bundle, m)
     prompt = text.encode(args.prompt, args.prompt_ids)
+    speculation = _speculation(args, m)
     head = Head(args.bundle, addresses)
     stats = Stats()
     detok = IncrementalDetokenizer(text.decode)
     if text.tok is not None and not args.prompt_ids:
         sys.stdout.write(args.prompt)
     try:
-        for token in head.generate(prompt, _sampling(args, m), stats):
+        for token in head.generate(prompt, _sampling(args, m), stats, speculation):
             sys.stdout.write(detok.push(token))
             sys.stdout.flush()
         sys.stdout.write(detok.flush() + "\n")

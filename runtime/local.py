@@ -5,12 +5,18 @@ The networked runtime sends the same per-step inputs over TCP; this one calls th
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import openvino as ov
 
 from ovshard.manifest import read_manifest, verify_files
+from ovshard.runtime import decode
+from ovshard.runtime.decode import Scores, Stats
+from ovshard.runtime.sampler import SamplingConfig
+from ovshard.runtime.speculative import Speculation
 from ovshard.runtime.stage import Stage
 
 
@@ -27,6 +33,8 @@ class LocalPipeline:
         self.stages = [Stage(self.bundle, self.manifest, i, core, device, config)
                        for i in range(self.manifest.num_stages)]
         self.position = 0
+        self.max_positions = self.stages[0].max_positions
+        self.vocab_size = int(self.manifest.architecture["vocab_size"])
 
     def reset(self) -> None:
         for stage in self.stages:
@@ -42,6 +50,23 @@ class LocalPipeline:
             boundaries.append(x)
         self.position += len(token_ids)
         return x[0], boundaries[:-1]
+
+    def step(self, tokens: list[int], position: int, want: str, rewind: int = 0, compact: bool = False) -> Scores:
+        """One traversal as the networked runtime does it (decode.Target): rewind, compact, run, score."""
+        x = np.array([tokens], dtype=np.int64)
+        timings = {}
+        for i, stage in enumerate(self.stages):
+            start = time.perf_counter()
+            x = stage.step(x, position, rewind=rewind, compact=compact)
+            timings[f"stage{i}"] = time.perf_counter() - start
+        self.position = position + len(tokens)
+        return Scores.from_logits(x[0], want, timings)
+
+    def generate(self, prompt: list[int], config: SamplingConfig, stats: Stats | None = None,
+                 speculation: Speculation | None = None) -> Iterator[int]:
+        """decode.generate on this pipeline, from an empty cache."""
+        self.reset()
+        return decode.generate(self, prompt, config, stats, speculation)
 
     def generate_greedy(self, prompt: list[int], max_new_tokens: int,
                         eos_ids: tuple[int, ...] = ()) -> tuple[list[int], list[np.ndarray]]:

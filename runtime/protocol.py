@@ -4,7 +4,7 @@ Every message is one frame. All integers are little-endian.
 
     offset  size  field
     0       4     magic            b"OVSH"
-    4       2     version     u16  PROTOCOL_VERSION (1); any other version is refused
+    4       2     version     u16  PROTOCOL_VERSION (2); any other version is refused
     6       1     kind        u8   message kind (table below)
     7       1     flags       u8   reserved, must be 0
     8       4     header_len  u32  bytes of JSON header that follow
@@ -31,15 +31,21 @@ as f16 by default (``ACTIVATION_WIRE_DTYPE``; f32 on request), token ids as i64.
     4     Reset     stream                                         empty a stream's KV cache and mask
     5     Close     stream                                         forget a stream
     6     Step      stream, seq, position, mask_delta, want,       run the new tokens: tensor is input_ids
-                    tensor, timings                                i64 [B,T] or hidden_states [B,T,H];
+                    tensor, timings, rewind, compact               i64 [B,T] or hidden_states [B,T,H];
                                                                    position = first new position id;
                                                                    mask_delta = the mask entries appended
                                                                    for the new tokens (never the whole
-                                                                   mask); want = "argmax" | "topk:K" |
-                                                                   "logits" (what the last stage returns);
+                                                                   mask); want = what the last stage
+                                                                   returns: "argmax" (every row) |
+                                                                   "topk:K" | "logits" (the last row),
+                                                                   "@R" appended = the last R rows;
                                                                    timings: name -> seconds spent by the
-                                                                   stages it passed (per-hop accounting)
-    7     Rewind    stream, count                                  hide the last `count` cached positions
+                                                                   stages it passed (per-hop accounting);
+                                                                   before running, every stage hides its
+                                                                   newest `rewind` visible cached positions
+                                                                   (mask zeroing) and, if `compact`, drops
+                                                                   hidden positions from its cache
+    7     (retired: v1's Rewind; rewinds ride on Step so they stay ordered with it along the chain)
     8     Result    stream, seq, tensor, timings, indices          the last stage's answer to Step `seq`:
                                                                    argmax ids i64 [B,T]; top-k values
                                                                    [B,T,K] with their ids in `indices`
@@ -72,7 +78,7 @@ import numpy.typing as npt
 from ovshard.errors import OvshardError
 
 MAGIC = b"OVSH"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 PREFIX = struct.Struct("<4sHBBII")  # magic, version, kind, flags, header_len, body_len
 PREFIX_SIZE = PREFIX.size  # 16
 MAX_HEADER_BYTES = 64 * 1024
@@ -85,7 +91,7 @@ PROTOCOL_ERROR_CODES = ("bad_magic", "bad_version", "unknown_kind", "oversized",
                         "truncated")
 _INT_LIMIT = 2**63
 _READ_CHUNK = 1 << 20
-_WANT = re.compile(r"argmax|logits|topk:([1-9][0-9]{0,8})")
+_WANT = re.compile(r"(argmax|logits|topk:([1-9][0-9]{0,8}))(?:@([1-9][0-9]{0,8}))?")
 
 
 class ProtocolError(OvshardError):
@@ -190,6 +196,11 @@ def _check_str(where: str, value: Any) -> None:
         raise _fail(where, "a string", value)
 
 
+def _check_bool(where: str, value: Any) -> None:
+    if type(value) is not bool:
+        raise _fail(where, "true or false", value)
+
+
 def _check_opt_str(where: str, value: Any) -> None:
     if value is not None:
         _check_str(where, value)
@@ -239,6 +250,7 @@ def _check_opt_object(where: str, value: Any) -> None:
 _CHECKS = {
     "int": _check_int,
     "str": _check_str,
+    "bool": _check_bool,
     "int | None": _check_opt_int,
     "str | None": _check_opt_str,
     "Tensor": _check_tensor,
@@ -333,21 +345,16 @@ class Step(_Message):
     seq: int
     position: int  # first position id of the new tokens
     mask_delta: tuple[int, ...]  # mask entries appended for the new tokens (never the whole mask)
-    want: str  # "argmax" | "topk:K" | "logits"
+    want: str  # "argmax" | "topk:K" | "logits", optionally "@R" (the last R rows)
     tensor: Tensor  # input_ids i64 [B,T] or hidden_states [B,T,H]
     timings: dict[str, float] = field(default_factory=dict)  # seconds each earlier stage spent on it
+    rewind: int = 0  # newest visible cached positions to hide before running (rejected drafts)
+    compact: bool = False  # drop hidden positions from the cache before running
 
     def _check(self) -> None:
         if any(entry not in (0, 1) for entry in self.mask_delta):
             raise _fail("Step.mask_delta", "entries 0 or 1", self.mask_delta)
         parse_want(self.want)
-
-
-@_message(7)
-@dataclass(frozen=True)
-class Rewind(_Message):
-    stream: int
-    count: int  # cached positions to hide, newest first
 
 
 @_message(8)
@@ -390,15 +397,17 @@ class Pong(_Message):
     nonce: int
 
 
-Message = Hello | HelloOk | Open | Reset | Close | Step | Rewind | Result | Error | Ping | Pong
+Message = Hello | HelloOk | Open | Reset | Close | Step | Result | Error | Ping | Pong
 
 
-def parse_want(want: str) -> tuple[str, int | None]:
-    """("argmax", None) | ("logits", None) | ("topk", K) from a Step's ``want``."""
+def parse_want(want: str) -> tuple[str, int | None, int | None]:
+    """(mode, K, rows) from a Step's ``want``: mode "argmax" | "logits" | "topk" (K its k, else None);
+    rows = the last R rows asked for, None for the default (every row for argmax, the last for others)."""
     match = _WANT.fullmatch(want)
     if match is None:
-        raise _fail("Step.want", '"argmax", "logits" or "topk:K" with K >= 1', want)
-    return ("topk", int(match.group(1))) if match.group(1) else (want, None)
+        raise _fail("Step.want", '"argmax", "logits" or "topk:K" with K >= 1, optionally "@R" with R >= 1', want)
+    mode, k, rows = match.groups()
+    return ("topk" if k else mode), (int(k) if k else None), (int(rows) if rows else None)
 
 
 def encode(msg: Message) -> bytes:

@@ -16,25 +16,14 @@ import openvino as ov
 from ovshard import names
 from ovshard.errors import BundleError
 from ovshard.manifest import Manifest, StageEntry
+from ovshard.runtime.kv import KVCache, StepInputs, step_inputs
+
+__all__ = ["EXACT_HINTS", "Stage", "step_inputs"]
 
 log = logging.getLogger(__name__)
 
 # Hints that make a CPU stage compute like the Hugging Face reference (tests, verification).
 EXACT_HINTS = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
-
-
-def step_inputs(primary: str, x: np.ndarray, mask: list[int], position: int, max_positions: int) -> dict:
-    """One step's inputs: x is ids [1, T] or activations [1, T, H]; mask covers cache + the T new tokens."""
-    seq = x.shape[1]
-    if position + seq > max_positions:
-        raise BundleError(f"position {position + seq - 1} is beyond this bundle's rotary table "
-                          f"({max_positions} positions); recompile with a larger --max-positions")
-    return {
-        primary: x,
-        names.ATTENTION_MASK: np.array([mask], dtype=np.int64),  # [1, cache + T]
-        names.POSITION_IDS: np.arange(position, position + seq, dtype=np.int64)[None, :],  # [1, T]
-        names.BEAM_IDX: np.zeros(1, dtype=np.int32),
-    }
 
 
 class Stage:
@@ -50,19 +39,21 @@ class Stage:
         path = Path(bundle) / self.entry.model_xml
         log.info("stage %d: compiling %s on %s", index, path.name, device)
         self.compiled = core.compile_model(str(path), device, config or {})
-        self.request = self.compiled.create_infer_request()
-        self.mask: list[int] = []  # one entry per cached position, 1 = visible
+        self.cache = KVCache(self.compiled.create_infer_request())
         self.primary = names.INPUT_IDS if index == 0 else names.HIDDEN_STATES
         # The activation output is port 0. A middle stage's output tensor is named hidden_states like
         # its input; OpenVINO's IR reader makes tensor names unique, so it reads back as hidden_states_1.
         self.output = self.compiled.output(0)
 
     def reset(self) -> None:
-        self.request.reset_state()
-        self.mask = []
+        self.cache.reset()
 
-    def step(self, x: np.ndarray, position: int, new_mask: list[int] | None = None) -> np.ndarray:
-        """Run new tokens through the stage. x: ids [1, T] or hidden [1, T, H]; position: the first's id."""
-        self.mask += new_mask if new_mask is not None else [1] * x.shape[1]
-        inputs = step_inputs(self.primary, x, self.mask, position, self.max_positions)
-        return self.request.infer(inputs)[self.output].copy()
+    def step(self, x: np.ndarray, position: int, new_mask: list[int] | None = None, rewind: int = 0,
+             compact: bool = False) -> np.ndarray:
+        """Run new tokens through the stage. x: ids [1, T] or hidden [1, T, H]; position: the first's id.
+
+        ``rewind`` hides the newest cached positions first and ``compact`` drops hidden ones (see kv.py).
+        """
+        delta = tuple(new_mask) if new_mask is not None else (1,) * x.shape[1]
+        inputs = StepInputs(self.primary, x, position, delta, self.max_positions)
+        return self.cache.step(inputs, self.output, rewind, compact).copy()

@@ -1,7 +1,7 @@
 """A stage worker: serves one stage of a bundle over TCP in the chain head -> 0 -> ... -> N-1 -> head.
 
-Connections start with Hello. A *head* connection carries Open/Reset/Close/Rewind/Ping (and, at
-stage 0, Step); the last stage answers every Step on the head connection that opened the stream. An
+Connections start with Hello. A *head* connection carries Open/Reset/Close/Ping (and, at stage 0,
+Step); the last stage answers every Step on the head connection that opened the stream. An
 *upstream* connection (from the previous stage) carries Step. A stage before the last connects to
 the ``next_hop`` the head names and forwards each Step, its input replaced by the activations. One
 network traversal per decode step. A malformed frame gets an Error and closes that connection only.
@@ -13,7 +13,7 @@ import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,8 @@ from ovshard import names
 from ovshard.errors import BundleError, OvshardError
 from ovshard.manifest import read_manifest, sha256_file, verify_files
 from ovshard.runtime import protocol as p
-from ovshard.runtime.stage import step_inputs
+from ovshard.runtime.decode import Scores
+from ovshard.runtime.kv import KVCache, StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +56,10 @@ class Connection:
 
 @dataclass
 class StreamSlot:
-    """One user stream at this stage: its stateful request and the mask over its KV cache."""
+    """One user stream at this stage: its KV cache (stateful request + mask) and its head."""
 
-    request: ov.InferRequest
+    cache: KVCache
     head: Connection | None  # where the last stage sends this stream's results
-    mask: list[int] = field(default_factory=list)
 
 
 class StageWorker:
@@ -193,17 +193,13 @@ class StageWorker:
             conn.send(p.Pong(msg.nonce))
         elif isinstance(msg, p.Open):
             with self.opened:
-                self.streams[msg.stream] = StreamSlot(self.compiled.create_infer_request(),
+                self.streams[msg.stream] = StreamSlot(KVCache(self.compiled.create_infer_request()),
                                                       conn if role == "head" else None)
                 self.opened.notify_all()
         elif isinstance(msg, p.Reset):
-            slot = self._slot(msg.stream)
-            slot.request.reset_state()
-            slot.mask = []
+            self._slot(msg.stream).cache.reset()
         elif isinstance(msg, p.Close):
             self.streams.pop(msg.stream, None)
-        elif isinstance(msg, p.Rewind):
-            self._rewind(self._slot(msg.stream), msg.count)
         elif isinstance(msg, p.Step):
             self._step(conn, msg)
         else:
@@ -219,13 +215,6 @@ class StageWorker:
             raise OvshardError(f"stream {stream} is not open at stage {self.stage}; send Open first")
         return slot
 
-    @staticmethod
-    def _rewind(slot: StreamSlot, count: int) -> None:
-        """Hide the last ``count`` visible positions: the mask is zeroed, the KV cache stays as is."""
-        visible = [i for i, m in enumerate(slot.mask) if m]
-        for i in visible[len(visible) - count:] if count else []:
-            slot.mask[i] = 0
-
     def _step(self, conn: Connection, msg: p.Step) -> None:
         slot = self._slot(msg.stream)
         x = msg.tensor.to_array()
@@ -235,32 +224,30 @@ class StageWorker:
                                "mask entries")
         start = time.perf_counter()
         primary = names.INPUT_IDS if self.stage == 0 else names.HIDDEN_STATES
-        inputs = step_inputs(primary, x if self.stage == 0 else x.astype(np.float32), slot.mask + list(msg.mask_delta),
-                             msg.position, self.max_positions)
-        slot.mask.extend(msg.mask_delta)
-        out = slot.request.infer(inputs)[self.compiled.output(0)]
+        inputs = StepInputs(primary, x if self.stage == 0 else x.astype(np.float32), msg.position,
+                            msg.mask_delta, self.max_positions)
+        try:
+            out = slot.cache.step(inputs, self.compiled.output(0), msg.rewind, msg.compact)
+        except ValueError as e:  # a rewind past the start of the cache
+            raise OvshardError(f"Step of stream {msg.stream}: {e}") from e
         timings = {**msg.timings, f"stage{self.stage}": time.perf_counter() - start}
         if not self.last:
             if self.downstream is None:
                 raise OvshardError(f"stage {self.stage} has no next stage: the head did not name one")
             self.downstream.send(p.Step(msg.stream, msg.seq, msg.position, msg.mask_delta, msg.want,
-                                        p.Tensor.from_array(out, self.wire_dtype), timings))
+                                        p.Tensor.from_array(out, self.wire_dtype), timings, msg.rewind,
+                                        msg.compact))
             return
         (slot.head or conn).send(self._answer(msg, out, timings))
 
-    def _answer(self, msg: p.Step, logits: np.ndarray, timings: dict[str, float]) -> p.Result:
-        """What the head's sampler needs, and no more: argmax ids, top-k, or the last row of logits."""
-        mode, k = p.parse_want(msg.want)
-        if mode == "argmax":
-            ids = logits.argmax(-1).astype(np.int64)  # [B, T]
-            return p.Result(msg.stream, msg.seq, p.Tensor.from_array(ids), timings)
-        last = logits[:, -1:, :]  # [B, 1, V]
-        if mode == "topk":
-            idx = np.argsort(-last, axis=-1, kind="stable")[..., :k]
-            values = np.take_along_axis(last, idx, -1)
-            return p.Result(msg.stream, msg.seq, p.Tensor.from_array(values, "f32"), timings,
-                            p.Tensor.from_array(idx.astype(np.int64)))
-        return p.Result(msg.stream, msg.seq, p.Tensor.from_array(last, "f32"), timings)
+    @staticmethod
+    def _answer(msg: p.Step, logits: np.ndarray, timings: dict[str, float]) -> p.Result:
+        """What the head's sampler needs, and no more: argmax ids, top-k, or rows of logits."""
+        scores = Scores.from_logits(logits[0], msg.want)
+        indices = None if scores.indices is None else p.Tensor.from_array(scores.indices[None])
+        values = scores.values[None]
+        return p.Result(msg.stream, msg.seq, p.Tensor.from_array(values, None if values.dtype == np.int64 else "f32"),
+                        timings, indices)
 
 
 def connect(address: str, stage: int, fingerprint: str, role: str, next_hop: str | None = None,

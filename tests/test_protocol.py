@@ -32,7 +32,6 @@ from ovshard.runtime.protocol import (
     ProtocolError,
     Reset,
     Result,
-    Rewind,
     Step,
     Tensor,
     decode,
@@ -52,7 +51,7 @@ EXAMPLES: list[Message] = [
     Close(7),
     Step(7, 0, 0, (1, 1, 1), "argmax", ids),
     Step(7, 1, 3, (1,), "topk:40", Tensor.from_array(np.ones((1, 1, 64), np.float32))),
-    Rewind(7, 3),
+    Step(7, 2, 4, (1,) * 5, "logits@5", ids, {"stage0": 0.001}, rewind=3, compact=True),
     Result(7, 1, Tensor.from_array(np.array([[42]], np.int64)), {"infer": 0.0125, "queue": 0}),
     Result(7, 2, Tensor.from_array(np.ones((1, 1, 4), np.float32), "f32"), {},
            indices=Tensor.from_array(np.array([[[5, 9, 2, 1]]], np.int64))),
@@ -183,10 +182,12 @@ def test_a_decode_step_of_one_token_costs_the_activations_plus_a_small_header() 
 
 def test_want_is_parsed_and_checked() -> None:
     """Step.want is argmax, logits or topk:K with K >= 1; anything else is refused when built."""
-    assert parse_want("argmax") == ("argmax", None)
-    assert parse_want("logits") == ("logits", None)
-    assert parse_want("topk:40") == ("topk", 40)
-    for bad in ("topk:0", "topk:", "topk:-1", "topk:07", "greedy", "ARGMAX"):
+    assert parse_want("argmax") == ("argmax", None, None)
+    assert parse_want("logits") == ("logits", None, None)
+    assert parse_want("topk:40") == ("topk", 40, None)
+    assert parse_want("argmax@5") == ("argmax", None, 5)
+    assert parse_want("topk:8@11") == ("topk", 8, 11)
+    for bad in ("topk:0", "topk:", "topk:-1", "topk:07", "greedy", "ARGMAX", "logits@0", "logits@", "@3"):
         with pytest.raises(ProtocolError) as e:
             Step(0, 0, 0, (1,), bad, ids)
         assert e.value.code == "bad_header"
@@ -370,8 +371,8 @@ _messages: st.SearchStrategy[Message] = st.one_of(
     st.integers(1, 64).flatmap(lambda n: st.builds(HelloOk, st.integers(0, n - 1), _text, st.just(n))),
     st.builds(Open, _ints), st.builds(Reset, _ints), st.builds(Close, _ints),
     st.builds(Step, _ints, _ints, _ints, st.lists(st.sampled_from([0, 1]), max_size=8).map(tuple),
-              st.sampled_from(["argmax", "logits", "topk:1", "topk:40"]), _tensors()),
-    st.builds(Rewind, _ints, _ints),
+              st.sampled_from(["argmax", "logits", "topk:1", "topk:40", "logits@9", "argmax@2"]), _tensors(),
+              st.just({}), _ints, st.booleans()),
     st.builds(Result, _ints, _ints, _tensors(),
               st.dictionaries(_text, st.floats(allow_nan=False, allow_infinity=False) | _ints, max_size=4)),
     st.builds(Error, _text.filter(bool), _text, st.none() | _ints),

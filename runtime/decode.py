@@ -1,0 +1,227 @@
+"""The decode loop: plain or speculative, over any target that runs tokens through every stage.
+
+Each step sends the tokens not yet in the cache (the prompt first, then the last accepted token) plus
+K drafted tokens through the pipeline in one traversal, and reads back K+1 rows. The accept rule
+(greedy or speculative sampling, see speculative.py) keeps a prefix of the drafts and adds one token
+of the target's own. The rejected drafts are hidden in every stage's cache by the *next* Step's
+``rewind`` (mask zeroing, which travels with that Step so every stage applies it in order), and the
+next position id continues from the logical length. With no drafter, K = 0 and this is plain decoding.
+
+A target is anything with ``step(tokens, position, want, rewind, compact) -> Scores``,
+``max_positions`` and ``vocab_size``: the head over TCP, or the in-process LocalPipeline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from ovshard.runtime.kv import CacheMask, CompactionPolicy
+from ovshard.runtime.protocol import parse_want
+from ovshard.runtime.sampler import (
+    SamplingConfig,
+    make_rng,
+    probabilities,
+    sample,
+    sample_from_topk,
+    should_stop,
+)
+from ovshard.runtime.speculative import Speculation, accept
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The last stage's answer for the last R rows: argmax ids [R], top-k values and ids [R, K], or
+    logits [R, V]. Row i scores the token after the i-th of those R fed tokens."""
+
+    values: np.ndarray
+    indices: np.ndarray | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_logits(cls, logits: np.ndarray, want: str, timings: dict[str, float] | None = None) -> Scores:
+        """What a last stage sends for ``want``, from its logits [T, V] (the reference for the wire)."""
+        mode, k, rows = parse_want(want)
+        if mode == "argmax":
+            ids = logits.argmax(-1).astype(np.int64)
+            return cls(ids[-rows:] if rows else ids, None, timings or {})
+        last = logits[-(rows or 1):]
+        if mode == "topk":
+            idx = np.argsort(-last, axis=-1, kind="stable")[:, :k]
+            return cls(np.take_along_axis(last, idx, -1), idx.astype(np.int64), timings or {})
+        return cls(last, None, timings or {})
+
+    @property
+    def rows(self) -> int:
+        return int(self.values.shape[0])
+
+    def argmax(self, row: int) -> int:
+        values = self.values[row]
+        if values.ndim == 0:
+            return int(values)
+        if self.indices is not None:  # top-k entries: the largest value, lowest id among ties
+            ids = self.indices[row]
+            return int(ids[np.lexsort((ids, -values))[0]])
+        return int(np.argmax(values))
+
+    def pick(self, row: int, config: SamplingConfig, rng: np.random.Generator) -> int:
+        """Plain sampling from one row (what a step without drafts does)."""
+        if config.greedy:
+            return self.argmax(row)
+        if self.indices is not None:
+            return sample_from_topk(self.values[row], self.indices[row], config, rng)
+        return sample(self.values[row].astype(np.float64), config, rng)
+
+    def probabilities(self, row: int, config: SamplingConfig, vocab: int) -> np.ndarray:
+        """The target distribution p of one row over the whole vocabulary (float64, sums to 1)."""
+        if self.indices is None:
+            return probabilities(self.values[row], config)
+        local = probabilities(self.values[row], config)  # over the K entries, in their order
+        p = np.zeros(vocab)
+        p[self.indices[row]] = local
+        return p
+
+
+def want_for(config: SamplingConfig, rows: int) -> str:
+    """The least a last stage must send for ``rows`` rows under this sampling config."""
+    if config.greedy:
+        mode = "argmax"
+    elif config.top_k > 0 and config.top_p == 1:
+        mode = f"topk:{config.top_k}"
+    else:
+        mode = "logits"
+    return mode if rows == 1 and mode != "argmax" else f"{mode}@{rows}"
+
+
+class Target(Protocol):
+    max_positions: int
+    vocab_size: int
+
+    def step(self, tokens: list[int], position: int, want: str, rewind: int, compact: bool) -> Scores: ...
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    first_token_s: float = 0.0
+    total_s: float = 0.0
+    step_s: list[float] = field(default_factory=list)  # head-measured round trip of each step
+    stage_s: list[dict[str, float]] = field(default_factory=list)  # each stage's compute per step
+    step_tokens: list[int] = field(default_factory=list)  # tokens each step produced
+    step_fed: list[int] = field(default_factory=list)  # tokens each step sent through the pipeline
+    draft_s: float = 0.0
+    speculative: str = "off"
+    drafted: int = 0
+    accepted: int = 0
+    k_chosen: list[int] = field(default_factory=list)
+    rewinds: int = 0
+    rewound_positions: int = 0
+    compactions: int = 0
+
+    def to_dict(self) -> dict:
+        """Decode-phase figures (the first step, the prefill, is in time_to_first_token_s).
+
+        per-hop network ms = (step round trip - sum of stage compute) / hops, hops = stages + 1
+        (head -> stage 0 -> ... -> last -> head): transfer, serialisation and waiting.
+        """
+        decode, stages = self.step_s[1:], self.stage_s[1:]
+        report: dict = {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+                        "time_to_first_token_s": round(self.first_token_s, 4)}
+        if decode:
+            compute = [sum(s.values()) for s in stages]
+            hops = len(stages[0]) + 1
+            report["decode_tokens_per_s"] = round(sum(self.step_tokens[1:]) / (sum(decode) + self.draft_s), 2)
+            report["mean_step_ms"] = round(1000 * float(np.mean(decode)), 3)
+            for name in stages[0]:
+                report[f"{name}_compute_ms"] = round(1000 * float(np.mean([s[name] for s in stages])), 3)
+            report["per_hop_network_ms"] = round(1000 * float(np.mean(decode) - np.mean(compute)) / hops, 3)
+        if self.speculative != "off":
+            steps = len(self.step_s)
+            report.update({
+                "speculative": self.speculative,
+                "drafted": self.drafted,
+                "accepted": self.accepted,
+                "acceptance_rate": round(self.accepted / self.drafted, 3) if self.drafted else 0.0,
+                "mean_accepted_per_step": round(self.accepted / steps, 3) if steps else 0.0,
+                "tokens_per_step": round(self.new_tokens / steps, 3) if steps else 0.0,
+                "mean_k": round(float(np.mean(self.k_chosen)), 2) if self.k_chosen else 0.0,
+                "rewinds": self.rewinds,
+                "rewound_positions": self.rewound_positions,
+                "compactions": self.compactions,
+            })
+        return report
+
+
+def generate(target: Target, prompt: list[int], config: SamplingConfig, stats: Stats | None = None,
+             speculation: Speculation | None = None) -> Iterator[int]:
+    """Yield tokens until an eos id or max_tokens; plain decoding when ``speculation`` is None."""
+    stats = stats if stats is not None else Stats()
+    speculation = speculation.fresh() if speculation else None
+    rng = make_rng(config)
+    policy = speculation.policy if speculation else CompactionPolicy(limit=target.max_positions)
+    if speculation:
+        stats.speculative = speculation.name
+    stats.prompt_tokens = len(prompt)
+    start = time.perf_counter()
+    try:
+        yield from _loop(target, prompt, config, stats, speculation, policy, rng, start)
+    finally:
+        stats.total_s = time.perf_counter() - start
+
+
+def _loop(target: Target, prompt: list[int], config: SamplingConfig, stats: Stats,
+          speculation: Speculation | None, policy: CompactionPolicy, rng: np.random.Generator,
+          start: float) -> Iterator[int]:
+    book = CacheMask()  # a mirror of every stage's mask for this stream
+    history, tokens, pending, rewind = list(prompt), [], list(prompt), 0
+    while True:
+        room = min(config.max_tokens - len(tokens) - 1, target.max_positions - book.visible - len(pending))
+        drafts, q, draft_s = [], None, 0.0
+        if speculation and room > 0:
+            t0 = time.perf_counter()
+            k = min(speculation.choose_k(), room)
+            drafts, q = speculation.drafter.draft(history, k, config, rng)
+            draft_s = time.perf_counter() - t0
+            stats.draft_s += draft_s if tokens else 0.0
+            stats.k_chosen.append(k)
+        feed = pending + list(drafts)
+        compact = policy.wants(book, len(feed))
+        t0 = time.perf_counter()
+        scores = target.step(feed, book.visible, want_for(config, len(drafts) + 1), rewind, compact)
+        elapsed = time.perf_counter() - t0
+        if compact:
+            stats.compactions += 1
+            book.compact()
+        book.append([1] * len(feed))
+        new = accept(drafts, q, scores, config, rng, target.vocab_size)
+        rewind = len(drafts) - (len(new) - 1)
+        book.rewind(rewind)
+        stats.step_s.append(elapsed)
+        stats.stage_s.append(dict(scores.timings))
+        stats.step_fed.append(len(feed))
+        stats.drafted += len(drafts)
+        stats.accepted += len(new) - 1
+        stats.rewinds += rewind > 0
+        stats.rewound_positions += rewind
+        if speculation:
+            speculation.observe(len(drafts), len(new) - 1, elapsed, len(feed), draft_s)
+        if not tokens:
+            stats.first_token_s = time.perf_counter() - start
+        produced = 0
+        for token in new:
+            tokens.append(token)
+            produced += 1
+            stats.new_tokens = len(tokens)
+            yield token
+            if should_stop(tokens, config):
+                stats.step_tokens.append(produced)
+                return
+        stats.step_tokens.append(produced)
+        history += new
+        pending = [new[-1]]
+
