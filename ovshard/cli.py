@@ -105,6 +105,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="CPU", help="OpenVINO device: CPU, GPU, NPU, AUTO (default CPU)")
     p.add_argument("--exact", action="store_true", help="f32 inference and KV cache (parity with HF)")
     p.add_argument("--wire-f32", action="store_true", help="send activations as f32 (default f16)")
+    p.add_argument("--threads", type=int, help="CPU threads for this stage (default: all); give stages "
+                   "that share a machine a share each")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -119,6 +121,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default="Once upon a time")
     p.add_argument("--prompt-ids", help="comma-separated token ids (for bundles without a tokenizer)")
+    p.add_argument("--prompts-file", type=Path,
+                   help="one prompt per line (token ids per line without a tokenizer); all are generated over "
+                   "--streams concurrent streams and printed in order")
+    p.add_argument("--streams", type=int, default=4, help="concurrent streams for --prompts-file (default 4)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
@@ -142,6 +148,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("bundle", type=Path)
     p.add_argument("--local", action="store_true", required=True, help="workers on this machine")
     p.add_argument("--exact", action="store_true", help="f32 inference and KV cache (parity with HF)")
+    p.add_argument("--threads", type=int, help="CPU threads per worker process (default: all)")
     _add_sampling(p)
 
 

@@ -20,14 +20,25 @@ from ovshard.runtime.decode import Stats
 from ovshard.runtime.head import Head
 from ovshard.runtime.kv import CompactionPolicy
 from ovshard.runtime.sampler import IncrementalDetokenizer, SamplingConfig
+from ovshard.runtime.session import Session
 from ovshard.runtime.speculative import Speculation, make_speculation
 from ovshard.runtime.stage import EXACT_HINTS
 from ovshard.runtime.worker import StageWorker, parse_address
 
 
+def stage_config(exact: bool, threads: int | None) -> dict[str, str] | None:
+    """OpenVINO properties of a stage: f32 hints for --exact, a thread count for --threads."""
+    config = dict(EXACT_HINTS) if exact else {}
+    if threads is not None:
+        if threads < 1:
+            raise OvshardError(f"--threads {threads}: expected at least 1 CPU thread per stage")
+        config["INFERENCE_NUM_THREADS"] = str(threads)
+    return config or None
+
+
 def serve(args: argparse.Namespace) -> int:
     host, port = parse_address(args.listen)
-    worker = StageWorker(args.bundle, args.stage, args.device, EXACT_HINTS if args.exact else None,
+    worker = StageWorker(args.bundle, args.stage, args.device, stage_config(args.exact, args.threads),
                          wire_dtype="f32" if args.wire_f32 else "f16")
     try:
         worker.serve(host, port)
@@ -82,26 +93,77 @@ def _speculation(args: argparse.Namespace, m: Manifest) -> Speculation | None:
 def _generate(args: argparse.Namespace, addresses: list[str]) -> int:
     m = read_manifest(args.bundle)
     text = Text(args.bundle, m)
-    prompt = text.encode(args.prompt, args.prompt_ids)
+    config = _sampling(args, m)
     speculation = _speculation(args, m)
+    if args.prompts_file:
+        prompts = _read_prompts(args.prompts_file)
+        encoded = [text.encode(p, None) for p in prompts] if text.tok else [text.encode("", p) for p in prompts]
+        head = Head(args.bundle, addresses)
+        try:
+            return _generate_many(args, head, text, prompts, encoded, config, speculation)
+        finally:
+            head.close()
+    prompt = text.encode(args.prompt, args.prompt_ids)
     head = Head(args.bundle, addresses)
     stats = Stats()
     detok = IncrementalDetokenizer(text.decode)
     if text.tok is not None and not args.prompt_ids:
         sys.stdout.write(args.prompt)
+        for token in prompt:  # the first word's leading space depends on what precedes it
+            detok.push(token)
     try:
-        for token in head.generate(prompt, _sampling(args, m), stats, speculation):
+        for token in head.generate(prompt, config, stats, speculation):
             sys.stdout.write(detok.push(token))
             sys.stdout.flush()
         sys.stdout.write(detok.flush() + "\n")
     finally:
         head.close()
-    report = stats.to_dict()
+    _print_stats(args, stats.to_dict())
+    return 0
+
+
+def _print_stats(args: argparse.Namespace, report: dict) -> None:
     if args.stats == "json":
         print(json.dumps(report), file=sys.stderr)
     else:
         print(", ".join(f"{k}={v}" for k, v in report.items()), file=sys.stderr)
-    return 0
+
+
+def _read_prompts(path: Path) -> list[str]:
+    """One prompt per non-empty line (without a tokenizer: comma-separated token ids per line)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise OvshardError(f"--prompts-file {path}: {e.strerror or e}") from e
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise OvshardError(f"--prompts-file {path} has no prompts: write one prompt per line")
+    return prompts
+
+
+def _generate_many(args: argparse.Namespace, head: Head, text: Text, prompts: list[str], encoded: list[list[int]],
+                   config: SamplingConfig, speculation: Speculation | None) -> int:
+    """Every prompt over --streams concurrent streams; completions printed in prompt order."""
+    start = time.perf_counter()
+    session = Session(head, args.streams, speculation)
+    try:
+        requests = session.run_all(encoded, config)
+    finally:
+        session.close()
+    wall = time.perf_counter() - start
+    failed = 0
+    for prompt, request in zip(prompts, requests, strict=True):
+        print(f"=== [{request.index}] " + (prompt if text.tok else ""))
+        if request.error is not None:
+            failed += 1
+            print(f"error: {request.error}")
+            continue
+        print(text.decode(encoded[request.index] + request.result()) if text.tok else text.decode(request.result()))
+    total = sum(r.stats.new_tokens for r in requests)
+    summary = {"prompts": len(requests), "streams": args.streams, "new_tokens": total, "wall_s": round(wall, 3),
+               "tokens_per_s": round(total / wall, 2), "failed": failed}
+    _print_stats(args, summary)
+    return 1 if failed else 0
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -115,7 +177,7 @@ def free_port() -> int:
 
 
 @contextmanager
-def local_workers(bundle: Path, exact: bool = False, timeout: float = 120.0):
+def local_workers(bundle: Path, exact: bool = False, timeout: float = 120.0, threads: int | None = None):
     """One ``ovshard serve`` process per stage on loopback; yields their addresses; stops them after."""
     m = read_manifest(bundle)
     addresses = [f"127.0.0.1:{free_port()}" for _ in m.stages]
@@ -123,7 +185,8 @@ def local_workers(bundle: Path, exact: bool = False, timeout: float = 120.0):
     try:
         for i, address in enumerate(addresses):
             cmd = [sys.executable, "-m", "ovshard.cli", "-q", "serve", str(bundle), "--stage", str(i),
-                   "--listen", address] + (["--exact"] if exact else [])
+                   "--listen", address] + (["--exact"] if exact else []) + (
+                   ["--threads", str(threads)] if threads else [])
             procs.append(subprocess.Popen(cmd))
         for address, proc in zip(addresses, procs, strict=True):
             _wait_listening(address, proc, timeout)
@@ -150,5 +213,5 @@ def _wait_listening(address: str, proc: subprocess.Popen, timeout: float) -> Non
 
 
 def run(args: argparse.Namespace) -> int:
-    with local_workers(args.bundle, args.exact) as addresses:
+    with local_workers(args.bundle, args.exact, threads=args.threads) as addresses:
         return _generate(args, addresses)

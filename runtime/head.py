@@ -3,6 +3,13 @@
 It connects to every stage (handshake: protocol, bundle fingerprint, stage index), tells each stage
 where the next one listens, then for every step sends the new tokens to stage 0 and waits for the
 last stage's Result. Only the mask *delta* travels; the stages keep the mask.
+
+Streams: each stream has its own InferRequest (KV cache) at every stage, all from the stage's one
+compiled model. Any number of threads may call :meth:`Head.step` / :meth:`Head.generate` at once,
+one stream each: a reader thread per connection hands each Result to the step waiting for its
+``seq``, and no lock is held while waiting. A stream has at most one step in flight and every stage
+serves steps in arrival order, so the streams share each stage round-robin; while stage 1 computes
+stream A's step, stage 0 already computes stream B's.
 """
 
 from __future__ import annotations
@@ -11,7 +18,6 @@ import itertools
 import queue
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,53 +48,83 @@ class Head:
         for i in reversed(range(len(addresses))):
             nxt = addresses[i + 1] if i + 1 < len(addresses) else None
             self.socks[i] = connect(addresses[i], i, fingerprint, "head", nxt, timeout)
-        self.inbox: queue.Queue = queue.Queue()
+        self.write_locks = [threading.Lock() for _ in self.socks]
+        self.lock = threading.Lock()  # guards waiting and broken
+        self.waiting: dict[int, tuple[int, queue.Queue]] = {}  # seq -> (stream, where its answer goes)
+        self.broken: OvshardError | None = None
         for i, sock in enumerate(self.socks):
             threading.Thread(target=self._read, args=(i, sock), daemon=True).start()
         self.streams = itertools.count()
         self.seq = itertools.count()
 
     def _read(self, stage: int, sock: socket.socket) -> None:
+        """Route each answer to the step waiting for it; a failed connection fails every waiting step."""
+        where = f"stage {stage} at {self.addresses[stage]}"
         try:
             while True:
-                self.inbox.put((stage, p.read_message(sock)))
+                msg = p.read_message(sock)
+                with self.lock:
+                    if isinstance(msg, p.Result):
+                        targets = [self.waiting[msg.seq][1]] if msg.seq in self.waiting else []
+                    elif isinstance(msg, p.Error):
+                        targets = [q for s, q in self.waiting.values() if msg.stream in (None, s)]
+                        msg = OvshardError(f"{where} reported {msg.code}: {msg.message}")
+                    else:
+                        targets = []
+                for target in targets:
+                    target.put(msg)
         except (p.ConnectionClosed, p.ProtocolError, OSError) as e:
-            self.inbox.put((stage, e))
+            with self.lock:
+                self.broken = OvshardError(f"{where} closed the connection: {e}")
+                for _, target in self.waiting.values():
+                    target.put(self.broken)
 
     def close(self) -> None:
         for sock in self.socks:
             sock.close()
 
+    def _send(self, stage: int, msg: p.Message) -> None:
+        with self.write_locks[stage]:
+            p.write_message(self.socks[stage], msg)
+
     def _broadcast(self, msg: p.Message) -> None:
-        for sock in self.socks:
-            p.write_message(sock, msg)
+        for i in range(len(self.socks)):
+            self._send(i, msg)
 
     def open_stream(self) -> int:
         stream = next(self.streams)
         self._broadcast(p.Open(stream))
         return stream
 
+    def close_stream(self, stream: int) -> None:
+        try:
+            self._broadcast(p.Close(stream))
+        except OSError:
+            pass  # the connection is gone; so is the stream
+
     def step(self, stream: int, position: int, tokens: list[int], want: str, rewind: int = 0,
              compact: bool = False) -> p.Result:
-        """Send new tokens through the chain; return the last stage's Result."""
+        """Send new tokens through the chain; return the last stage's Result. Thread-safe."""
         seq = next(self.seq)
-        ids = p.Tensor.from_array(np.array([tokens], dtype=np.int64))
-        p.write_message(self.socks[0], p.Step(stream, seq, position, (1,) * len(tokens), want, ids, {}, rewind,
-                                              compact))
-        deadline = time.monotonic() + self.timeout
-        while True:
+        answer: queue.Queue = queue.Queue()
+        with self.lock:
+            if self.broken is not None:
+                raise self.broken
+            self.waiting[seq] = (stream, answer)
+        try:
+            ids = p.Tensor.from_array(np.array([tokens], dtype=np.int64))
+            self._send(0, p.Step(stream, seq, position, (1,) * len(tokens), want, ids, {}, rewind, compact))
             try:
-                stage, msg = self.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+                msg = answer.get(timeout=self.timeout)
             except queue.Empty:
-                raise OvshardError(f"no result for step {seq} within {self.timeout:.0f} s "
+                raise OvshardError(f"no result for step {seq} of stream {stream} within {self.timeout:.0f} s "
                                    f"(stages {', '.join(self.addresses)})") from None
-            where = f"stage {stage} at {self.addresses[stage]}"
-            if isinstance(msg, Exception):
-                raise OvshardError(f"{where} closed the connection: {msg}")
-            if isinstance(msg, p.Error):
-                raise OvshardError(f"{where} reported {msg.code}: {msg.message}")
-            if isinstance(msg, p.Result) and msg.seq == seq:
-                return msg
+        finally:
+            with self.lock:
+                self.waiting.pop(seq, None)
+        if isinstance(msg, Exception):
+            raise msg
+        return msg
 
     def generate(self, prompt: list[int], config: SamplingConfig, stats: Stats | None = None,
                  speculation: Speculation | None = None) -> Iterator[int]:
@@ -97,7 +133,7 @@ class Head:
         try:
             yield from decode.generate(StreamTarget(self, stream), prompt, config, stats, speculation)
         finally:
-            self._broadcast(p.Close(stream))
+            self.close_stream(stream)
 
 
 class StreamTarget:
