@@ -2,7 +2,7 @@
 
 ``FrameRelay`` sits in front of one stage worker, passes every frame on unchanged and records it
 (connection role, direction, message kind, prefix/header/body bytes, tokens of a Step). A WAN scenario
-can add its delay in ``FrameRelay._pass`` before the frame is sent on.
+can chain it with ``ovshard.runtime.wanproxy.DelayProxy`` (relay -> delaying proxy -> worker).
 """
 
 from __future__ import annotations
