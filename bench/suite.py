@@ -21,12 +21,14 @@ Reproduce (from the repository root)::
     CI=true .venv/bin/python bench/suite.py --only a,c --models llama-3.2-1b
 
 To add a scenario: a function ``(Bench) -> dict`` decorated with ``@scenario("key", "title")`` in a
-``bench/scenarios_*.py`` module (see scenarios_base.py for the dict it returns), imported below.
+``bench/scenarios_*.py`` module (see scenarios_base.py for the dict it returns); every such module is
+imported at start, so nothing here needs to change.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shlex
 import sys
@@ -36,9 +38,11 @@ from pathlib import Path
 os.environ.setdefault("CI", "true")  # before openvino/nncf load: no telemetry forks, also in worker processes
 
 import report  # noqa: E402
-import scenarios_decode  # noqa: E402, F401  (registers a, b, c, g)
-import scenarios_wire  # noqa: E402, F401  (registers f)
 from scenarios_base import DEFAULT_CACHE, MODELS, ROOT, SCENARIOS, Bench, Settings, machine, progress  # noqa: E402
+
+for _module in sorted(Path(__file__).parent.glob("scenarios_*.py")):
+    if _module.stem != "scenarios_base":
+        importlib.import_module(_module.stem)  # each registers its scenarios (decode: a b c g; wire: f)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
