@@ -57,6 +57,8 @@ def plot(key: str, title: str, rows: list[dict[str, Any]], spec: dict[str, Any],
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    if spec.get("kind") == "lines":
+        return _lines(key, title, rows, spec, path, plt)
     skip = spec.get("skip", {})
     rows = [r for r in rows if not any(r.get(k) == v for k, v in skip.items())]
     groups = list(dict.fromkeys(r[spec["group_by"]] for r in rows))
@@ -75,6 +77,23 @@ def plot(key: str, title: str, rows: list[dict[str, Any]], spec: dict[str, Any],
         ax.set_xlabel(spec.get("ylabel", ""))
         ax.margins(x=0.15)
     fig.suptitle(f"{key}: {title}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _lines(key: str, title: str, rows: list[dict[str, Any]], spec: dict[str, Any], path: Path, plt: Any) -> bool:
+    """One line per ``series`` value: ``y`` against ``x`` (e.g. speedup against acceptance rate, per K)."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for series in dict.fromkeys(r[spec["series"]] for r in rows):
+        points = sorted((r[spec["x"]], r[spec["y"]]) for r in rows if r[spec["series"]] == series)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{spec['series']}={series}")
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xlabel(spec.get("xlabel", spec["x"]))
+    ax.set_ylabel(spec.get("ylabel", spec["y"]))
+    ax.legend(fontsize=8, ncol=2)
+    ax.set_title(f"{key}: {title}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -219,6 +219,8 @@ class AutoK:
     costs: deque = field(default_factory=lambda: deque(maxlen=64))  # (tokens fed, seconds)
     draft_s_per_token: float = 0.0
     steps: int = 0
+    refit_every: int = 8  # the cost fit is refreshed this often (a fit costs ~0.3 ms, a tiny step ~3 ms)
+    _fit: tuple[float, float] | None = None
 
     @property
     def acceptance(self) -> float:
@@ -240,7 +242,9 @@ class AutoK:
         if self.steps < 4:  # probe two sizes first so the cost fit sees a slope
             return self.start if self.steps % 2 == 0 else max(1, self.start // 2)
         a = min(self.acceptance, 0.999)
-        c0, c1 = self.step_cost()
+        if self._fit is None or self.steps % self.refit_every == 0:
+            self._fit = self.step_cost()
+        c0, c1 = self._fit
 
         def rate(k: int) -> float:
             tokens = (1 - a ** (k + 1)) / (1 - a)
