@@ -33,6 +33,9 @@ def stage_config(exact: bool, threads: int | None) -> dict[str, str] | None:
         if threads < 1:
             raise OvshardError(f"--threads {threads}: expected at least 1 CPU thread per stage")
         config["INFERENCE_NUM_THREADS"] = str(threads)
+        # the CPU plugin pins its threads to cores; stages that share a machine would all pin to the
+        # same first cores and take turns instead of running side by side
+        config["ENABLE_CPU_PINNING"] = "NO"
     return config or None
 
 

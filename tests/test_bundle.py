@@ -133,3 +133,17 @@ def test_compiling_a_stage_frees_its_weights(tmp_path: Path) -> None:
     gc.collect()
     alive = [r for r in refs if r() is not None]
     assert refs and not alive, f"{len(alive)} of {len(refs)} loaded tensors are still alive"
+
+
+def test_skip_passes_drops_a_pass_and_refuses_unknown_names(stories: Path, tmp_path: Path) -> None:
+    """CompileConfig.skip_passes (benchmark A/B): without the Gather pass there is no beam_idx input
+    and the pass log has no entry for it; a name the pipeline lacks is refused, naming the known ones."""
+    from ovshard.compile import CompileConfig
+    from ovshard.passes import WeightFormat
+
+    out = compile_fp32(stories, tmp_path / "nogather", stages=1, skip_passes=("InjectBeamIdxGatherPass",))
+    m = read_manifest(out)
+    assert names.BEAM_IDX not in [i.name for i in m.stages[0].inputs]
+    assert "InjectBeamIdxGatherPass" not in (out / "manifest.json").read_text()
+    with pytest.raises(ValueError, match="MakeStatefulKVPass"):
+        CompileConfig(stories, tmp_path / "x", weights=WeightFormat("fp32"), skip_passes=("NoSuchPass",))
