@@ -123,12 +123,17 @@ class Bench:
         ensure_checkpoint(path, model.synth_shape, "bfloat16")
         return path
 
-    def bundle(self, model: ModelSpec, stages: int, weights: str = "int4_asym", skip: tuple[str, ...] = ()) -> Path:
-        """A compiled bundle for this config, from the cache or compiled now (in a subprocess)."""
+    def bundle(self, model: ModelSpec, stages: int, weights: str = "int4_asym", skip: tuple[str, ...] = (),
+               layers: str | None = None) -> Path:
+        """A compiled bundle for this config, from the cache or compiled now (in a subprocess).
+        ``layers`` (e.g. "0:12,12:16") replaces the planner's split."""
         config = {"checkpoint": str(self.checkpoint(model)), "stages": stages, "weights": weights,
                   "skip_passes": list(skip), "max_positions": model.max_positions}
+        if layers:  # only then, so the cache keys of planner-split bundles stay as they were
+            config.update(stages=None, layers=layers)
         key = hashlib.sha256(json.dumps({**config, "code": _compiler_code_hash()}, sort_keys=True).encode())
         name = f"{model.name}-{stages}st-{weights}" + "".join(f"-no{s.removesuffix('Pass')}" for s in skip)
+        name += f"-layers{layers.replace(':', '_').replace(',', '-')}" if layers else ""
         out = self.settings.cache / "bundles" / f"{name}-{key.hexdigest()[:10]}"
         if (out / "manifest.json").is_file() and not self.settings.rebuild:
             return out
@@ -148,8 +153,9 @@ from ovshard.compile import CompileConfig, compile_bundle
 from ovshard.passes import WeightFormat
 logging.basicConfig(level=logging.ERROR)
 c = json.loads(sys.argv[1])
+layers = tuple(tuple(int(x) for x in r.split(":")) for r in c["layers"].split(",")) if c.get("layers") else None
 compile_bundle(CompileConfig(checkpoint=Path(c["checkpoint"]), output=Path(c["output"]), stages=c["stages"],
-                             weights=WeightFormat(c["weights"]), max_positions=c["max_positions"],
+                             layers=layers, weights=WeightFormat(c["weights"]), max_positions=c["max_positions"],
                              skip_passes=tuple(c["skip_passes"])))
 """
 
