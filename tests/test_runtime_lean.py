@@ -12,17 +12,19 @@ HEAVY = ("torch", "transformers", "nncf", "onnx", "networkx", "safetensors")
 
 
 def test_running_a_bundle_imports_no_compile_time_package(stories: Path, tmp_path: Path) -> None:
-    """Running a bundle, and importing the worker, head, protocol and sampler, leaves torch, transformers,
-    nncf (and co.) unimported."""
+    """Running a bundle (plain and speculative), and importing every runtime module, leaves torch,
+    transformers, nncf (and co.) unimported."""
     bundle = compile_fp32(stories, tmp_path / "b", stages=2)
     script = f"""
 import sys
 from ovshard.runtime.local import LocalPipeline
-from ovshard.runtime import cli, head, protocol, sampler, worker
+from ovshard.runtime import cli, decode, head, kv, protocol, sampler, session, speculative, wanproxy, worker
 from ovshard.fusion import check_cpu_fusion
 pipe = LocalPipeline({str(bundle)!r})
 tokens, _ = pipe.generate_greedy([1, 403, 407], 4)
 assert len(tokens) == 4
+spec = speculative.make_speculation("prompt-lookup", "auto", pipe.manifest)
+assert len(list(pipe.generate([1, 403, 407, 403], sampler.SamplingConfig(max_tokens=6), None, spec))) == 6
 check_cpu_fusion(pipe.bundle, pipe.manifest)
 print(",".join(sorted(m for m in {HEAVY!r} if m in sys.modules)))
 """
