@@ -176,3 +176,19 @@ def test_pipeline_behind_delaying_proxies(bundles: dict[int, Path], alone: list)
         finally:
             head.close()
         assert proxies[1].bytes_up > 0 and proxies[1].bytes_down > 0
+
+
+def test_a_short_request_is_not_held_up_by_a_long_one(bundles: dict[int, Path]) -> None:
+    """Fair scheduling: submitted together on 2 streams, a 200-token request and a 10-token one
+    take turns at every stage, so the short one finishes first."""
+    with local_workers(bundles[2], exact=True) as addresses:
+        head = Head(bundles[2], addresses)
+        session = Session(head, streams=2)
+        try:
+            long = session.submit([1, 403, 407], SamplingConfig(max_tokens=200))
+            short = session.submit([1, 92, 388], SamplingConfig(max_tokens=10))
+            assert len(short.result(timeout=120)) == 10 and len(long.result(timeout=120)) == 200
+            assert short.finished < long.finished
+        finally:
+            session.close()
+            head.close()
