@@ -113,13 +113,12 @@ class Stats:
     step_s: list[float] = field(default_factory=list)  # head-measured round trip of each step
     stage_s: list[dict[str, float]] = field(default_factory=list)  # each stage's compute per step
     step_tokens: list[int] = field(default_factory=list)  # tokens each step produced
-    step_fed: list[int] = field(default_factory=list)  # tokens each step sent through the pipeline
     draft_s: float = 0.0
     speculative: str = "off"
     drafted: int = 0
     accepted: int = 0
     k_chosen: list[int] = field(default_factory=list)
-    rewinds: int = 0
+    rewinds: int = 0  # these three are the stream's CacheMask counters, copied after each step
     rewound_positions: int = 0
     compactions: int = 0
 
@@ -195,7 +194,6 @@ def _loop(target: Target, prompt: list[int], config: SamplingConfig, stats: Stat
         scores = target.step(feed, book.visible, want_for(config, len(drafts) + 1), rewind, compact)
         elapsed = time.perf_counter() - t0
         if compact:
-            stats.compactions += 1
             book.compact()
         book.append([1] * len(feed))
         new = accept(drafts, q, scores, config, rng, target.vocab_size)
@@ -203,11 +201,9 @@ def _loop(target: Target, prompt: list[int], config: SamplingConfig, stats: Stat
         book.rewind(rewind)
         stats.step_s.append(elapsed)
         stats.stage_s.append(dict(scores.timings))
-        stats.step_fed.append(len(feed))
         stats.drafted += len(drafts)
         stats.accepted += len(new) - 1
-        stats.rewinds += rewind > 0
-        stats.rewound_positions += rewind
+        stats.rewinds, stats.rewound_positions, stats.compactions = book.rewinds, book.hidden, book.compactions
         if speculation:
             speculation.observe(len(drafts), len(new) - 1, elapsed, len(feed), draft_s)
         if not tokens:

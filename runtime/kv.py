@@ -94,11 +94,12 @@ class CacheMask:
 
     def rewind(self, count: int) -> None:
         """Hide the newest ``count`` visible positions; the cache itself is untouched."""
+        if count == 0:  # every step asks; spare it the O(cache) count of visible positions
+            return
         for i in self.last_visible(count):
             self.mask[i] = 0
-        if count:
-            self.rewinds += 1
-            self.hidden += count
+        self.rewinds += 1
+        self.hidden += count
 
     def compact(self) -> None:
         """Drop every hidden position (the mask becomes all ones)."""

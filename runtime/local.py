@@ -41,26 +41,28 @@ class LocalPipeline:
             stage.reset()
         self.position = 0
 
-    def forward(self, token_ids: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Feed new tokens; return logits [T, vocab] and each stage boundary's hidden states."""
-        x = np.array([token_ids], dtype=np.int64)  # [1, T]
-        boundaries = []
-        for stage in self.stages:
-            x = stage.step(x, self.position)
-            boundaries.append(x)
-        self.position += len(token_ids)
-        return x[0], boundaries[:-1]
-
-    def step(self, tokens: list[int], position: int, want: str, rewind: int = 0, compact: bool = False) -> Scores:
-        """One traversal as the networked runtime does it (decode.Target): rewind, compact, run, score."""
-        x = np.array([tokens], dtype=np.int64)
-        timings = {}
+    def _traverse(self, tokens: list[int], position: int, rewind: int = 0,
+                  compact: bool = False) -> tuple[list[np.ndarray], dict[str, float]]:
+        """Every stage in turn; returns each stage's output and the seconds each took."""
+        x = np.array([tokens], dtype=np.int64)  # [1, T]
+        outputs, timings = [], {}
         for i, stage in enumerate(self.stages):
             start = time.perf_counter()
             x = stage.step(x, position, rewind=rewind, compact=compact)
             timings[f"stage{i}"] = time.perf_counter() - start
+            outputs.append(x)
         self.position = position + len(tokens)
-        return Scores.from_logits(x[0], want, timings)
+        return outputs, timings
+
+    def forward(self, token_ids: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Feed new tokens; return logits [T, vocab] and each stage boundary's hidden states."""
+        outputs, _ = self._traverse(token_ids, self.position)
+        return outputs[-1][0], outputs[:-1]
+
+    def step(self, tokens: list[int], position: int, want: str, rewind: int = 0, compact: bool = False) -> Scores:
+        """One traversal as the networked runtime does it (decode.Target): rewind, compact, run, score."""
+        outputs, timings = self._traverse(tokens, position, rewind, compact)
+        return Scores.from_logits(outputs[-1][0], want, timings)
 
     def generate(self, prompt: list[int], config: SamplingConfig, stats: Stats | None = None,
                  speculation: Speculation | None = None) -> Iterator[int]:

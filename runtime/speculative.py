@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 DEFAULT_K = 4
 MAX_AUTO_K = 10
+COST_WINDOW = 64  # recent steps AutoK fits its step-cost line to
 
 
 class Drafter(Protocol):
@@ -213,10 +214,9 @@ class AutoK:
     k_max: int = MAX_AUTO_K
     start: int = DEFAULT_K
     decay: float = 0.95  # weight of older acceptance evidence per step
-    window: int = 64  # step-cost observations kept for the fit
     kept: float = 1.0  # pseudo-counts: a prior acceptance of 1/2
     tried: float = 2.0
-    costs: deque = field(default_factory=lambda: deque(maxlen=64))  # (tokens fed, seconds)
+    costs: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))  # (tokens fed, seconds)
     draft_s_per_token: float = 0.0
     steps: int = 0
     refit_every: int = 8  # the cost fit is refreshed this often (a fit costs ~0.3 ms, a tiny step ~3 ms)
