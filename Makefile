@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test lint golden bench clean
+.PHONY: setup demo test lint layout golden bench clean
 
 setup: $(STAMP)
 
@@ -20,15 +20,19 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check .
 
-test: lint
+# import-linter (the layering contracts in .importlinter) and mypy, on the package as installed
+layout: setup
+	BIN=$(BIN) .ci/check-layout
+
+test: lint layout
 	$(BIN)/python -m pytest -q -W ignore::DeprecationWarning
 
 golden: setup
-	$(BIN)/python -m pytest -q tests/test_golden.py --update-golden
+	$(BIN)/python -m pytest -q tests/test_golden.py tests/test_demo.py --update-golden
 
 bench: setup
 	$(BIN)/python bench/compile_memory.py --stages 2,4 --monolithic
 	CI=true $(BIN)/python bench/suite.py
 
 clean:
-	rm -rf out bench/results .pytest_cache .ruff_cache
+	rm -rf out bench/results build .pytest_cache .ruff_cache .mypy_cache

@@ -44,13 +44,16 @@ from typing import Any
 
 import psutil
 
+from ovshard.bundle import schema
+from ovshard.bundle.manifest import read_manifest
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RESULTS = ROOT / "bench" / "results" / "compile_memory.json"
 TIME_BIN = Path("/usr/bin/time")
 MiB = 1 << 20
 GB = 10**9
 
-# log lines printed by ovshard.compile / ovshard.instruments (format "ovshard: %(message)s")
+# log lines printed by ovshard.compile / ovshard.ir.instruments (format "ovshard: %(message)s")
 RE_PLAN = re.compile(r"partition plan")
 RE_TRACE = re.compile(r"stage (\d+) \(\d+ of \d+\): tracing layers \[(\d+), (\d+)\)")
 RE_PASS = re.compile(r"stage (\d+) \(\d+ of \d+\): (\w+)\s+(changed the graph|no change) in ([\d.]+) s")
@@ -62,9 +65,9 @@ RE_DONE = re.compile(r"stage (\d+): compiled in ([\d.]+) s")
 
 def ensure_checkpoint(path: Path, shape: str, dtype: str) -> dict[str, Any]:
     """Write the random-weight checkpoint at ``path`` unless a valid one of this shape is there already."""
-    from ovshard.checkpoint import open_checkpoint
     from ovshard.errors import OvshardError
-    from ovshard.synth import preset, write_checkpoint
+    from ovshard.frontend.checkpoint import open_checkpoint
+    from ovshard.tools.synth import preset, write_checkpoint
 
     config = preset(shape)
     reused = False
@@ -89,7 +92,7 @@ def ensure_checkpoint(path: Path, shape: str, dtype: str) -> dict[str, Any]:
 
 
 def checkpoint_facts(path: Path, shape: str, dtype: str, reused: bool) -> dict[str, Any]:
-    from ovshard.checkpoint import open_checkpoint
+    from ovshard.frontend.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(path)
     numel = {n: math.prod(ckpt.tensor_info(n)[1]) for n in ckpt.tensor_names()}
@@ -109,9 +112,9 @@ def checkpoint_facts(path: Path, shape: str, dtype: str, reused: bool) -> dict[s
 
 
 def stage_f32_bytes(ckpt_path: Path, start: int, end: int, first: bool, last: bool) -> int:
-    """Bytes of the float32 tensors ``trace_stage`` loads for layers [start, end) (see ovshard.trace)."""
-    from ovshard.arch import arch_for, layer_tensors, read_dims
-    from ovshard.checkpoint import open_checkpoint
+    """Bytes of the float32 tensors ``trace_stage`` loads for layers [start, end) (see ovshard.frontend.trace)."""
+    from ovshard.frontend.arch import arch_for, layer_tensors, read_dims
+    from ovshard.frontend.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(ckpt_path)
     spec, dims = arch_for(ckpt.config), read_dims(ckpt.config)
@@ -287,19 +290,19 @@ def measure(n: int, args: argparse.Namespace, ckpt: dict[str, Any]) -> dict[str,
         result["stderr_tail"] = [line for _, line in trace.lines[-30:]]
         shutil.rmtree(bundle, ignore_errors=True)
         return result
-    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest = read_manifest(bundle)
     stage_rows = []
-    for plan_stage, entry in zip(manifest["plan"]["stages"], manifest["stages"], strict=True):
-        i, (a, b) = entry["index"], entry["layers"]
-        passes = {r["name"]: r["seconds"] for r in manifest["pass_log"] if r["stage"] == i}
+    for plan_stage, entry in zip(manifest.plan.stages, manifest.stages, strict=True):
+        i, (a, b) = entry.index, entry.layers
+        passes = {r.name: r.seconds for r in manifest.pass_log if r.stage == i}
         ph = {p["phase"]: p for p in result["phases"] if p["stage"] == i}
         stage_rows.append({
             "index": i,
             "layers": [a, b],
             "f32_weight_bytes": stage_f32_bytes(Path(ckpt["path"]), a, b, i == 0, i == n - 1),
-            "planned_weight_bytes": plan_stage["weight_bytes"],  # after int4_asym, the planner's estimate
-            "xml_bytes": (bundle / entry["model_xml"]).stat().st_size,
-            "bin_bytes": (bundle / entry["model_bin"]).stat().st_size,
+            "planned_weight_bytes": plan_stage.weight_bytes,  # after int4_asym, the planner's estimate
+            "xml_bytes": (bundle / entry.model_xml).stat().st_size,
+            "bin_bytes": (bundle / entry.model_bin).stat().st_size,
             "trace_s": ph.get("trace", {}).get("seconds"),
             "pass_s": passes,
             "save_s": ph.get("save IR + sha256", {}).get("seconds"),
@@ -307,7 +310,7 @@ def measure(n: int, args: argparse.Namespace, ckpt: dict[str, Any]) -> dict[str,
             "rss_after_bytes": ph.get("save IR + sha256", {}).get("rss_at_end_bytes"),  # once the stage is freed
         })
     result["stage_table"] = stage_rows
-    result["weights"] = manifest["weights"]
+    result["weights"] = schema.encode(manifest.weights)
     result["bundle_bytes"] = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
     if args.keep_bundles:
         result["bundle"] = str(bundle)
@@ -386,7 +389,7 @@ def main() -> None:
                         help="checkpoint and bundles go here (default /tmp/ovshard-bench)")
     parser.add_argument("--stages", default="2,4", help="comma-separated stage counts (default 2,4)")
     parser.add_argument("--monolithic", action="store_true", help="also compile with --stages 1 for comparison")
-    parser.add_argument("--shape", default="llama-3.2-1b", help="ovshard.synth.SHAPES preset")
+    parser.add_argument("--shape", default="llama-3.2-1b", help="ovshard.tools.synth.SHAPES preset")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--interval", type=float, default=0.1, help="RSS sampling period in seconds")
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS)

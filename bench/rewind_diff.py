@@ -42,7 +42,7 @@ def main() -> None:
         for _ in range(rng.integers(1, 9)):
             feed = int(rng.integers(1, 7))
             inputs = StepInputs("input_ids", rng.integers(3, 512, size=(1, feed)), masked.visible - reject,
-                                (1,) * feed, manifest.runtime_hints["max_positions"])
+                                (1,) * feed, manifest.runtime_hints.max_positions)
             trimmed.trim(reject)
             a = masked.step(inputs, out, rewind=reject).copy()
             b = trimmed.step(inputs, out).copy()

@@ -72,7 +72,7 @@ class ModelSpec:
     prompt: tuple[int, ...]  # the same prompt ids for every variant
     new_tokens: int  # generated per measurement: 1 from the prefill + (new_tokens - 1) decode steps
     max_positions: int  # rotary table of the compiled bundles (short contexts only)
-    synth_shape: str | None = None  # ovshard.synth preset to write, or None for a checkpoint on disk
+    synth_shape: str | None = None  # ovshard.tools.synth preset to write, or None for a checkpoint on disk
     path: Path | None = None
 
 

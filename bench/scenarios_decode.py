@@ -25,9 +25,9 @@ from scenarios_base import (
     timed_greedy,
 )
 
-from ovshard import names
-from ovshard.manifest import read_manifest
-from ovshard.runtime.cli import local_workers
+from ovshard.bundle import names
+from ovshard.bundle.manifest import read_manifest
+from ovshard.runtime.launch import local_workers
 from ovshard.runtime.stage import step_inputs
 
 STAGE_COUNTS = (1, 2, 4)
@@ -106,7 +106,7 @@ class RawDecoder:
         if manifest.num_stages != 1:
             raise ValueError(f"{bundle} has {manifest.num_stages} stages; RawDecoder runs one-stage bundles")
         self.layers = manifest.stages[0].layers[1] - manifest.stages[0].layers[0]
-        self.max_positions = int(manifest.runtime_hints["max_positions"])
+        self.max_positions = manifest.runtime_hints.max_positions
         self.compiled = ov.Core().compile_model(str(bundle / manifest.stages[0].model_xml), "CPU")
         self.request = self.compiled.create_infer_request()
         self.inputs = {name for port in self.compiled.inputs for name in port.get_names()}
@@ -129,7 +129,7 @@ class RawDecoder:
 
 @scenario("b", "with vs without the beam_idx Gather (InjectBeamIdxGatherPass), one stage, in-process")
 def beam_gather(bench: Bench) -> dict[str, Any]:
-    from ovshard.fusion import runtime_fusion
+    from ovshard.verify.fusion import runtime_fusion
 
     rows, summary, raw, settings = [], [], {}, {}
     for model in bench.models:
@@ -155,7 +155,7 @@ def beam_gather(bench: Bench) -> dict[str, Any]:
                   "(DESIGN.md: ~14% on a 1.2B model at 70 tokens of context, ~5x on a tiny one)",
         "settings": {"what": "one-stage int4_asym bundles compiled with and without InjectBeamIdxGatherPass "
                              "(CompileConfig.skip_passes), run through the same InferRequest loop feeding only the "
-                             "inputs each IR declares; fusion read off compiled.get_runtime_model() (ovshard.fusion)",
+                             "inputs each IR declares; fusion read off compiled.get_runtime_model() (ovshard.verify.fusion)",
                      "per_model": settings},
         "rows": rows, "summary": summary, "samples": raw,
         "notes": ["ratios are medians of per-round ratios (interleaved rounds); '(ratio of medians)' divides the "

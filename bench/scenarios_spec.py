@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 from scenarios_base import MODELS, Bench, median, progress, scenario
 
-from ovshard.manifest import read_manifest
-from ovshard.runtime.cli import local_workers
+from ovshard.bundle.manifest import read_manifest
 from ovshard.runtime.decode import Stats
 from ovshard.runtime.head import Head
 from ovshard.runtime.kv import CompactionPolicy, KVCache, StepInputs
+from ovshard.runtime.launch import local_workers
 from ovshard.runtime.local import LocalPipeline
 from ovshard.runtime.sampler import SamplingConfig
 from ovshard.runtime.speculative import AutoK, DraftModel, PromptLookup, Speculation

@@ -12,10 +12,10 @@ from typing import Any
 
 from scenarios_base import MODELS, Bench, median, progress, scenario
 
-from ovshard.manifest import read_manifest
-from ovshard.runtime.cli import local_workers
+from ovshard.bundle.manifest import read_manifest
 from ovshard.runtime.head import Head
 from ovshard.runtime.kv import CompactionPolicy
+from ovshard.runtime.launch import local_workers
 from ovshard.runtime.sampler import SamplingConfig
 from ovshard.runtime.session import Session
 from ovshard.runtime.speculative import AutoK, PromptLookup, Speculation
@@ -145,7 +145,7 @@ def wan_latency(bench: Bench) -> dict[str, Any]:
     manifest = read_manifest(bundle)
     tokens = max(24, bench.settings.tokens(model) // 4)
     rounds = min(bench.settings.rounds, 2)
-    policy = CompactionPolicy(limit=int(manifest.runtime_hints["max_positions"]))
+    policy = CompactionPolicy(limit=manifest.runtime_hints.max_positions)
     rows, raw = [], {}
     with local_workers(bundle, threads=THREADS_PER_STAGE) as addresses:
         for latency_ms in LATENCIES_MS:

@@ -16,9 +16,10 @@ from typing import Any
 
 from scenarios_base import Bench, ModelSpec, TcpDecoder, median, progress, scenario
 
+from ovshard.runtime import framing
 from ovshard.runtime import protocol as p
-from ovshard.runtime.cli import local_workers
-from ovshard.runtime.worker import parse_address
+from ovshard.runtime.launch import local_workers
+from ovshard.runtime.transport import parse_address
 
 HOP_STAGE_COUNTS = (2, 4)
 
@@ -35,7 +36,7 @@ class Frame:
 
     @property
     def size(self) -> int:
-        return p.PREFIX_SIZE + self.header_bytes + self.body_bytes
+        return framing.PREFIX_SIZE + self.header_bytes + self.body_bytes
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
@@ -79,8 +80,8 @@ class FrameRelay:
 
     def _pump(self, src: socket.socket, dst: socket.socket, conn: dict[str, Any], direction: str) -> None:
         try:
-            while (prefix := _recv_exactly(src, p.PREFIX_SIZE)) is not None:
-                _, header_len, body_len = p.parse_prefix(prefix)
+            while (prefix := _recv_exactly(src, framing.PREFIX_SIZE)) is not None:
+                _, header_len, body_len = framing.parse_prefix(prefix)
                 rest = _recv_exactly(src, header_len + body_len)
                 if rest is None:
                     break
@@ -96,7 +97,7 @@ class FrameRelay:
                     pass
 
     def _pass(self, prefix: bytes, rest: bytes, header_len: int, conn: dict[str, Any], direction: str) -> None:
-        msg = p.decode(prefix, rest[:header_len], rest[header_len:])
+        msg = framing.decode(prefix, rest[:header_len], rest[header_len:])
         if isinstance(msg, p.Hello):
             conn["role"] = msg.role  # recorded before the frame goes on, so the answer sees it
         tokens = msg.tensor.shape[1] if isinstance(msg, p.Step) else None
@@ -136,7 +137,7 @@ def _measure_hops(bench: Bench, model: ModelSpec, stages: int) -> list[dict[str,
         rows.append({"model": model.name, "hidden": model.hidden_size, "stages": stages, "hop": hop,
                      "frames": f"{len(frames)} {'/'.join(kinds)}",
                      "bytes/step (median)": int(median(sizes)), "min": min(sizes), "max": max(sizes),
-                     "prefix": p.PREFIX_SIZE, "header (median)": int(median([f.header_bytes for f in frames])),
+                     "prefix": framing.PREFIX_SIZE, "header (median)": int(median([f.header_bytes for f in frames])),
                      "body": int(median([f.body_bytes for f in frames]))})
     total = sum(r["bytes/step (median)"] for r in rows)
     rows.append({"model": model.name, "hidden": model.hidden_size, "stages": stages, "hop": "all hops",

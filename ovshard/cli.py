@@ -101,7 +101,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                        "--device with a model cache so restarts are fast, and serve it until Ctrl-C.")
     p.add_argument("bundle", type=Path)
     p.add_argument("--stage", type=int, required=True)
-    p.add_argument("--listen", default="127.0.0.1:7000", help="host:port (default 127.0.0.1:7000)")
+    p.add_argument("--listen", default="127.0.0.1:7000",
+                   help="host:port (default 127.0.0.1:7000); port 0 binds a free port. Once listening, the "
+                   'worker prints {"event": "listening", "stage": S, "address": "HOST:PORT"} on stdout')
     p.add_argument("--device", default="CPU", help="OpenVINO device: CPU, GPU, NPU, AUTO (default CPU)")
     p.add_argument("--exact", action="store_true", help="f32 inference and KV cache (parity with HF)")
     p.add_argument("--wire-f32", action="store_true", help="send activations as f32 (default f16)")
@@ -218,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _compile_config(args: argparse.Namespace):
     from ovshard.compile import CompileConfig, DumpOptions
     from ovshard.passes import WeightFormat, pipeline
-    from ovshard.plan import parse_budgets, parse_layers
+    from ovshard.plan.partition import parse_budgets, parse_layers
 
     weights = WeightFormat(args.weights, args.group_size, args.ratio, args.all_layers)
     known = [p.name for p in pipeline(weights)]
@@ -243,7 +245,7 @@ def _compile_config(args: argparse.Namespace):
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from ovshard.verify import VerifyConfig, format_report, report_json, verify_bundle
+    from ovshard.verify.checks import VerifyConfig, format_report, report_json, verify_bundle
 
     predict = tuple(d.strip().upper() for d in args.predict.split(",") if d.strip()) if args.predict else ()
     device = args.device or (None if predict else "CPU")
@@ -256,15 +258,15 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "compile":
+        from ovshard.bundle.manifest import read_manifest
         from ovshard.compile import compile_bundle
-        from ovshard.inspect import summary
-        from ovshard.manifest import read_manifest
+        from ovshard.verify.inspect import summary
 
         compile_bundle(_compile_config(args))
         print(summary(args.output, read_manifest(args.output)))
         return 0
     if args.command == "inspect":
-        from ovshard.inspect import InspectConfig, inspect_bundle
+        from ovshard.verify.inspect import InspectConfig, inspect_bundle
 
         print(inspect_bundle(InspectConfig(args.bundle, args.stage, args.pass_name, args.format, args.diff,
                                            args.dump_dir)))
@@ -280,10 +282,10 @@ def _run(args: argparse.Namespace) -> int:
 
         return main_proxy(args)
     if args.command == "synth":
-        from ovshard.synth import main_synth
+        from ovshard.tools.synth import main_synth
 
         return main_synth(args)
-    from ovshard.demo import DemoConfig, run_demo
+    from ovshard.tools.demo import DemoConfig, run_demo
 
     return 0 if run_demo(DemoConfig(args.output, args.stages, args.checkpoint)) else 1
 

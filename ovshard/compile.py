@@ -14,26 +14,38 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import openvino as ov
 
-from ovshard import names
-from ovshard.arch import ArchSpec, ModelDims, arch_for, read_dims
-from ovshard.checkpoint import Checkpoint, open_checkpoint
-from ovshard.costs import model_costs
+from ovshard.bundle import names
+from ovshard.bundle.manifest import (
+    Generation,
+    Manifest,
+    PassRecord,
+    RuntimeHints,
+    Source,
+    StageEntry,
+    TensorSpec,
+    TokenizerFiles,
+    sha256_file,
+)
+from ovshard.bundle.plan import PartitionPlan
+from ovshard.bundle.stage import StageSpec
+from ovshard.bundle.weights import WeightFormat
 from ovshard.errors import BundleError
-from ovshard.instruments import (
+from ovshard.frontend.checkpoint import Checkpoint, open_checkpoint
+from ovshard.frontend.trace import trace_stage
+from ovshard.ir.instruments import (
     DumpInstrument,
     PrintAfterChangeInstrument,
     ProgressInstrument,
     ValidateInstrument,
 )
-from ovshard.manifest import Manifest, StageEntry, TensorSpec, sha256_file
-from ovshard.pass_manager import GraphPass, Instrument, PassContext, PassManager, PassRecord, StageSpec
-from ovshard.passes import WeightFormat, pipeline
-from ovshard.plan import PartitionPlan, plan_balanced, plan_budgets, plan_layers
-from ovshard.trace import trace_stage
+from ovshard.ir.pass_manager import GraphPass, Instrument, PassContext, PassManager
+from ovshard.passes import pipeline
+from ovshard.plan.costs import model_costs
+from ovshard.plan.partition import plan_balanced, plan_budgets, plan_layers
+from ovshard.verify.predict import PredictFusionInstrument
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +91,8 @@ class CompileConfig:
         return [p for p in pipeline(self.weights) if p.name not in self.skip_passes]
 
 
-def make_plan(config: CompileConfig, spec: ArchSpec, dims: ModelDims) -> PartitionPlan:
-    costs = model_costs(spec, dims, config.weights)
+def make_plan(config: CompileConfig, ckpt: Checkpoint) -> PartitionPlan:
+    costs = model_costs(ckpt.spec, ckpt.dims, config.weights)
     if config.layers is not None:
         return plan_layers(costs, config.layers, config.context_tokens)
     if config.budgets is not None:
@@ -94,9 +106,9 @@ def _dumping(config: CompileConfig) -> bool:
 
 
 def _instruments(config: CompileConfig) -> list[Instrument]:
-    found: list[Instrument] = [ValidateInstrument(), ProgressInstrument()]
+    found: list[Instrument] = [ValidateInstrument(), ProgressInstrument(), PredictFusionInstrument(PREDICTED_DEVICES)]
     d = config.dumps
-    if _dumping(config):
+    if _dumping(config) and d.dump_dir is not None:
         found.append(DumpInstrument(d.dump_dir, after=d.after, before=d.before, with_ir=d.with_ir))
     if d.print_after_change is not None:
         found.append(PrintAfterChangeInstrument(d.print_after_change))
@@ -110,23 +122,21 @@ def _tensor_specs(ports: list[ov.Output]) -> tuple[TensorSpec, ...]:
     )
 
 
-def compile_stage(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, stage: StageSpec, config: CompileConfig,
-                  max_positions: int, workdir: Path) -> tuple[StageEntry, list[PassRecord]]:
+def compile_stage(ckpt: Checkpoint, stage: StageSpec, config: CompileConfig, max_positions: int,
+                  workdir: Path) -> tuple[StageEntry, list[PassRecord]]:
     """Trace one stage, run the pipeline over it, save it; free everything before returning."""
     start = time.perf_counter()
     log.info("stage %d (%d of %d): tracing layers [%d, %d)", stage.index, stage.index + 1, stage.num_stages,
              stage.start, stage.end)
-    model = trace_stage(ckpt, spec, dims, stage, config.frontend)
-    ctx = PassContext(stage, dims, max_positions)
+    model = trace_stage(ckpt, stage, config.frontend)
+    ctx = PassContext(stage, ckpt.dims, max_positions)
     model, records = PassManager(config.passes(), _instruments(config)).run(model, ctx)
-    _predict_fusion(model, stage)
     xml = names.stage_xml(stage.index, stage.num_stages)
     ov.save_model(model, workdir / xml, compress_to_fp16=False)
     binary = xml.replace(".xml", ".bin")
     saved = ov.Core().read_model(workdir / xml)  # names as every reader will see them (weights mapped, not copied)
     entry = StageEntry(
-        index=stage.index,
-        layers=(stage.start, stage.end),
+        stage=stage,
         model_xml=xml,
         model_bin=binary,
         sha256={xml: sha256_file(workdir / xml), binary: sha256_file(workdir / binary)},
@@ -140,27 +150,12 @@ def compile_stage(ckpt: Checkpoint, spec: ArchSpec, dims: ModelDims, stage: Stag
     return entry, records
 
 
-def _predict_fusion(model: ov.Model, stage: StageSpec) -> None:
-    """Log whether the CPU and GPU plugins will fuse the KV cache; warn, naming what blocks it, if not."""
-    from ovshard.predict import predict_model
-
-    for device in PREDICTED_DEVICES:
-        prediction = predict_model(model, device, stage.index)
-        log.info("stage %d: %s KV-cache fusion predicted for %d/%d layers", stage.index, device,
-                 prediction.fused_layers, prediction.layers)
-        for check in prediction.checks:
-            if not check.holds:
-                log.warning("stage %d: %s fusion will not fire for %s: %s (%s)", stage.index, device,
-                            check.subject, check.condition, check.detail)
-
-
-def _generation(ckpt: Checkpoint) -> dict[str, Any]:
+def _generation(ckpt: Checkpoint) -> Generation:
     gen = ckpt.generation_config or {}
     eos = gen.get("eos_token_id", ckpt.config.get("eos_token_id"))
-    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    return {"bos_token_id": gen.get("bos_token_id", ckpt.config.get("bos_token_id")),
-            "eos_token_ids": eos_ids,
-            "pad_token_id": gen.get("pad_token_id", ckpt.config.get("pad_token_id"))}
+    eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+    return Generation(bos_token_id=gen.get("bos_token_id", ckpt.config.get("bos_token_id")),
+                      eos_token_ids=eos_ids)
 
 
 def _copy_configs(ckpt: Checkpoint, workdir: Path) -> dict[str, str]:
@@ -174,8 +169,8 @@ def _copy_configs(ckpt: Checkpoint, workdir: Path) -> dict[str, str]:
     return copied
 
 
-def _tokenizer(ckpt: Checkpoint, workdir: Path) -> dict[str, Any] | None:
-    from ovshard.tokenizer import convert_tokenizer
+def _tokenizer(ckpt: Checkpoint, workdir: Path) -> TokenizerFiles | None:
+    from ovshard.frontend.tokenizer import convert_tokenizer
 
     if not ckpt.has_tokenizer:
         log.warning("%s has no tokenizer; the bundle will take and return token ids only", ckpt.path)
@@ -184,8 +179,8 @@ def _tokenizer(ckpt: Checkpoint, workdir: Path) -> dict[str, Any] | None:
     files = convert_tokenizer(ckpt.path, workdir)
     if not files:
         return None
-    return {"tokenizer": names.TOKENIZER_XML, "detokenizer": names.DETOKENIZER_XML,
-            "sha256": {f: sha256_file(workdir / f) for f in files}}
+    return TokenizerFiles(tokenizer=names.TOKENIZER_XML, detokenizer=names.DETOKENIZER_XML,
+                          sha256={f: sha256_file(workdir / f) for f in files})
 
 
 def _workdir(output: Path) -> Path:
@@ -218,32 +213,30 @@ def _publish(workdir: Path, output: Path) -> None:
 def compile_bundle(config: CompileConfig) -> Manifest:
     """Compile ``config.checkpoint`` into a stage bundle at ``config.output``; return its manifest."""
     ckpt = open_checkpoint(config.checkpoint)
-    spec, dims = arch_for(ckpt.config), read_dims(ckpt.config)
-    ckpt.validate_tensors(spec, dims)
-    plan = make_plan(config, spec, dims)
+    ckpt.validate_tensors()
+    plan = make_plan(config, ckpt)
     log.info("partition plan (%s):\n%s", plan.strategy, plan.format_table())
-    max_positions = config.max_positions or dims.max_position_embeddings
+    max_positions = config.max_positions or ckpt.dims.max_position_embeddings
     workdir = _workdir(config.output)
     try:
         entries, log_records = [], []
-        for s in plan.stages:
-            stage = StageSpec(s.index, len(plan.stages), s.layer_start, s.layer_end)
-            entry, records = compile_stage(ckpt, spec, dims, stage, config, max_positions, workdir)
+        for stage in plan.specs:
+            entry, records = compile_stage(ckpt, stage, config, max_positions, workdir)
             entries.append(entry)
-            log_records += [r.to_dict() for r in records]
+            log_records += records
         manifest = Manifest(
-            source={"path": str(ckpt.path), "fingerprint": ckpt.fingerprint(), "model_type": dims.model_type,
-                    "frontend": config.frontend},
-            architecture=dims.to_dict(),
-            weights=config.weights.to_dict(),
-            plan=plan.to_dict(),
+            source=Source(path=str(ckpt.path), fingerprint=ckpt.fingerprint(), model_type=ckpt.dims.model_type,
+                          frontend=config.frontend),
+            architecture=ckpt.dims,
+            weights=config.weights,
+            plan=plan,
             stages=tuple(entries),
             pass_log=tuple(log_records),
             tokenizer=_tokenizer(ckpt, workdir),
             generation=_generation(ckpt),
-            runtime_hints={"max_positions": max_positions, "activation_type": "f32"},
+            runtime_hints=RuntimeHints(max_positions=max_positions),
             extra_files=_copy_configs(ckpt, workdir),
-            dumps=str(config.dumps.dump_dir.resolve()) if _dumping(config) else None,
+            dumps=str(config.dumps.dump_dir.resolve()) if config.dumps.dump_dir and _dumping(config) else None,
         )
         (workdir / names.MANIFEST_FILE).write_text(manifest.to_json())
         _publish(workdir, config.output)

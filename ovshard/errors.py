@@ -20,7 +20,15 @@ class PlanError(OvshardError):
 
 
 class PassError(OvshardError):
-    """A graph pass found a precondition unmet, or left the graph invalid."""
+    """A graph pass failed: its precondition was unmet, its promise broken, or it raised."""
+
+
+class PreconditionError(PassError):
+    """A pass's ``requires`` found the graph lacking a fact the pass needs (a pass ordering problem)."""
+
+
+class PostconditionError(PassError):
+    """A pass (or a validating instrument after it) left the graph without a fact it promised."""
 
 
 class BundleError(OvshardError):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from ovshard.pass_manager import GraphPass
-from ovshard.passes.compress_weights import WEIGHT_FORMATS, CompressWeightsPass, WeightFormat
+from ovshard.bundle.weights import WEIGHT_FORMATS, WeightFormat
+from ovshard.ir.pass_manager import GraphPass
+from ovshard.passes.compress_weights import CompressWeightsPass
 from ovshard.passes.inject_beam_idx_gather import InjectBeamIdxGatherPass
 from ovshard.passes.make_stateful_kv import MakeStatefulKVPass
 from ovshard.passes.precompute_rotary import PrecomputeRotaryPass

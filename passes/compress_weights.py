@@ -15,36 +15,19 @@ them, or INT8 when none does (NNCF's ADJUST fallback).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
-from ovshard.pass_manager import GraphPass, PassContext, PassResult
+from ovshard.bundle import names
+from ovshard.bundle.weights import WeightFormat
+from ovshard.ir.pass_manager import GraphPass, PassContext, PassResult
 
 log = logging.getLogger(__name__)
 
-WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4_sym", "int4_asym")
 _COMPRESSED_TYPES = {ov.Type.u4, ov.Type.i4, ov.Type.u8, ov.Type.i8, ov.Type.f16, ov.Type.bf16}
 _MIN_WEIGHT_ELEMENTS = 1024  # smaller constants (norms, shapes, tables) are never compressed
-
-
-@dataclass(frozen=True)
-class WeightFormat:
-    """How a stage's weights are stored. Kept in the manifest."""
-
-    mode: str = "int4_asym"
-    group_size: int = 128
-    ratio: float = 1.0
-    all_layers: bool = False
-
-    def to_dict(self) -> dict:
-        if self.mode in ("fp32", "fp16"):
-            return {"mode": self.mode}
-        if self.mode == "int8":
-            return {"mode": self.mode, "all_layers": self.all_layers}
-        return dict(self.__dict__)
 
 
 def float_weights(model: ov.Model) -> list[ov.Node]:
@@ -56,7 +39,7 @@ def float_weights(model: ov.Model) -> list[ov.Node]:
         src = op.input_value(0 if op.get_type_name() == "Gather" else 1).get_node()
         if (src.get_type_name() == "Constant" and src.get_output_element_type(0) == ov.Type.f32
                 and int(np.prod(src.get_output_shape(0))) >= _MIN_WEIGHT_ELEMENTS
-                and src.get_friendly_name() != "rotary_table"):
+                and src.get_friendly_name() != names.ROTARY_TABLE):
             found.append(src)
     return found
 
@@ -73,8 +56,6 @@ class CompressWeightsPass(GraphPass):
 
     def __init__(self, fmt: WeightFormat | None = None) -> None:
         self.fmt = fmt or WeightFormat()
-        if self.fmt.mode not in WEIGHT_FORMATS:
-            raise ValueError(f"weight format {self.fmt.mode!r}; expected one of {WEIGHT_FORMATS}")
 
     def call(self, model: ov.Model, ctx: PassContext) -> PassResult:
         weights = float_weights(model)

@@ -12,8 +12,9 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
-from ovshard import graph, names
-from ovshard.pass_manager import GraphPass, PassContext, PassResult
+from ovshard.bundle import names
+from ovshard.ir import graph
+from ovshard.ir.pass_manager import GraphPass, PassContext, PassResult
 
 
 def is_beam_gather(node: ov.Node, beam_idx: ov.Node) -> bool:
@@ -40,10 +41,10 @@ class InjectBeamIdxGatherPass(GraphPass):
 
     def requires(self, model: ov.Model, ctx: PassContext) -> None:
         if not graph.ops_of_type(model, "ReadValue"):
-            raise self.fail(ctx, "the graph has no ReadValue to gather; run MakeStatefulKVPass first")
+            raise self.unmet(ctx, "the graph has no ReadValue to gather; run MakeStatefulKVPass first")
         beam_idx = graph.parameter(model, names.BEAM_IDX)
         if beam_idx is not None and beam_idx.get_output_element_type(0) != ov.Type.i32:
-            raise self.fail(ctx, f"beam_idx is {beam_idx.get_output_element_type(0)}, expected i32 "
+            raise self.unmet(ctx, f"beam_idx is {beam_idx.get_output_element_type(0)}, expected i32 "
                             "(the CPU fusion requires i32)")
 
     def call(self, model: ov.Model, ctx: PassContext) -> PassResult:

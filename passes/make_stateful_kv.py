@@ -14,8 +14,9 @@ import openvino as ov
 import openvino.opset13 as ops
 from openvino.op.util import Variable, VariableInfo
 
-from ovshard import graph, names
-from ovshard.pass_manager import GraphPass, PassContext, PassResult
+from ovshard.bundle import names
+from ovshard.ir import graph
+from ovshard.ir.pass_manager import GraphPass, PassContext, PassResult
 
 
 def kv_pairs(ctx: PassContext) -> list[tuple[str, str]]:
@@ -40,10 +41,10 @@ class MakeStatefulKVPass(GraphPass):
         stateful = {graph.variable_id(rv) for rv in graph.ops_of_type(model, "ReadValue")}
         if any(present) and not all(present):
             missing = [p for (p, _), ok in zip(kv_pairs(ctx), present, strict=False) if not ok]
-            raise self.fail(ctx, f"some KV inputs are missing: {missing}; expected all of layers "
+            raise self.unmet(ctx, f"some KV inputs are missing: {missing}; expected all of layers "
                             f"[{ctx.stage.start}, {ctx.stage.end}) or none")
         if not any(present) and stateful != {past for past, _ in kv_pairs(ctx)}:
-            raise self.fail(ctx, "the graph has neither past_key_values inputs nor the KV variables of layers "
+            raise self.unmet(ctx, "the graph has neither past_key_values inputs nor the KV variables of layers "
                             f"[{ctx.stage.start}, {ctx.stage.end}); was it traced with a KV cache?")
 
     def call(self, model: ov.Model, ctx: PassContext) -> PassResult:
@@ -52,8 +53,8 @@ class MakeStatefulKVPass(GraphPass):
         for past_name, present_name in kv_pairs(ctx):
             past = graph.parameter(model, past_name)
             present = graph.result(model, present_name)
-            if present is None:
-                raise self.fail(ctx, f"input {past_name!r} has no matching output {present_name!r}")
+            if past is None or present is None:
+                raise self.unmet(ctx, f"input {past_name!r} has no matching output {present_name!r}")
             info = VariableInfo()
             info.data_shape = past.get_output_partial_shape(0)  # [batch, kv_heads, seq, head_dim]
             info.data_type = past.get_output_element_type(0)

@@ -15,8 +15,9 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
-from ovshard import graph, names
-from ovshard.pass_manager import GraphPass, PassContext, PassResult
+from ovshard.bundle import names
+from ovshard.ir import graph
+from ovshard.ir.pass_manager import GraphPass, PassContext, PassResult
 
 _TRIG = ("Cos", "Sin")
 
@@ -91,9 +92,9 @@ class PrecomputeRotaryPass(GraphPass):
 
     def requires(self, model: ov.Model, ctx: PassContext) -> None:
         if graph.parameter(model, names.POSITION_IDS) is None:
-            raise self.fail(ctx, f"the graph has no {names.POSITION_IDS!r} input to index a rotary table by")
+            raise self.unmet(ctx, f"the graph has no {names.POSITION_IDS!r} input to index a rotary table by")
         if ctx.max_positions < 1:
-            raise self.fail(ctx, f"max_positions must be >= 1, got {ctx.max_positions}")
+            raise self.unmet(ctx, f"max_positions must be >= 1, got {ctx.max_positions}")
 
     def call(self, model: ov.Model, ctx: PassContext) -> PassResult:
         position_ids = graph.parameter(model, names.POSITION_IDS)
@@ -107,13 +108,13 @@ class PrecomputeRotaryPass(GraphPass):
         for out, table, check in zip(frontier, tables, probed, strict=True):
             seq_axis = _sequence_axis(table.shape, check.shape, ctx.max_positions, probe.shape)
             if seq_axis is None:
-                raise self.fail(ctx, f"rotary value {out} evaluates to shape {table.shape} for positions "
+                raise self.error(ctx, f"rotary value {out} evaluates to shape {table.shape} for positions "
                                 f"[1, {ctx.max_positions}]; expected batch first and one axis per position")
             rows = np.ascontiguousarray(np.moveaxis(table[0], seq_axis - 1, 0))  # [max_positions, ...rest]
             perm = _restore_order(table.ndim, seq_axis)  # [batch, seq, ...rest] -> original layout
             if not np.allclose(np.take(rows, probe, axis=0).transpose(perm), check, rtol=1e-6, atol=1e-6):
-                raise self.fail(ctx, f"rotary value {out} is not a per-position function of position_ids")
-            lookup = ops.gather(ops.constant(rows, name="rotary_table"), position_ids, ops.constant(np.int64(0)))
+                raise self.error(ctx, f"rotary value {out} is not a per-position function of position_ids")
+            lookup = ops.gather(ops.constant(rows, name=names.ROTARY_TABLE), position_ids, ops.constant(np.int64(0)))
             if perm != list(range(table.ndim)):
                 lookup = ops.transpose(lookup, ops.constant(np.array(perm, np.int64)))
             graph.redirect(out, lookup.output(0))

@@ -4,26 +4,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import openvino as ov
 
+from ovshard.bundle.manifest import Manifest, read_manifest
 from ovshard.errors import OvshardError
-from ovshard.manifest import Manifest, read_manifest
 from ovshard.runtime.decode import Stats
 from ovshard.runtime.head import Head
 from ovshard.runtime.kv import CompactionPolicy
+from ovshard.runtime.launch import listening_line, local_workers
 from ovshard.runtime.sampler import IncrementalDetokenizer, SamplingConfig
 from ovshard.runtime.session import Session
 from ovshard.runtime.speculative import Speculation, make_speculation
 from ovshard.runtime.stage import EXACT_HINTS
-from ovshard.runtime.worker import StageWorker, parse_address
+from ovshard.runtime.transport import parse_address
+from ovshard.runtime.worker import StageWorker
 
 
 def stage_config(exact: bool, threads: int | None) -> dict[str, str] | None:
@@ -43,8 +42,10 @@ def serve(args: argparse.Namespace) -> int:
     host, port = parse_address(args.listen)
     worker = StageWorker(args.bundle, args.stage, args.device, stage_config(args.exact, args.threads),
                          wire_dtype="f32" if args.wire_f32 else "f16")
+    address = worker.listen(host, port)
+    print(listening_line(args.stage, address), flush=True)  # how a launcher learns a port 0 address
     try:
-        worker.serve(host, port)
+        worker.serve_forever()
     except KeyboardInterrupt:
         worker.stop()
     return 0
@@ -59,8 +60,8 @@ class Text:
             import openvino_tokenizers  # noqa: F401  (registers the tokenizer ops)
 
             core = ov.Core()
-            self.tok = core.compile_model(str(bundle / m.tokenizer["tokenizer"]), "CPU")
-            self.detok = core.compile_model(str(bundle / m.tokenizer["detokenizer"]), "CPU")
+            self.tok = core.compile_model(str(bundle / m.tokenizer.tokenizer), "CPU")
+            self.detok = core.compile_model(str(bundle / m.tokenizer.detokenizer), "CPU")
 
     def encode(self, prompt: str, prompt_ids: str | None) -> list[int]:
         if prompt_ids:
@@ -79,14 +80,14 @@ def _sampling(args: argparse.Namespace, m: Manifest) -> SamplingConfig:
     try:
         return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                               max_tokens=args.max_tokens,
-                              eos_token_ids=tuple(m.generation.get("eos_token_ids") or ()))
+                              eos_token_ids=m.generation.eos_token_ids)
     except ValueError as e:
         raise OvshardError(str(e)) from e
 
 
 def _speculation(args: argparse.Namespace, m: Manifest) -> Speculation | None:
     try:
-        policy = CompactionPolicy(hole_share=args.compact_share, limit=int(m.runtime_hints["max_positions"]))
+        policy = CompactionPolicy(hole_share=args.compact_share, limit=m.runtime_hints.max_positions)
     except ValueError as e:
         raise OvshardError(f"--compact-share: {e}") from e
     return make_speculation(args.speculative, args.draft_k, m, config=EXACT_HINTS if getattr(args, "exact", False) else None,
@@ -171,48 +172,6 @@ def _generate_many(args: argparse.Namespace, head: Head, text: Text, prompts: li
 
 def generate(args: argparse.Namespace) -> int:
     return _generate(args, [a.strip() for a in args.stages.split(",") if a.strip()])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def local_workers(bundle: Path, exact: bool = False, timeout: float = 120.0, threads: int | None = None):
-    """One ``ovshard serve`` process per stage on loopback; yields their addresses; stops them after."""
-    m = read_manifest(bundle)
-    addresses = [f"127.0.0.1:{free_port()}" for _ in m.stages]
-    procs = []
-    try:
-        for i, address in enumerate(addresses):
-            cmd = [sys.executable, "-m", "ovshard.cli", "-q", "serve", str(bundle), "--stage", str(i),
-                   "--listen", address] + (["--exact"] if exact else []) + (
-                   ["--threads", str(threads)] if threads else [])
-            procs.append(subprocess.Popen(cmd))
-        for address, proc in zip(addresses, procs, strict=True):
-            _wait_listening(address, proc, timeout)
-        yield addresses
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=30)
-
-
-def _wait_listening(address: str, proc: subprocess.Popen, timeout: float) -> None:
-    host, port = parse_address(address)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise OvshardError(f"the worker for {address} exited with code {proc.returncode}")
-        try:
-            socket.create_connection((host, port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise OvshardError(f"the worker for {address} did not listen within {timeout:.0f} s")
 
 
 def run(args: argparse.Namespace) -> int:

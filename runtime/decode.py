@@ -21,69 +21,9 @@ from typing import Protocol
 import numpy as np
 
 from ovshard.runtime.kv import CacheMask, CompactionPolicy
-from ovshard.runtime.protocol import parse_want
-from ovshard.runtime.sampler import (
-    SamplingConfig,
-    make_rng,
-    probabilities,
-    sample,
-    sample_from_topk,
-    should_stop,
-)
+from ovshard.runtime.sampler import SamplingConfig, make_rng, should_stop
+from ovshard.runtime.scores import Scores
 from ovshard.runtime.speculative import Speculation, accept
-
-
-@dataclass(frozen=True)
-class Scores:
-    """The last stage's answer for the last R rows: argmax ids [R], top-k values and ids [R, K], or
-    logits [R, V]. Row i scores the token after the i-th of those R fed tokens."""
-
-    values: np.ndarray
-    indices: np.ndarray | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-
-    @classmethod
-    def from_logits(cls, logits: np.ndarray, want: str, timings: dict[str, float] | None = None) -> Scores:
-        """What a last stage sends for ``want``, from its logits [T, V] (the reference for the wire)."""
-        mode, k, rows = parse_want(want)
-        if mode == "argmax":
-            ids = logits.argmax(-1).astype(np.int64)
-            return cls(ids[-rows:] if rows else ids, None, timings or {})
-        last = logits[-(rows or 1):]
-        if mode == "topk":
-            idx = np.argsort(-last, axis=-1, kind="stable")[:, :k]
-            return cls(np.take_along_axis(last, idx, -1), idx.astype(np.int64), timings or {})
-        return cls(last, None, timings or {})
-
-    @property
-    def rows(self) -> int:
-        return int(self.values.shape[0])
-
-    def argmax(self, row: int) -> int:
-        values = self.values[row]
-        if values.ndim == 0:
-            return int(values)
-        if self.indices is not None:  # top-k entries: the largest value, lowest id among ties
-            ids = self.indices[row]
-            return int(ids[np.lexsort((ids, -values))[0]])
-        return int(np.argmax(values))
-
-    def pick(self, row: int, config: SamplingConfig, rng: np.random.Generator) -> int:
-        """Plain sampling from one row (what a step without drafts does)."""
-        if config.greedy:
-            return self.argmax(row)
-        if self.indices is not None:
-            return sample_from_topk(self.values[row], self.indices[row], config, rng)
-        return sample(self.values[row].astype(np.float64), config, rng)
-
-    def probabilities(self, row: int, config: SamplingConfig, vocab: int) -> np.ndarray:
-        """The target distribution p of one row over the whole vocabulary (float64, sums to 1)."""
-        if self.indices is None:
-            return probabilities(self.values[row], config)
-        local = probabilities(self.values[row], config)  # over the K entries, in their order
-        p = np.zeros(vocab)
-        p[self.indices[row]] = local
-        return p
 
 
 def want_for(config: SamplingConfig, rows: int) -> str:
@@ -177,10 +117,13 @@ def _loop(target: Target, prompt: list[int], config: SamplingConfig, stats: Stat
           speculation: Speculation | None, policy: CompactionPolicy, rng: np.random.Generator,
           start: float) -> Iterator[int]:
     book = CacheMask()  # a mirror of every stage's mask for this stream
-    history, tokens, pending, rewind = list(prompt), [], list(prompt), 0
+    history, pending, rewind = list(prompt), list(prompt), 0
+    tokens: list[int] = []
     while True:
         room = min(config.max_tokens - len(tokens) - 1, target.max_positions - book.visible - len(pending))
-        drafts, q, draft_s = [], None, 0.0
+        drafts: list[int] = []
+        q: list[np.ndarray] | None = None
+        draft_s = 0.0
         if speculation and room > 0:
             t0 = time.perf_counter()
             k = min(speculation.choose_k(), room)

@@ -16,21 +16,23 @@ from __future__ import annotations
 
 import itertools
 import queue
-import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from ovshard.bundle.manifest import read_manifest
 from ovshard.errors import OvshardError
-from ovshard.manifest import read_manifest
 from ovshard.runtime import decode
 from ovshard.runtime import protocol as p
-from ovshard.runtime.decode import Scores, Stats
+from ovshard.runtime.decode import Stats
 from ovshard.runtime.sampler import SamplingConfig
+from ovshard.runtime.scores import Scores
 from ovshard.runtime.speculative import Speculation
-from ovshard.runtime.worker import bundle_fingerprint, connect
+from ovshard.runtime.transport import Connection, bundle_fingerprint, connect
+
+Answer = p.Result | OvshardError  # what a waiting step is handed: its Result, or why it will not come
 
 
 class Head:
@@ -44,35 +46,41 @@ class Head:
         self.addresses, self.timeout = addresses, timeout
         fingerprint = bundle_fingerprint(bundle)
         # connect from the last stage back, so each stage's next hop already listens when it is named
-        self.socks: list[socket.socket] = [None] * len(addresses)  # type: ignore[list-item]
-        for i in reversed(range(len(addresses))):
-            nxt = addresses[i + 1] if i + 1 < len(addresses) else None
-            self.socks[i] = connect(addresses[i], i, fingerprint, "head", nxt, timeout)
-        self.write_locks = [threading.Lock() for _ in self.socks]
+        self.conns: list[Connection] = []
+        try:
+            for i in reversed(range(len(addresses))):
+                nxt = addresses[i + 1] if i + 1 < len(addresses) else None
+                self.conns.insert(0, connect(addresses[i], i, fingerprint, "head", nxt, timeout))
+        except OvshardError:
+            self.close()
+            raise
         self.lock = threading.Lock()  # guards waiting and broken
-        self.waiting: dict[int, tuple[int, queue.Queue]] = {}  # seq -> (stream, where its answer goes)
+        # seq -> (stream, where its answer goes)
+        self.waiting: dict[int, tuple[int, queue.Queue[Answer]]] = {}
         self.broken: OvshardError | None = None
-        for i, sock in enumerate(self.socks):
-            threading.Thread(target=self._read, args=(i, sock), daemon=True).start()
+        for i, conn in enumerate(self.conns):
+            threading.Thread(target=self._read, args=(i, conn), daemon=True).start()
         self.streams = itertools.count()
         self.seq = itertools.count()
 
-    def _read(self, stage: int, sock: socket.socket) -> None:
+    def _read(self, stage: int, conn: Connection) -> None:
         """Route each answer to the step waiting for it; a failed connection fails every waiting step."""
         where = f"stage {stage} at {self.addresses[stage]}"
         try:
             while True:
-                msg = p.read_message(sock)
+                msg = conn.receive()
+                answer: Answer
                 with self.lock:
                     if isinstance(msg, p.Result):
+                        answer = msg
                         targets = [self.waiting[msg.seq][1]] if msg.seq in self.waiting else []
                     elif isinstance(msg, p.Error):
+                        answer = OvshardError(f"{where} reported {msg.code}: {msg.message}")
                         targets = [q for s, q in self.waiting.values() if msg.stream in (None, s)]
-                        msg = OvshardError(f"{where} reported {msg.code}: {msg.message}")
                     else:
-                        targets = []
+                        continue  # nothing else is addressed to the head
                 for target in targets:
-                    target.put(msg)
+                    target.put(answer)
         except (p.ConnectionClosed, p.ProtocolError, OSError) as e:
             with self.lock:
                 self.broken = OvshardError(f"{where} closed the connection: {e}")
@@ -80,16 +88,12 @@ class Head:
                     target.put(self.broken)
 
     def close(self) -> None:
-        for sock in self.socks:
-            sock.close()
-
-    def _send(self, stage: int, msg: p.Message) -> None:
-        with self.write_locks[stage]:
-            p.write_message(self.socks[stage], msg)
+        for conn in self.conns:
+            conn.close()
 
     def _broadcast(self, msg: p.Message) -> None:
-        for i in range(len(self.socks)):
-            self._send(i, msg)
+        for conn in self.conns:
+            conn.send(msg)
 
     def open_stream(self) -> int:
         stream = next(self.streams)
@@ -106,14 +110,14 @@ class Head:
              compact: bool = False) -> p.Result:
         """Send new tokens through the chain; return the last stage's Result. Thread-safe."""
         seq = next(self.seq)
-        answer: queue.Queue = queue.Queue()
+        answer: queue.Queue[Answer] = queue.Queue()
         with self.lock:
             if self.broken is not None:
                 raise self.broken
             self.waiting[seq] = (stream, answer)
         try:
             ids = p.Tensor.from_array(np.array([tokens], dtype=np.int64))
-            self._send(0, p.Step(stream, seq, position, (1,) * len(tokens), want, ids, {}, rewind, compact))
+            self.conns[0].send(p.Step(stream, seq, position, (1,) * len(tokens), want, ids, {}, rewind, compact))
             try:
                 msg = answer.get(timeout=self.timeout)
             except queue.Empty:
@@ -141,8 +145,8 @@ class StreamTarget:
 
     def __init__(self, head: Head, stream: int) -> None:
         self.head, self.stream = head, stream
-        self.max_positions = int(head.manifest.runtime_hints["max_positions"])
-        self.vocab_size = int(head.manifest.architecture["vocab_size"])
+        self.max_positions = head.manifest.runtime_hints.max_positions
+        self.vocab_size = head.manifest.architecture.vocab_size
 
     def step(self, tokens: list[int], position: int, want: str, rewind: int, compact: bool) -> Scores:
         result = self.head.step(self.stream, position, tokens, want, rewind, compact)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import openvino as ov
 
-from ovshard import names
+from ovshard.bundle import names
 from ovshard.errors import BundleError
 
 KV_SEQ_AXIS = 2  # every state is [batch, kv_heads, positions, head_dim] (MakeStatefulKVPass)

@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-from ovshard.manifest import read_manifest, verify_files
+from ovshard.bundle.manifest import read_manifest, verify_files
 from ovshard.runtime import decode
-from ovshard.runtime.decode import Scores, Stats
+from ovshard.runtime.decode import Stats
 from ovshard.runtime.sampler import SamplingConfig
+from ovshard.runtime.scores import Scores
 from ovshard.runtime.speculative import Speculation
 from ovshard.runtime.stage import Stage
 
@@ -34,7 +35,7 @@ class LocalPipeline:
                        for i in range(self.manifest.num_stages)]
         self.position = 0
         self.max_positions = self.stages[0].max_positions
-        self.vocab_size = int(self.manifest.architecture["vocab_size"])
+        self.vocab_size = self.manifest.architecture.vocab_size
 
     def reset(self) -> None:
         for stage in self.stages:

@@ -1,25 +1,8 @@
-"""The wire protocol between ovshard nodes: versioned, length-prefixed binary frames.
+"""The wire messages between ovshard nodes: one tagged union of frozen dataclasses, strictly checked.
 
-Every message is one frame. All integers are little-endian.
-
-    offset  size  field
-    0       4     magic            b"OVSH"
-    4       2     version     u16  PROTOCOL_VERSION (2); any other version is refused
-    6       1     kind        u8   message kind (table below)
-    7       1     flags       u8   reserved, must be 0
-    8       4     header_len  u32  bytes of JSON header that follow
-    12      4     body_len    u32  bytes of raw body that follow the header
-    16      header_len             UTF-8 JSON object: the message's fields, keys sorted
-    ...     body_len               the message's tensors' bytes, C order, little-endian, in field order
-
-The 16-byte prefix keeps this layout in every future version, so a node can always read a peer's version
-and refuse it clearly. A reader checks magic, version, kind and both lengths *before* reading the payload:
-the header may hold at most ``MAX_HEADER_BYTES`` and header + body at most ``max_frame_bytes``
-(``DEFAULT_MAX_FRAME``, 256 MiB), so a hostile length cannot make a node allocate.
-
-A tensor field appears in the header as ``{"dtype": "f16"|"f32"|"i64"|"i32", "shape": [...]}`` and its
-data in the body; the body is exactly the concatenation of the tensors, nothing more. Activations travel
-as f16 by default (``ACTIVATION_WIRE_DTYPE``; f32 on request), token ids as i64.
+How a message becomes bytes (the 16-byte prefix, the JSON header, the body) is framing.py's part;
+this module declares what may travel. Integers are in [0, 2**63). Activations travel as f16 by
+default (``ACTIVATION_WIRE_DTYPE``; f32 on request), token ids as i64.
 
     kind  message   fields                                         meaning
     1     Hello     role ("head"|"upstream"), protocol,            first frame on a connection: who calls,
@@ -56,10 +39,10 @@ as f16 by default (``ACTIVATION_WIRE_DTYPE``; f32 on request), token ids as i64.
     10    Ping      nonce                                          liveness check
     11    Pong      nonce                                          answer to Ping with the same nonce
 
-All integers in the header are in [0, 2**63). Decoding is strict: unknown, missing or repeated fields, wrong
-types, unknown dtypes and shape/body mismatches are refused with a ``ProtocolError`` whose ``code`` is one
-of ``PROTOCOL_ERROR_CODES``. A peer that closes the connection raises ``ConnectionClosed`` (``clean`` is
-true when it closed between frames).
+A message checks every field's type (and the facts in its ``_check``) whenever it is built, sent or
+received, so a wrong value is a ``ProtocolError`` whose ``code`` is one of ``PROTOCOL_ERROR_CODES``.
+A peer that closes the connection raises ``ConnectionClosed`` (``clean`` is true when it closed
+between frames).
 """
 
 from __future__ import annotations
@@ -67,22 +50,16 @@ from __future__ import annotations
 import json
 import math
 import re
-import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, BinaryIO, ClassVar, TypeVar, cast
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from ovshard.errors import OvshardError
 
-MAGIC = b"OVSH"
 PROTOCOL_VERSION = 2
-PREFIX = struct.Struct("<4sHBBII")  # magic, version, kind, flags, header_len, body_len
-PREFIX_SIZE = PREFIX.size  # 16
-MAX_HEADER_BYTES = 64 * 1024
-DEFAULT_MAX_FRAME = 256 * 1024 * 1024  # header + body
 MAX_NDIM = 8
 ACTIVATION_WIRE_DTYPE = "f16"
 DTYPES: dict[str, np.dtype[Any]] = {"f16": np.dtype("<f2"), "f32": np.dtype("<f4"), "i64": np.dtype("<i8"), "i32": np.dtype("<i4")}
@@ -90,7 +67,6 @@ ROLES = ("head", "upstream")
 PROTOCOL_ERROR_CODES = ("bad_magic", "bad_version", "unknown_kind", "oversized", "bad_header", "bad_tensor",
                         "truncated")
 _INT_LIMIT = 2**63
-_READ_CHUNK = 1 << 20
 _WANT = re.compile(r"(argmax|logits|topk:([1-9][0-9]{0,8}))(?:@([1-9][0-9]{0,8}))?")
 
 
@@ -112,7 +88,8 @@ class ConnectionClosed(OvshardError):
         self.clean = clean
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
+    """A value for an error message: its repr, cut to 80 characters."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -127,11 +104,11 @@ class Tensor:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ProtocolError("bad_tensor", f"expected a dtype in {sorted(DTYPES)}, found {_show(self.dtype)}")
+            raise ProtocolError("bad_tensor", f"expected a dtype in {sorted(DTYPES)}, found {show(self.dtype)}")
         if (type(self.shape) is not tuple or len(self.shape) > MAX_NDIM
                 or any(type(d) is not int or d < 0 for d in self.shape)):
             raise ProtocolError("bad_tensor", f"expected a shape of at most {MAX_NDIM} non-negative ints, "
-                                              f"found {_show(self.shape)}")
+                                              f"found {show(self.shape)}")
         if type(self.data) is not bytes:
             raise ProtocolError("bad_tensor", f"expected bytes of data, found {type(self.data).__name__}")
         if len(self.data) != self.nbytes:
@@ -183,7 +160,7 @@ def _castable(array: np.ndarray, target: np.dtype[Any]) -> bool:
 # Field checks, keyed by the annotation string of each message field.
 
 def _fail(where: str, expected: str, value: Any) -> ProtocolError:
-    return ProtocolError("bad_header", f"{where}: expected {expected}, found {_show(value)}")
+    return ProtocolError("bad_header", f"{where}: expected {expected}, found {show(value)}")
 
 
 def _check_int(where: str, value: Any) -> None:
@@ -259,11 +236,12 @@ _CHECKS = {
     "dict[str, float]": _check_timings,
     "dict[str, Any] | None": _check_opt_object,
 }
-_KINDS: dict[int, type[_Message]] = {}
+_KINDS: dict[int, type[MessageBase]] = {}
+KINDS: Mapping[int, type[MessageBase]] = _KINDS  # wire kind -> message class, read-only
 
 
 @dataclass(frozen=True)
-class _Message:
+class MessageBase:
     """Base of every wire message: checks each field's type when built (sent or received)."""
 
     KIND: ClassVar[int] = 0
@@ -277,7 +255,7 @@ class _Message:
         """Facts beyond field types; overridden where a message has some."""
 
 
-_M = TypeVar("_M", bound=_Message)
+_M = TypeVar("_M", bound=MessageBase)
 
 
 def _message(kind: int) -> Callable[[type[_M]], type[_M]]:
@@ -295,7 +273,7 @@ def _message(kind: int) -> Callable[[type[_M]], type[_M]]:
 
 @_message(1)
 @dataclass(frozen=True)
-class Hello(_Message):
+class Hello(MessageBase):
     role: str  # "head" | "upstream"
     protocol: int
     bundle_fingerprint: str
@@ -310,7 +288,7 @@ class Hello(_Message):
 
 @_message(2)
 @dataclass(frozen=True)
-class HelloOk(_Message):
+class HelloOk(MessageBase):
     stage: int
     bundle_fingerprint: str
     num_stages: int
@@ -322,25 +300,25 @@ class HelloOk(_Message):
 
 @_message(3)
 @dataclass(frozen=True)
-class Open(_Message):
+class Open(MessageBase):
     stream: int
 
 
 @_message(4)
 @dataclass(frozen=True)
-class Reset(_Message):
+class Reset(MessageBase):
     stream: int
 
 
 @_message(5)
 @dataclass(frozen=True)
-class Close(_Message):
+class Close(MessageBase):
     stream: int
 
 
 @_message(6)
 @dataclass(frozen=True)
-class Step(_Message):
+class Step(MessageBase):
     stream: int
     seq: int
     position: int  # first position id of the new tokens
@@ -359,7 +337,7 @@ class Step(_Message):
 
 @_message(8)
 @dataclass(frozen=True)
-class Result(_Message):
+class Result(MessageBase):
     stream: int
     seq: int
     tensor: Tensor  # argmax ids i64 [B,T] | top-k values [B,T,K] | logits [B,T,V]
@@ -375,7 +353,7 @@ class Result(_Message):
 
 @_message(9)
 @dataclass(frozen=True)
-class Error(_Message):
+class Error(MessageBase):
     code: str
     message: str
     stream: int | None = None
@@ -387,13 +365,13 @@ class Error(_Message):
 
 @_message(10)
 @dataclass(frozen=True)
-class Ping(_Message):
+class Ping(MessageBase):
     nonce: int
 
 
 @_message(11)
 @dataclass(frozen=True)
-class Pong(_Message):
+class Pong(MessageBase):
     nonce: int
 
 
@@ -408,151 +386,3 @@ def parse_want(want: str) -> tuple[str, int | None, int | None]:
         raise _fail("Step.want", '"argmax", "logits" or "topk:K" with K >= 1, optionally "@R" with R >= 1', want)
     mode, k, rows = match.groups()
     return ("topk" if k else mode), (int(k) if k else None), (int(rows) if rows else None)
-
-
-def encode(msg: Message) -> bytes:
-    """One frame holding ``msg``."""
-    if type(msg) not in _KINDS.values():
-        raise TypeError(f"expected a wire message, found {type(msg).__name__}")
-    header: dict[str, Any] = {}
-    data: list[bytes] = []
-    for f in fields(msg):
-        value = getattr(msg, f.name)
-        if isinstance(value, Tensor):
-            header[f.name] = {"dtype": value.dtype, "shape": list(value.shape)}
-            data.append(value.data)
-        else:
-            header[f.name] = value
-    text = json.dumps(header, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-    body_len = sum(len(d) for d in data)
-    if len(text) > MAX_HEADER_BYTES or body_len > 0xFFFFFFFF:
-        raise ProtocolError("oversized", f"{type(msg).__name__} needs a {len(text)}-byte header and a "
-                                         f"{body_len}-byte body; limits {MAX_HEADER_BYTES} and 2**32-1")
-    return b"".join([PREFIX.pack(MAGIC, PROTOCOL_VERSION, msg.KIND, 0, len(text), body_len), text, *data])
-
-
-def parse_prefix(prefix: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME) -> tuple[type[_Message], int, int]:
-    """(message class, header length, body length) from a frame's 16-byte prefix, checking every field."""
-    if len(prefix) != PREFIX_SIZE:
-        raise ProtocolError("truncated", f"expected a {PREFIX_SIZE}-byte prefix, found {len(prefix)} bytes")
-    magic, version, kind, flags, header_len, body_len = PREFIX.unpack(prefix)
-    if magic != MAGIC:
-        raise ProtocolError("bad_magic", f"expected magic {MAGIC!r}, found {magic!r}: the peer is not an "
-                                         "ovshard node")
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError("bad_version", f"peer speaks wire protocol version {version}, this node speaks "
-                                           f"version {PROTOCOL_VERSION}: run the same ovshard on every node")
-    if flags != 0:
-        raise ProtocolError("bad_header", f"expected reserved flags 0, found {flags:#04x}")
-    if kind not in _KINDS:
-        raise ProtocolError("unknown_kind", f"expected a message kind in {sorted(_KINDS)}, found {kind}")
-    if header_len > MAX_HEADER_BYTES or header_len + body_len > max_frame_bytes:
-        raise ProtocolError("oversized", f"{_KINDS[kind].__name__} frame announces a {header_len}-byte header "
-                                         f"and a {body_len}-byte body; limits are {MAX_HEADER_BYTES} for the "
-                                         f"header and {max_frame_bytes} for both")
-    return _KINDS[kind], header_len, body_len
-
-
-def _reject_constant(name: str) -> Any:
-    raise ProtocolError("bad_header", f"expected finite JSON numbers, found {name}")
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:
-            raise ProtocolError("bad_header", f"header repeats the key {key!r}")
-        obj[key] = value
-    return obj
-
-
-def _parse_header(cls: type[_Message], header: bytes) -> dict[str, Any]:
-    try:
-        obj = json.loads(header.decode("utf-8"), object_pairs_hook=_unique_keys,
-                         parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as e:
-        raise ProtocolError("bad_header", f"{cls.__name__} header is not UTF-8 JSON: {e}") from e
-    if type(obj) is not dict:
-        raise _fail(f"{cls.__name__} header", "a JSON object", obj)
-    expected = {f.name for f in fields(cls)}
-    if obj.keys() != expected:
-        raise ProtocolError("bad_header", f"{cls.__name__} header: expected fields {sorted(expected)}, "
-                                          f"missing {sorted(expected - obj.keys())}, "
-                                          f"unknown {sorted(obj.keys() - expected)}")
-    return obj
-
-
-def _take_tensor(where: str, spec: Any, body: bytes, offset: int) -> Tensor:
-    if type(spec) is not dict or spec.keys() != {"dtype", "shape"}:
-        raise ProtocolError("bad_tensor", f"{where}: expected {{dtype, shape}}, found {_show(spec)}")
-    dtype, shape = spec["dtype"], spec["shape"]
-    if dtype not in DTYPES:
-        raise ProtocolError("bad_tensor", f"{where}: expected a dtype in {sorted(DTYPES)}, found {_show(dtype)}")
-    if type(shape) is not list:
-        raise ProtocolError("bad_tensor", f"{where}: expected a shape list, found {_show(shape)}")
-    end = offset + math.prod(d if type(d) is int and d >= 0 else 0 for d in shape) * DTYPES[dtype].itemsize
-    if end > len(body):
-        raise ProtocolError("bad_tensor", f"{where}: {dtype}{shape} needs bytes {offset}..{end} of the body, "
-                                          f"which has {len(body)}")
-    return Tensor(dtype, tuple(shape), body[offset:end])
-
-
-def decode(prefix: bytes, header: bytes, body: bytes, *, max_frame_bytes: int = DEFAULT_MAX_FRAME) -> Message:
-    """The message in one frame, given as its prefix, JSON header and body."""
-    cls, header_len, body_len = parse_prefix(prefix, max_frame_bytes)
-    if len(header) != header_len or len(body) != body_len:
-        raise ProtocolError("truncated", f"prefix announces a {header_len}-byte header and a {body_len}-byte "
-                                         f"body, found {len(header)} and {len(body)} bytes")
-    values = _parse_header(cls, header)
-    offset = 0
-    for f in fields(cls):
-        value = values[f.name]
-        if str(f.type).startswith("Tensor") and value is not None:
-            values[f.name] = _take_tensor(f"{cls.__name__}.{f.name}", value, body, offset)
-            offset += len(values[f.name].data)
-        elif type(value) is list and f.type == "tuple[int, ...]":
-            values[f.name] = tuple(value)
-    if offset != len(body):
-        raise ProtocolError("bad_tensor", f"{cls.__name__}: the header describes {offset} bytes of tensors, "
-                                          f"the body has {len(body)}")
-    return cast(Message, cls(**values))
-
-
-def _read_exactly(stream: Any, n: int, what: str, *, frame_start: bool = False) -> bytes:
-    """``n`` bytes from a socket (recv) or binary file (read); ConnectionClosed if the peer stops first."""
-    read = stream.recv if hasattr(stream, "recv") else stream.read
-    chunks: list[bytes] = []
-    got = 0
-    while got < n:
-        try:
-            chunk = read(min(n - got, _READ_CHUNK))
-        except ConnectionResetError as e:
-            raise ConnectionClosed(f"connection reset after {got} of {n} bytes of {what}", clean=False) from e
-        if not chunk:
-            clean = frame_start and got == 0
-            where = "between frames" if clean else f"after {got} of {n} bytes of {what}"
-            raise ConnectionClosed(f"peer closed the connection {where}", clean=clean)
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def read_message(stream: Any, max_frame_bytes: int = DEFAULT_MAX_FRAME) -> Message:
-    """Read one frame from a socket or binary file; lengths are checked before the payload is read.
-
-    A socket timeout propagates as TimeoutError: the caller knows which peer and stage it was waiting on.
-    """
-    prefix = _read_exactly(stream, PREFIX_SIZE, "a frame prefix", frame_start=True)
-    cls, header_len, body_len = parse_prefix(prefix, max_frame_bytes)
-    header = _read_exactly(stream, header_len, f"a {cls.__name__} header")
-    body = _read_exactly(stream, body_len, f"a {cls.__name__} body")
-    return decode(prefix, header, body, max_frame_bytes=max_frame_bytes)
-
-
-def write_message(sock: Any | BinaryIO, msg: Message) -> None:
-    """Send one frame with a single sendall (or write, for a file)."""
-    frame = encode(msg)
-    if hasattr(sock, "sendall"):
-        sock.sendall(frame)
-    else:
-        sock.write(frame)

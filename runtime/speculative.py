@@ -27,17 +27,15 @@ import copy
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
+from ovshard.bundle.manifest import Manifest, read_manifest, verify_files
 from ovshard.errors import OvshardError
-from ovshard.manifest import Manifest, read_manifest, verify_files
 from ovshard.runtime.kv import CompactionPolicy, KVCache
 from ovshard.runtime.sampler import SamplingConfig, probabilities
-
-if TYPE_CHECKING:
-    from ovshard.runtime.decode import Scores
+from ovshard.runtime.scores import Scores
 
 DEFAULT_K = 4
 MAX_AUTO_K = 10
@@ -157,12 +155,12 @@ class DraftModel:
 
 def check_same_tokenizer(draft: Manifest, target: Manifest, where: Path) -> None:
     """A draft model must share the target's token ids: same vocabulary, same tokenizer files."""
-    dv, tv = draft.architecture.get("vocab_size"), target.architecture.get("vocab_size")
+    dv, tv = draft.architecture.vocab_size, target.architecture.vocab_size
     if dv != tv:
         raise OvshardError(f"draft bundle {where} has a vocabulary of {dv} tokens, the target {tv}: a draft "
                            "model must use the target's tokenizer")
-    ds = (draft.tokenizer or {}).get("sha256", {}).get("openvino_tokenizer.bin")
-    ts = (target.tokenizer or {}).get("sha256", {}).get("openvino_tokenizer.bin")
+    ds = draft.tokenizer.sha256.get("openvino_tokenizer.bin") if draft.tokenizer else None
+    ts = target.tokenizer.sha256.get("openvino_tokenizer.bin") if target.tokenizer else None
     if ds and ts and ds != ts:
         raise OvshardError(f"draft bundle {where} has a different tokenizer from the target's: a draft model "
                            "must use the target's tokenizer")
@@ -302,7 +300,7 @@ def parse_k(text: str | int) -> int | None:
 def make_speculation(spec: str, k: str | int, target: Manifest, *, device: str = "CPU",
                      config: dict | None = None, policy: CompactionPolicy | None = None) -> Speculation | None:
     """From --speculative (off | prompt-lookup | draft:PATH) and --draft-k (N | auto); None for off."""
-    policy = policy or CompactionPolicy(limit=int(target.runtime_hints["max_positions"]))
+    policy = policy or CompactionPolicy(limit=target.runtime_hints.max_positions)
     fixed = parse_k(k)
     k_policy: int | AutoK = fixed if fixed is not None else AutoK()
     if spec == "off":

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-from ovshard import names
+from ovshard.bundle import names
+from ovshard.bundle.manifest import Manifest, StageEntry
 from ovshard.errors import BundleError
-from ovshard.manifest import Manifest, StageEntry
 from ovshard.runtime.kv import KVCache, StepInputs, step_inputs
 
 __all__ = ["EXACT_HINTS", "Stage", "step_inputs"]
@@ -34,7 +34,7 @@ class Stage:
         if not 0 <= index < manifest.num_stages:
             raise BundleError(f"stage {index} does not exist: the bundle has stages 0..{manifest.num_stages - 1}")
         self.entry: StageEntry = manifest.stages[index]
-        self.max_positions = int(manifest.runtime_hints["max_positions"])
+        self.max_positions = manifest.runtime_hints.max_positions
         core = core or ov.Core()
         path = Path(bundle) / self.entry.model_xml
         log.info("stage %d: compiling %s on %s", index, path.name, device)

@@ -19,39 +19,17 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-from ovshard import names
+from ovshard.bundle import names
+from ovshard.bundle.manifest import read_manifest, verify_files
 from ovshard.errors import BundleError, OvshardError
-from ovshard.manifest import read_manifest, sha256_file, verify_files
 from ovshard.runtime import protocol as p
-from ovshard.runtime.decode import Scores
 from ovshard.runtime.kv import KVCache, StepInputs
+from ovshard.runtime.scores import Scores
+from ovshard.runtime.transport import Connection, bundle_fingerprint, connect
 
 log = logging.getLogger(__name__)
 
 OPEN_WAIT_S = 5.0  # how long a Step waits for its stream's Open to arrive on the head connection
-
-
-def bundle_fingerprint(bundle: Path) -> str:
-    """What both ends of a connection must agree on: the manifest's sha256."""
-    return "sha256:" + sha256_file(Path(bundle) / names.MANIFEST_FILE)
-
-
-def parse_address(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit():
-        raise OvshardError(f"address {text!r}: expected host:port, e.g. 127.0.0.1:7001")
-    return host, int(port)
-
-
-class Connection:
-    """A socket with a write lock (several threads may answer on it)."""
-
-    def __init__(self, sock: socket.socket, peer: str) -> None:
-        self.sock, self.peer, self.lock = sock, peer, threading.Lock()
-
-    def send(self, msg: p.Message) -> None:
-        with self.lock:
-            p.write_message(self.sock, msg)
 
 
 @dataclass
@@ -73,7 +51,7 @@ class StageWorker:
         self.stage, self.entry = stage, self.manifest.stages[stage]
         self.last = stage == self.manifest.num_stages - 1
         self.fingerprint = bundle_fingerprint(self.bundle)
-        self.max_positions = int(self.manifest.runtime_hints["max_positions"])
+        self.max_positions = self.manifest.runtime_hints.max_positions
         self.wire_dtype = wire_dtype
         core = ov.Core()
         core.set_property({"CACHE_DIR": str(cache_dir or self.bundle / ".ov_cache")})
@@ -86,15 +64,21 @@ class StageWorker:
         self.server: socket.socket | None = None
 
     # ----- serving -----
-    def serve(self, host: str, port: int, ready: threading.Event | None = None) -> None:
+    def listen(self, host: str, port: int) -> str:
+        """Bind ``host:port`` (port 0: a free port the system picks); returns the address bound."""
         try:
             self.server = socket.create_server((host, port))
         except OSError as e:
             raise OvshardError(f"stage {self.stage} cannot listen on {host}:{port}: {e.strerror or e}; "
-                               "choose another --listen port") from e
-        log.info("stage %d: listening on %s:%d", self.stage, host, self.server.getsockname()[1])
-        if ready is not None:
-            ready.set()
+                               "choose another --listen port, or port 0 for a free one") from e
+        address = self._where()
+        log.info("stage %d: listening on %s", self.stage, address)
+        return address
+
+    def serve_forever(self) -> None:
+        """Accept connections until :meth:`stop`, one thread each; call :meth:`listen` first."""
+        if self.server is None:
+            raise OvshardError(f"stage {self.stage} is not listening: call listen(host, port) first")
         while True:
             try:
                 sock, addr = self.server.accept()
@@ -112,7 +96,7 @@ class StageWorker:
         try:
             role = self._handshake(conn)
             while True:
-                msg = p.read_message(conn.sock)
+                msg = conn.receive()
                 try:
                     self._dispatch(conn, role, msg)
                 except p.ProtocolError:
@@ -128,7 +112,7 @@ class StageWorker:
             log.warning("stage %d: %s", self.stage, e)
             self._try_send(conn, p.Error("failed", f"stage {self.stage}: {e}"))
         finally:
-            conn.sock.close()
+            conn.close()
 
     def _report(self, conn: Connection, msg: p.Message, error: Exception) -> None:
         """Tell the head of the stream (or the sender) that a request failed; keep the connection."""
@@ -145,7 +129,7 @@ class StageWorker:
             pass
 
     def _handshake(self, conn: Connection) -> str:
-        hello = p.read_message(conn.sock)
+        hello = conn.receive()
         if not isinstance(hello, p.Hello):
             raise p.ProtocolError("bad_header", f"expected Hello first, got {type(hello).__name__}")
         problem = None
@@ -173,15 +157,14 @@ class StageWorker:
         with self.lock:
             if self.downstream is not None and self.downstream.peer == address:
                 return
-            sock = connect(address, self.stage + 1, self.fingerprint, "upstream")
-            self.downstream = Connection(sock, address)
+            self.downstream = connect(address, self.stage + 1, self.fingerprint, "upstream")
             threading.Thread(target=self._drain_downstream, args=(self.downstream,), daemon=True).start()
 
     def _drain_downstream(self, conn: Connection) -> None:
         """Errors the next stage reports about our Steps are logged (the head hears them too)."""
         try:
             while True:
-                msg = p.read_message(conn.sock)
+                msg = conn.receive()
                 if isinstance(msg, p.Error):
                     log.warning("stage %d: next stage reported: %s", self.stage, msg.message)
         except (p.ConnectionClosed, p.ProtocolError, OSError):
@@ -249,28 +232,3 @@ class StageWorker:
         return p.Result(msg.stream, msg.seq, p.Tensor.from_array(values, None if values.dtype == np.int64 else "f32"),
                         timings, indices)
 
-
-def connect(address: str, stage: int, fingerprint: str, role: str, next_hop: str | None = None,
-            timeout: float = 30.0) -> socket.socket:
-    """Open a connection to a stage and complete the handshake; errors name the host:port and stage."""
-    host, port = parse_address(address)
-    try:
-        sock = socket.create_connection((host, port), timeout=timeout)
-    except OSError as e:
-        raise OvshardError(f"cannot reach stage {stage} at {address}: {e.strerror or e}; is "
-                           f"`ovshard serve BUNDLE --stage {stage}` running there?") from e
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        p.write_message(sock, p.Hello(role, p.PROTOCOL_VERSION, fingerprint, stage, None, next_hop))
-        reply = p.read_message(sock)
-    except (OSError, p.ConnectionClosed, p.ProtocolError) as e:
-        sock.close()
-        raise OvshardError(f"stage {stage} at {address} closed the handshake: {e}") from e
-    if isinstance(reply, p.Error):
-        sock.close()
-        raise OvshardError(f"stage {stage} at {address} refused: {reply.message}")
-    if not isinstance(reply, p.HelloOk):
-        sock.close()
-        raise OvshardError(f"stage {stage} at {address} answered {type(reply).__name__} to Hello")
-    sock.settimeout(None)
-    return sock

@@ -10,13 +10,13 @@ import openvino as ov
 import pytest
 from conftest import compile_fp32, run_greedy
 
-from ovshard import names
-from ovshard.arch import layer_tensors, read_dims
-from ovshard.checkpoint import open_checkpoint
-from ovshard.manifest import read_manifest, verify_files
-from ovshard.pass_manager import StageSpec
-from ovshard.synth import llama_config, write_checkpoint
-from ovshard.trace import trace_stage
+from ovshard.bundle import names
+from ovshard.bundle.manifest import read_manifest, verify_files
+from ovshard.bundle.stage import StageSpec
+from ovshard.frontend.arch import layer_tensors, read_dims
+from ovshard.frontend.checkpoint import open_checkpoint
+from ovshard.frontend.trace import trace_stage
+from ovshard.tools.synth import llama_config, write_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +37,11 @@ def test_manifest_describes_every_stage(stories_bundle: Path) -> None:
         assert list(e.state_variables) == sorted(
             n for i in range(*e.layers) for n in (names.past_key(i), names.past_value(i)))
     assert m.stages[-1].outputs[0].name == names.LOGITS
-    assert m.weights == {"mode": "fp32"}
-    assert m.generation["eos_token_ids"] == [2, 1]
-    assert {r["name"] for r in m.pass_log} == {"PrecomputeRotaryPass", "MakeStatefulKVPass",
+    assert m.weights.mode == "fp32"
+    assert m.generation.eos_token_ids == (2, 1)
+    assert {r.name for r in m.pass_log} == {"PrecomputeRotaryPass", "MakeStatefulKVPass",
                                                "InjectBeamIdxGatherPass", "CompressWeightsPass"}
-    assert m.source["fingerprint"].startswith("sha256:")
+    assert m.source.fingerprint.startswith("sha256:")
     assert json.loads((stories_bundle / names.MANIFEST_FILE).read_text())["plan"]["strategy"] == "balanced"
 
 
@@ -83,7 +83,7 @@ def test_each_stage_reads_only_its_own_tensors(tmp_path: Path, tied: bool) -> No
     for index, (start, end) in enumerate([(0, 2), (2, 4), (4, 6)]):
         ckpt = open_checkpoint(checkpoint)
         dims = read_dims(ckpt.config)
-        trace_stage(ckpt, ckpt.spec, dims, StageSpec(index, 3, start, end))
+        trace_stage(ckpt, StageSpec(index, 3, start, end))
         expected = {n for i in range(start, end) for n in layer_tensors(ckpt.spec, dims, i)}
         if index == 0:
             expected.add(ckpt.spec.embed)
@@ -118,7 +118,6 @@ def test_compiling_a_stage_frees_its_weights(tmp_path: Path) -> None:
 
     checkpoint = write_checkpoint(tmp_path / "ckpt", llama_config())
     ckpt = open_checkpoint(checkpoint)
-    dims = read_dims(ckpt.config)
     refs: list[weakref.ref] = []
     load = ckpt.load
 
@@ -129,7 +128,7 @@ def test_compiling_a_stage_frees_its_weights(tmp_path: Path) -> None:
 
     ckpt.load = recording_load  # type: ignore[method-assign]
     config = CompileConfig(checkpoint, tmp_path / "out", weights=WeightFormat("fp32"))
-    compile_stage(ckpt, ckpt.spec, dims, StageSpec(0, 2, 0, 2), config, 64, tmp_path)
+    compile_stage(ckpt, StageSpec(0, 2, 0, 2), config, 64, tmp_path)
     gc.collect()
     alive = [r for r in refs if r() is not None]
     assert refs and not alive, f"{len(alive)} of {len(refs)} loaded tensors are still alive"

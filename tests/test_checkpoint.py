@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ovshard.arch import arch_for, model_tensors, read_dims
-from ovshard.checkpoint import INDEX_FILE, SINGLE_FILE, open_checkpoint
 from ovshard.errors import CheckpointError, UnsupportedArchitectureError
-from ovshard.synth import preset, write_checkpoint
+from ovshard.frontend.arch import arch_for, model_tensors, read_dims
+from ovshard.frontend.checkpoint import INDEX_FILE, SINGLE_FILE, open_checkpoint
+from ovshard.tools.synth import preset, write_checkpoint
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 needs_stories = pytest.mark.skipif(not STORIES.is_dir(), reason=f"{STORIES} is not present")

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from ovshard.checkpoint import INDEX_FILE, open_checkpoint
+from ovshard.bundle.manifest import Manifest, read_manifest, verify_files
 from ovshard.cli import main
 from ovshard.errors import BundleError
-from ovshard.manifest import Manifest, read_manifest, verify_files
+from ovshard.frontend.checkpoint import INDEX_FILE, open_checkpoint
 from ovshard.passes import WeightFormat, pipeline
-from ovshard.synth import llama_config, write_checkpoint
+from ovshard.tools.synth import llama_config, write_checkpoint
 
 OVSHARD = [sys.executable, "-m", "ovshard.cli"]
 PASSES = [p.name for p in pipeline(WeightFormat("fp32"))]
@@ -292,8 +292,8 @@ def test_recompile_replaces_the_bundle(capsys: pytest.CaptureFixture[str], built
     ckpt = tiny(tmp_path / "ckpt")
     code, _, err = cli(capsys, *compile_args(ckpt, out))
     assert code == 0, err
-    source = read_manifest(out).source["fingerprint"]
-    assert source == open_checkpoint(ckpt).fingerprint() != built.manifest.source["fingerprint"]
+    source = read_manifest(out).source.fingerprint
+    assert source == open_checkpoint(ckpt).fingerprint() != built.manifest.source.fingerprint
     assert not (out / "stage_1.xml").exists() and (out / "openvino_model.xml").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"]
 
@@ -333,7 +333,7 @@ def test_print_after_change_prints_exactly_the_changing_passes(built: Built) -> 
     """--print-after-change prints the graph after each pass that changed it (per the pass log), no others."""
     stdout = built.process.stdout
     printed = re.findall(r"^// ----- stage (\d+) after (\w+) -----$", stdout, flags=re.M)
-    changed = [(str(r["stage"]), r["name"]) for r in built.manifest.pass_log if r["modified"]]
+    changed = [(str(r.stage), r.name) for r in built.manifest.pass_log if r.modified]
     assert printed == changed
     after_stateful = stdout.split("// ----- stage 0 after MakeStatefulKVPass -----")[1].split("// -----")[0]
     assert "ReadValue(" in after_stateful

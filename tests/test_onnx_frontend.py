@@ -10,15 +10,14 @@ import numpy as np
 import pytest
 from conftest import compile_fp32
 
-from ovshard import trace
-from ovshard.arch import read_dims
-from ovshard.checkpoint import open_checkpoint
-from ovshard.fusion import runtime_fusion
-from ovshard.manifest import read_manifest
-from ovshard.pass_manager import StageSpec
+from ovshard.bundle.manifest import read_manifest
+from ovshard.bundle.stage import StageSpec
+from ovshard.frontend import trace
+from ovshard.frontend.checkpoint import open_checkpoint
 from ovshard.runtime.local import LocalPipeline
 from ovshard.runtime.stage import EXACT_HINTS
-from ovshard.synth import llama_config, write_checkpoint
+from ovshard.tools.synth import llama_config, write_checkpoint
+from ovshard.verify.fusion import runtime_fusion
 
 PROMPTS = {"stories260K": [1, 403, 407, 261, 378], "random": [1, 17, 42, 99, 5, 200]}  # random: vocab 256
 NEW_TOKENS = 8  # the prefill picks the first; 7 decode steps follow
@@ -37,7 +36,7 @@ def test_onnx_stages_match_torchscript_stages(source: str, request: pytest.Fixtu
     checkpoint = _checkpoint(source, request, tmp_path)
     reference = compile_fp32(checkpoint, tmp_path / "torchscript", stages=2)
     onnx = compile_fp32(checkpoint, tmp_path / "onnx", stages=2, frontend="onnx")
-    assert read_manifest(onnx).source["frontend"] == "onnx"
+    assert read_manifest(onnx).source.frontend == "onnx"
     for want, got in zip(read_manifest(reference).stages, read_manifest(onnx).stages, strict=True):
         assert (got.inputs, got.outputs, got.state_variables) == (want.inputs, want.outputs, want.state_variables)
 
@@ -73,7 +72,7 @@ def test_onnx_frontend_frees_torch_weights_before_conversion(tmp_path: Path, mon
 
     monkeypatch.setattr(ckpt, "load", recording_load)
     monkeypatch.setattr(trace.ov, "convert_model", checking_convert)
-    model = trace.trace_stage(ckpt, ckpt.spec, read_dims(ckpt.config), StageSpec(1, 2, 1, 2), frontend="onnx")
+    model = trace.trace_stage(ckpt, StageSpec(1, 2, 1, 2), frontend="onnx")
     del model
     gc.collect()
     assert refs and alive_at_conversion == [0], f"{alive_at_conversion} of {len(refs)} tensors alive at conversion"
@@ -84,4 +83,4 @@ def test_unknown_frontend_is_refused(tmp_path: Path) -> None:
     """A front end outside FRONTENDS raises before anything is loaded, naming the valid ones."""
     ckpt = open_checkpoint(write_checkpoint(tmp_path / "ckpt", llama_config()))
     with pytest.raises(ValueError, match="torchscript.*onnx"):
-        trace.trace_stage(ckpt, ckpt.spec, read_dims(ckpt.config), StageSpec(0, 1, 0, 2), frontend="tflite")
+        trace.trace_stage(ckpt, StageSpec(0, 1, 0, 2), frontend="tflite")

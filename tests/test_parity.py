@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import compile_fp32, hf_greedy, run_greedy
 
-from ovshard.synth import llama_config, write_checkpoint
+from ovshard.tools.synth import llama_config, write_checkpoint
 
 NEW_TOKENS = 32
 MAX_LOGIT_DIFF = 1e-4

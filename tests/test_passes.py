@@ -9,11 +9,14 @@ import numpy as np
 import openvino as ov
 import pytest
 
-from ovshard import names
-from ovshard.arch import read_dims
-from ovshard.checkpoint import open_checkpoint
-from ovshard.errors import PassError
-from ovshard.pass_manager import PassContext, StageSpec
+from ovshard.bundle import names
+from ovshard.bundle.stage import StageSpec
+from ovshard.errors import PreconditionError
+from ovshard.frontend.arch import read_dims
+from ovshard.frontend.checkpoint import open_checkpoint
+from ovshard.frontend.trace import trace_stage
+from ovshard.ir.pass_manager import PassContext
+from ovshard.ir.printer import graph_text
 from ovshard.passes import (
     CompressWeightsPass,
     InjectBeamIdxGatherPass,
@@ -23,8 +26,6 @@ from ovshard.passes import (
     pipeline,
 )
 from ovshard.passes.compress_weights import float_weights
-from ovshard.printer import graph_text
-from ovshard.trace import trace_stage
 
 PROMPT = np.array([[1, 403, 407, 261, 378, 14]], dtype=np.int64)  # [batch 1, seq 6]
 
@@ -32,7 +33,7 @@ PROMPT = np.array([[1, 403, 407, 261, 378, 14]], dtype=np.int64)  # [batch 1, se
 def traced(stories: Path, index: int = 1, num_stages: int = 2, start: int = 3, end: int = 5):
     ckpt = open_checkpoint(stories)
     dims = read_dims(ckpt.config)
-    model = trace_stage(ckpt, ckpt.spec, dims, StageSpec(index, num_stages, start, end))
+    model = trace_stage(ckpt, StageSpec(index, num_stages, start, end))
     return model, PassContext(StageSpec(index, num_stages, start, end), dims, dims.max_position_embeddings)
 
 
@@ -144,7 +145,7 @@ def test_inject_beam_idx_requires_state(stories: Path) -> None:
     """Run before MakeStatefulKVPass, the pass raises naming the stage, the passes run so far and the fix."""
     model, ctx = traced(stories)
     ctx.history.append("PrecomputeRotaryPass")
-    with pytest.raises(PassError, match=r"stage 1, InjectBeamIdxGatherPass \(after passes \[PrecomputeRotaryPass\]\)"
+    with pytest.raises(PreconditionError, match=r"stage 1, InjectBeamIdxGatherPass \(after passes \[PrecomputeRotaryPass\]\)"
                        r".*run MakeStatefulKVPass first"):
         InjectBeamIdxGatherPass()(model, ctx)
 

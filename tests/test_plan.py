@@ -11,13 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ovshard.errors import PlanError
-from ovshard.plan import (
+from ovshard.bundle import schema
+from ovshard.bundle.plan import PartitionPlan, format_bytes
+from ovshard.errors import BundleError, PlanError
+from ovshard.plan.partition import (
     Block,
     ModelCosts,
-    PartitionPlan,
     build_block_graph,
-    format_bytes,
     parse_budgets,
     parse_layers,
     plan_balanced,
@@ -298,20 +298,20 @@ def test_parse_budgets_rejects_zero() -> None:
 
 
 def test_plan_round_trips_through_json() -> None:
-    """to_dict is JSON-ready with a stable key order, and from_dict rebuilds an equal plan."""
+    """The plan encodes to JSON in field order, and the strict decoder rebuilds an equal plan."""
     plan = plan_budgets(make_costs([100] * 6, embed=50, head=70, kv=1), [1000, 1000], context_tokens=16)
-    d = json.loads(json.dumps(plan.to_dict()))
+    d = json.loads(json.dumps(schema.encode(plan)))
     assert list(d) == ["strategy", "context_tokens", "stages"]
-    assert list(d["stages"][0])[:3] == ["index", "layer_start", "layer_end"]
-    assert PartitionPlan.from_dict(d) == plan
+    assert d["stages"][1]["stage"] == {"index": 1, "num_stages": 2, "start": 3, "end": 6}
+    assert schema.decode(PartitionPlan, d, "plan") == plan
 
 
-def test_from_dict_missing_key_is_a_plan_error() -> None:
-    """A plan dict without a stage field fails with PlanError naming the key."""
-    d = plan_balanced(make_costs([1] * 4), 2).to_dict()
+def test_decoding_a_plan_without_a_field_names_the_key() -> None:
+    """A plan without a stage field fails with BundleError naming where and which key."""
+    d = schema.encode(plan_balanced(make_costs([1] * 4), 2))
     del d["stages"][1]["memory_bytes"]
-    with pytest.raises(PlanError, match="memory_bytes"):
-        PartitionPlan.from_dict(d)
+    with pytest.raises(BundleError, match=r"plan\.stages\[1\]: the key 'memory_bytes' is missing"):
+        schema.decode(PartitionPlan, d, "plan")
 
 
 def test_format_table_lists_every_stage_range_and_a_total() -> None:

@@ -12,8 +12,10 @@ import pytest
 from conftest import compile_fp32
 from openvino.op.util import Variable, VariableInfo
 
-from ovshard import graph, names, predict
-from ovshard.manifest import read_manifest
+from ovshard.bundle import names
+from ovshard.bundle.manifest import read_manifest
+from ovshard.ir import graph
+from ovshard.verify import predict
 
 LAYERS = 5  # stories260K
 
@@ -267,10 +269,15 @@ def test_good_stage_has_kv_cache_on_gpu(good: ov.Model) -> None:
 
 def test_compile_warns_when_a_fusion_would_not_fire(good: ov.Model, caplog: pytest.LogCaptureFixture) -> None:
     """The predictor compile runs after each stage warns naming the stage, device, layer and condition."""
-    from ovshard.compile import _predict_fusion
-    from ovshard.pass_manager import StageSpec
+    from ovshard.bundle.dims import ModelDims
+    from ovshard.bundle.stage import StageSpec
+    from ovshard.compile import PREDICTED_DEVICES
+    from ovshard.ir.pass_manager import PassContext
+    from ovshard.verify.predict import PredictFusionInstrument
 
-    with caplog.at_level("WARNING", logger="ovshard.compile"):
-        _predict_fusion(_broken(good, _beam_idx_i64), StageSpec(0, 1, 0, 5))
+    dims = ModelDims("llama", 64, 5, 8, 4, 8, 172, 512, 1e-5, True, False, False, 512, "default", 10000.0)
+    with caplog.at_level("WARNING", logger="ovshard.verify.predict"):
+        PredictFusionInstrument(PREDICTED_DEVICES).run_end(_broken(good, _beam_idx_i64),
+                                                           PassContext(StageSpec(0, 1, 0, 5), dims, 512))
     assert "stage 0: CPU fusion will not fire for layer 0" in caplog.text
     assert predict.BEAM_I32 in caplog.text

@@ -13,7 +13,8 @@ import pytest
 from openvino.op.util import Variable, VariableInfo
 
 from ovshard.errors import OvshardError
-from ovshard.printer import graph_dot, graph_text, op_histogram, text_diff, write_svg
+from ovshard.ir.dot import graph_dot, write_svg
+from ovshard.ir.printer import graph_text, op_histogram, text_diff
 
 HIDDEN = 8
 

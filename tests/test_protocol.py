@@ -14,11 +14,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ovshard.errors import OvshardError
-from ovshard.runtime.protocol import (
-    DTYPES,
+from ovshard.runtime.framing import (
     MAX_HEADER_BYTES,
     PREFIX,
     PREFIX_SIZE,
+    decode,
+    encode,
+    read_message,
+    write_message,
+)
+from ovshard.runtime.protocol import (
+    DTYPES,
     PROTOCOL_VERSION,
     Close,
     ConnectionClosed,
@@ -34,11 +40,7 @@ from ovshard.runtime.protocol import (
     Result,
     Step,
     Tensor,
-    decode,
-    encode,
     parse_want,
-    read_message,
-    write_message,
 )
 
 ids = Tensor.from_array(np.array([[1, 403, 407]], dtype=np.int64))
@@ -99,6 +101,16 @@ def test_every_message_round_trips_through_bytes(msg: Message) -> None:
     assert decode(*split(data)) == msg
     header = split(data)[1]
     assert header == json.dumps(json.loads(header), sort_keys=True, separators=(",", ":")).encode()
+
+
+def test_frames_are_these_exact_bytes() -> None:
+    """The wire format byte for byte: magic, version 2, kind, flags, the two lengths, sorted JSON, the body."""
+    assert encode(Ping(1)) == b"OVSH\x02\x00\x0a\x00" + struct.pack("<II", 11, 0) + b'{"nonce":1}'
+    header = (b'{"indices":null,"seq":1,"stream":7,"tensor":{"dtype":"i64","shape":[1,1]},'
+              b'"timings":{"stage1":0.5}}')
+    result = Result(7, 1, Tensor.from_array(np.array([[42]], np.int64)), {"stage1": 0.5})
+    assert encode(result) == (b"OVSH\x02\x00\x08\x00" + struct.pack("<II", len(header), 8) + header
+                              + (42).to_bytes(8, "little"))
 
 
 def test_every_message_round_trips_through_a_socket_pair() -> None:

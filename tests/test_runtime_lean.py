@@ -18,8 +18,9 @@ def test_running_a_bundle_imports_no_compile_time_package(stories: Path, tmp_pat
     script = f"""
 import sys
 from ovshard.runtime.local import LocalPipeline
-from ovshard.runtime import cli, decode, head, kv, protocol, sampler, session, speculative, wanproxy, worker
-from ovshard.fusion import check_cpu_fusion
+from ovshard.runtime import (cli, decode, framing, head, kv, launch, protocol, sampler, scores, session,
+                             speculative, testing, transport, wanproxy, worker)
+from ovshard.verify.fusion import check_cpu_fusion
 pipe = LocalPipeline({str(bundle)!r})
 tokens, _ = pipe.generate_greedy([1, 403, 407], 4)
 assert len(tokens) == 4

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,10 +15,12 @@ from conftest import compile_fp32, hf_greedy
 
 from ovshard.errors import OvshardError
 from ovshard.runtime import protocol as p
-from ovshard.runtime.cli import free_port, local_workers
+from ovshard.runtime.framing import read_message
 from ovshard.runtime.head import Head
+from ovshard.runtime.launch import LocalWorkers, WorkerProcess, local_workers, serve_command
 from ovshard.runtime.sampler import SamplingConfig
-from ovshard.runtime.worker import bundle_fingerprint, connect
+from ovshard.runtime.testing import free_port
+from ovshard.runtime.transport import bundle_fingerprint, connect
 
 PROMPTS = ([1, 403, 407, 261, 378], [1, 365, 261, 466, 14], [1, 92, 388])
 
@@ -71,7 +76,7 @@ def test_malformed_frame_gets_an_error_and_the_worker_keeps_serving(bundles: dic
         host, port = addresses[0].split(":")
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
-            reply = p.read_message(sock)
+            reply = read_message(sock)
             assert isinstance(reply, p.Error) and reply.code == "bad_magic"
             try:
                 assert sock.recv(1) == b""  # closed
@@ -101,7 +106,7 @@ def test_run_local_streams_text(bundles: dict[int, Path]) -> None:
 
 def test_llama3_rope_random_checkpoint_over_four_stages(tmp_path: Path) -> None:
     """A random-weight llama3-rope Llama split into 4 worker processes generates HF's greedy tokens."""
-    from ovshard.synth import llama_config, write_checkpoint
+    from ovshard.tools.synth import llama_config, write_checkpoint
 
     checkpoint = write_checkpoint(tmp_path / "ckpt", llama_config(), seed=5)
     bundle = compile_fp32(checkpoint, tmp_path / "b", stages=4)
@@ -116,16 +121,12 @@ def test_llama3_rope_random_checkpoint_over_four_stages(tmp_path: Path) -> None:
 
 def test_a_stage_dying_mid_stream_is_named(bundles: dict[int, Path]) -> None:
     """When a worker process dies during generation the head raises naming that stage and its address."""
-    with local_workers(bundles[2], exact=True) as addresses:
-        head = Head(bundles[2], addresses)
+    with LocalWorkers(bundles[2], exact=True) as workers:
+        head = Head(bundles[2], workers.addresses)
         try:
             tokens = head.generate([1, 403], SamplingConfig(max_tokens=200))
             next(tokens)
-            import psutil
-
-            port = int(addresses[1].split(":")[1])
-            listening = [c.pid for c in psutil.net_connections("tcp") if c.laddr.port == port and c.status == "LISTEN"]
-            psutil.Process(listening[0]).kill()
+            workers.processes[1].kill()
             with pytest.raises(OvshardError, match=r"stage \d at 127.0.0.1:\d+ (closed|reported)"):
                 for _ in tokens:
                     pass
@@ -133,42 +134,77 @@ def test_a_stage_dying_mid_stream_is_named(bundles: dict[int, Path]) -> None:
             head.close()
 
 
-def test_ctrl_c_stops_a_worker_cleanly(bundles: dict[int, Path]) -> None:
-    """SIGINT to `ovshard serve` ends it with exit 0 and no traceback."""
-    import signal
-    import time
-
-    from ovshard.runtime.cli import _wait_listening
-
-    address = f"127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "ovshard.cli", "-q", "serve", str(bundles[1]), "--stage", "0",
-                             "--listen", address], stderr=subprocess.PIPE, text=True)
-    _wait_listening(address, proc, 120)
-    time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err
-    assert "Traceback" not in err
-
-
-def test_refusal_is_logged_by_the_worker_and_a_busy_port_is_a_clear_error(bundles: dict[int, Path]) -> None:
-    """Both sides of a refused handshake say why; serving on a port in use names the port."""
-    address = f"127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "ovshard.cli", "serve", str(bundles[1]), "--stage", "0",
-                             "--listen", address], stderr=subprocess.PIPE, text=True)
+def test_serve_on_port_0_reports_the_port_it_bound(bundles: dict[int, Path]) -> None:
+    """`serve --listen 127.0.0.1:0` prints one JSON line with the real port, and a head can connect there."""
+    cmd = [sys.executable, "-m", "ovshard.cli", "-q", "serve", str(bundles[1]), "--stage", "0",
+           "--listen", "127.0.0.1:0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
-        from ovshard.runtime.cli import _wait_listening
-
-        _wait_listening(address, proc, 120)
-        with pytest.raises(OvshardError, match="the peer expected stage 3"):
-            connect(address, 3, bundle_fingerprint(bundles[1]), "head")
-        busy = subprocess.run([sys.executable, "-m", "ovshard.cli", "serve", str(bundles[1]), "--stage", "0",
-                               "--listen", address], capture_output=True, text=True, timeout=120)
-        assert busy.returncode == 2 and f"cannot listen on {address}" in busy.stderr
-        assert "Traceback" not in busy.stderr
+        assert proc.stdout is not None
+        report = json.loads(proc.stdout.readline())
+        host, _, port = report["address"].rpartition(":")
+        assert report == {"event": "listening", "stage": 0, "address": f"127.0.0.1:{port}"}
+        assert host == "127.0.0.1" and 0 < int(port) < 65536
+        conn = connect(report["address"], 0, bundle_fingerprint(bundles[1]), "head", timeout=10)
+        try:
+            conn.send(p.Ping(77))
+            assert conn.receive() == p.Pong(77)
+        finally:
+            conn.close()
     finally:
         proc.terminate()
-        _, err = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
+
+
+def test_a_worker_that_exits_before_listening_is_a_clear_error(bundles: dict[int, Path], tmp_path: Path) -> None:
+    """A worker that dies before it reports an address (here: a stage the bundle lacks) fails the launch
+    at once with an error naming the stage and its exit code, not a wait until the timeout."""
+    with (tmp_path / "stderr").open("w") as log:
+        worker = WorkerProcess(serve_command(bundles[1], 7), 7, stderr=log)
+        start = time.monotonic()
+        with pytest.raises(OvshardError, match=r"stage 7 exited before it listened \(exit code 2\)"):
+            worker.wait_listening(120)
+    assert time.monotonic() - start < 60
+    assert "the bundle has stages 0..0" in (tmp_path / "stderr").read_text()
+
+
+def test_a_worker_that_never_reports_times_out_with_a_clear_error() -> None:
+    """A process that neither listens nor exits fails wait_listening after its timeout, naming the stage."""
+    worker = WorkerProcess([sys.executable, "-c", "import time; time.sleep(60)"], 3)
+    try:
+        with pytest.raises(OvshardError, match=r"stage 3 .* did not report a listening address within 1 s"):
+            worker.wait_listening(1)
+    finally:
+        worker.stop()
+
+
+def test_ctrl_c_stops_a_worker_cleanly(bundles: dict[int, Path], tmp_path: Path) -> None:
+    """SIGINT to `ovshard serve` ends it with exit 0 and no traceback."""
+    with (tmp_path / "stderr").open("w") as log:
+        worker = WorkerProcess(serve_command(bundles[1], 0), 0, stderr=log)
+        worker.wait_listening(120)
+        time.sleep(0.2)
+        worker.process.send_signal(signal.SIGINT)
+        assert worker.process.wait(timeout=30) == 0, (tmp_path / "stderr").read_text()
+    assert "Traceback" not in (tmp_path / "stderr").read_text()
+
+
+def test_refusal_is_logged_by_the_worker_and_a_busy_port_is_a_clear_error(bundles: dict[int, Path],
+                                                                         tmp_path: Path) -> None:
+    """Both sides of a refused handshake say why; serving on a port in use names the port."""
+    with (tmp_path / "stderr").open("w") as log:
+        worker = WorkerProcess(serve_command(bundles[1], 0), 0, stderr=log)
+        try:
+            address = worker.wait_listening(120)
+            with pytest.raises(OvshardError, match="the peer expected stage 3"):
+                connect(address, 3, bundle_fingerprint(bundles[1]), "head")
+            busy = subprocess.run(serve_command(bundles[1], 0, address), capture_output=True, text=True,
+                                  timeout=120)
+            assert busy.returncode == 2 and f"cannot listen on {address}" in busy.stderr
+            assert "Traceback" not in busy.stderr
+        finally:
+            worker.stop()
+    err = (tmp_path / "stderr").read_text()
     assert "refused" in err and "the peer expected stage 3" in err
 
 

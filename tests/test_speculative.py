@@ -18,14 +18,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chi2_contingency, chisquare
 
+from ovshard.bundle.manifest import read_manifest
 from ovshard.errors import OvshardError
-from ovshard.manifest import read_manifest
-from ovshard.runtime.cli import local_workers
-from ovshard.runtime.decode import Scores, Stats
+from ovshard.runtime.decode import Stats
 from ovshard.runtime.head import Head
 from ovshard.runtime.kv import CompactionPolicy, KVCache, StepInputs
+from ovshard.runtime.launch import local_workers
 from ovshard.runtime.local import LocalPipeline
 from ovshard.runtime.sampler import SamplingConfig
+from ovshard.runtime.scores import Scores
 from ovshard.runtime.speculative import AutoK, PromptLookup, Speculation, accept, make_speculation
 from ovshard.runtime.stage import EXACT_HINTS
 
@@ -86,7 +87,7 @@ def test_greedy_draft_model_equals_plain_greedy(bundles: dict[int, Path], plain:
 def test_greedy_with_a_poor_draft_model_and_frequent_compaction(bundles: dict[int, Path], plain: dict,
                                                                 tmp_path: Path) -> None:
     """A random-weight drafter (most drafts rejected) and compaction after every few holes: still exact."""
-    from ovshard.synth import preset, write_checkpoint
+    from ovshard.tools.synth import preset, write_checkpoint
 
     ckpt = write_checkpoint(tmp_path / "ckpt", preset("tiny", vocab_size=512, max_position_embeddings=1024))
     draft = compile_fp32(ckpt, tmp_path / "draft", stages=1)
@@ -145,11 +146,11 @@ def test_mask_rewind_equals_physical_trim(whole_model: ov.CompiledModel, ops: li
         a = masked.step(inputs, out, rewind=reject, compact=compact).copy()
         b = trimmed.step(inputs, out).copy()
         assert masked.visible == trimmed.visible == trimmed.physical
-        # 1e-5 absolute up to |logit| 1, relative beyond: these logits reach ~15, where f32 rounding alone
+        # 3e-5 absolute up to |logit| 1, relative beyond: these logits reach ~15, where f32 rounding alone
         # is ~1e-6, and the CPU attention kernel sums a cache with holes in another order. Differences
-        # appear only with holes; rare multi-token steps exceed even this bound (bench/rewind_diff.py:
-        # 1.4e-5 relative at most), so the 200 examples are derandomized (a fixed set).
-        assert float((np.abs(a - b) / np.maximum(1.0, np.abs(b))).max()) <= 1e-5
+        # appear only with holes; bench/rewind_diff.py measured 1.4e-5 relative at most, and the fixed
+        # (derandomized) example set of one hypothesis release hit 1.42e-5, so the bound leaves 2x room.
+        assert float((np.abs(a - b) / np.maximum(1.0, np.abs(b))).max()) <= 3e-5
         reject = min(rejected, feed)
 
 
@@ -247,7 +248,7 @@ def test_cli_speculative_and_errors(bundles: dict[int, Path]) -> None:
 
 
 def test_draft_with_another_vocabulary_is_refused(bundles: dict[int, Path], tmp_path: Path) -> None:
-    from ovshard.synth import preset, write_checkpoint
+    from ovshard.tools.synth import preset, write_checkpoint
 
     ckpt = write_checkpoint(tmp_path / "ckpt", preset("tiny", vocab_size=300))
     draft = compile_fp32(ckpt, tmp_path / "draft", stages=1)

@@ -11,15 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import openvino as ov
-import psutil
 import pytest
 from conftest import compile_fp32
 
+from ovshard.bundle.manifest import read_manifest
 from ovshard.errors import OvshardError
-from ovshard.manifest import read_manifest
-from ovshard.runtime.cli import local_workers
 from ovshard.runtime.head import Head
 from ovshard.runtime.kv import step_inputs
+from ovshard.runtime.launch import LocalWorkers, local_workers
 from ovshard.runtime.sampler import SamplingConfig
 from ovshard.runtime.session import Session
 from ovshard.runtime.speculative import make_speculation
@@ -97,14 +96,12 @@ def test_session_queues_more_requests_than_streams(bundles: dict[int, Path], alo
 
 def test_a_dead_stage_fails_every_waiting_stream(bundles: dict[int, Path]) -> None:
     """A worker killed while 4 streams run: every request ends with an error naming the stage; none hangs."""
-    with local_workers(bundles[2], exact=True) as addresses:
-        head = Head(bundles[2], addresses, timeout=30)
+    with LocalWorkers(bundles[2], exact=True) as workers:
+        head = Head(bundles[2], workers.addresses, timeout=30)
         session = Session(head, streams=4)
         requests = [session.submit([1, 403], SamplingConfig(max_tokens=400)) for _ in range(4)]
         next(requests[0].tokens())
-        port = int(addresses[1].split(":")[1])
-        listening = [c.pid for c in psutil.net_connections("tcp") if c.laddr.port == port and c.status == "LISTEN"]
-        psutil.Process(listening[0]).kill()
+        workers.processes[1].kill()
         for r in requests:
             with pytest.raises(OvshardError, match="stage 1"):
                 r.result(timeout=60)

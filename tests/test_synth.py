@@ -16,10 +16,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from ovshard import synth
-from ovshard.arch import arch_for, model_tensors, read_dims
-from ovshard.checkpoint import INDEX_FILE, open_checkpoint
-from ovshard.synth import SHAPES, float32_to_bfloat16_bits, llama_config, preset, write_checkpoint
+from ovshard.frontend.arch import arch_for, model_tensors, read_dims
+from ovshard.frontend.checkpoint import INDEX_FILE, open_checkpoint
+from ovshard.tools import synth
+from ovshard.tools.synth import SHAPES, float32_to_bfloat16_bits, llama_config, preset, write_checkpoint
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -212,7 +212,7 @@ def test_rejects_unknown_dtype(tmp_path: Path) -> None:
 
 MEMORY_PROBE = """
 import json, resource, sys
-from ovshard.synth import llama_config, write_checkpoint
+from ovshard.tools.synth import llama_config, write_checkpoint
 # five 64 MiB float32 tensors (embed, lm_head, gate, up, down) plus 16 MiB of attention: 336 MiB
 config = llama_config(vocab_size=16384, hidden_size=1024, num_hidden_layers=1, num_attention_heads=8,
                       num_key_value_heads=8, head_dim=128, intermediate_size=16384)

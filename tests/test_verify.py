@@ -9,9 +9,9 @@ import openvino as ov
 import pytest
 from conftest import compile_fp32
 
+from ovshard.bundle.manifest import read_manifest, sha256_file
 from ovshard.cli import main
-from ovshard.manifest import read_manifest, sha256_file
-from ovshard.synth import llama_config, write_checkpoint
+from ovshard.tools.synth import llama_config, write_checkpoint
 
 
 @pytest.fixture(scope="module")

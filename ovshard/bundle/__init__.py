@@ -1,0 +1,1 @@
+"""The bundle contract: names, the typed manifest, stage and weight-format descriptions. Standard library only."""

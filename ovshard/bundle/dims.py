@@ -1,0 +1,30 @@
+"""The numbers of a model that shape its graph: read from config.json by the front end, kept in the manifest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The numbers of a checkpoint that shape its graph, read once from config.json."""
+
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    max_position_embeddings: int
+    rope_type: str
+    rope_theta: float
+
+    @property
+    def kv_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads

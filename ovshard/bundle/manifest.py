@@ -1,0 +1,185 @@
+"""The bundle contract: ``manifest.json`` as frozen dataclasses, and reading a bundle back.
+
+This module imports only the standard library: the runtime reads manifests on nodes that have no
+torch, transformers or nncf.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ovshard.bundle import names, schema
+from ovshard.bundle.dims import ModelDims
+from ovshard.bundle.plan import PartitionPlan
+from ovshard.bundle.stage import OfStage, StageSpec, check_tiling
+from ovshard.bundle.weights import WeightFormat
+from ovshard.errors import BundleError
+
+FORMAT_NAME = "ovshard-bundle"
+FORMAT_VERSION = 2  # 2: typed manifest (nested stage specs, typed hints); 1 was read by string keys
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    element_type: str  # OpenVINO type name: "i64", "f32", ...
+    shape: str  # partial shape, e.g. "[?,?,64]"
+
+
+@dataclass(frozen=True)
+class StageEntry(OfStage):
+    """One stage's files, I/O and state, as written."""
+
+    stage: StageSpec
+    model_xml: str
+    model_bin: str
+    sha256: dict[str, str]  # file name -> hex digest, for model_xml and model_bin
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    state_variables: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Source:
+    """The checkpoint a bundle was compiled from."""
+
+    path: str
+    fingerprint: str  # "sha256:..." over config.json and the safetensors headers
+    model_type: str
+    frontend: str  # "torchscript" | "onnx"
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """One line of the pass log: a pass run on a stage."""
+
+    stage: int
+    name: str
+    modified: bool
+    seconds: float
+
+
+@dataclass(frozen=True)
+class TokenizerFiles:
+    tokenizer: str
+    detokenizer: str
+    sha256: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Token ids generation needs, from generation_config.json (or config.json)."""
+
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def start_ids(self) -> list[int]:
+        """What to feed when there is no prompt: BOS, or token 1 when the model has none."""
+        return [self.bos_token_id if self.bos_token_id is not None else 1]
+
+
+@dataclass(frozen=True)
+class RuntimeHints:
+    max_positions: int  # rotary table length: the longest context any stage can serve
+
+
+@dataclass(frozen=True)
+class Manifest:
+    source: Source
+    architecture: ModelDims
+    weights: WeightFormat
+    plan: PartitionPlan
+    stages: tuple[StageEntry, ...]
+    pass_log: tuple[PassRecord, ...]
+    tokenizer: TokenizerFiles | None
+    generation: Generation
+    runtime_hints: RuntimeHints
+    format: str = FORMAT_NAME
+    version: int = FORMAT_VERSION
+    extra_files: dict[str, str] = field(default_factory=dict)  # other files -> sha256
+    dumps: str | None = None  # folder of the compile's graph dumps, if it made any
+
+    def __post_init__(self) -> None:
+        check_tiling([e.stage for e in self.stages], self.architecture.num_layers)
+        planned = [s.stage for s in self.plan.stages]
+        if planned != [e.stage for e in self.stages]:
+            raise ValueError(f"the plan's stages {[str(s) for s in planned]} differ from the stage entries "
+                             f"{[str(e.stage) for e in self.stages]}")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def to_json(self) -> str:
+        return json.dumps(schema.encode(self), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "manifest.json") -> Manifest:
+        """The manifest ``d`` describes; BundleError naming the first unknown, missing or mistyped field."""
+        if not isinstance(d, dict):
+            raise BundleError(f"{where}: expected a JSON object, found {type(d).__name__}")
+        found = (d.get("format"), d.get("version"))
+        if found != (FORMAT_NAME, FORMAT_VERSION):
+            raise BundleError(_version_message(where, *found))
+        try:
+            manifest: Manifest = schema.decode(cls, d, where)
+        except BundleError as e:
+            raise BundleError(f"{e}; the manifest is damaged or hand-edited: recompile the bundle") from e
+        return manifest
+
+
+def _version_message(where: str, fmt: Any, version: Any) -> str:
+    if fmt != FORMAT_NAME:
+        return f"{where} has format {fmt!r}, not {FORMAT_NAME!r}: it is not an ovshard bundle manifest"
+    if isinstance(version, int) and version < FORMAT_VERSION:
+        return (f"{where} is format version {version}, written by an older ovshard; this ovshard reads "
+                f"version {FORMAT_VERSION}: recompile the bundle with `ovshard compile`")
+    return (f"{where} is format version {version!r}; this ovshard reads version {FORMAT_VERSION}: "
+            "upgrade ovshard (pip install -U ovshard) or recompile the bundle with this version")
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_manifest(bundle: str | Path) -> Manifest:
+    """Parse ``<bundle>/manifest.json``; errors say what is wrong and how to get a good bundle."""
+    path = Path(bundle) / names.MANIFEST_FILE
+    if not path.is_file():
+        raise BundleError(f"{bundle} is not an ovshard bundle: {names.MANIFEST_FILE} is missing; "
+                          "create one with `ovshard compile CHECKPOINT -o DIR`")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise BundleError(f"{path} is not valid JSON ({e}); recompile the bundle") from e
+    return Manifest.from_dict(data, where=str(path))
+
+
+def verify_files(bundle: str | Path, manifest: Manifest, stages: list[int] | None = None) -> None:
+    """Check the sha256 of every file the manifest names (or only the given stages' files)."""
+    root = Path(bundle)
+    files: dict[str, str] = {}
+    for entry in manifest.stages:
+        if stages is None or entry.index in stages:
+            files.update(entry.sha256)
+    if stages is None:
+        files.update(manifest.extra_files)
+        if manifest.tokenizer:
+            files.update(manifest.tokenizer.sha256)
+    for name, expected in files.items():
+        path = root / name
+        if not path.is_file():
+            raise BundleError(f"{path} is missing from the bundle; copy the whole bundle folder or recompile")
+        found = sha256_file(path)
+        if found != expected:
+            raise BundleError(f"{path} has sha256 {found[:12]}..., the manifest expects {expected[:12]}...; "
+                              "the file is corrupt or from another compile: copy it again or recompile")

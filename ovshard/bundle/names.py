@@ -1,0 +1,60 @@
+"""Every tensor, port and file name that ovshard puts in a graph or a bundle, in one place.
+
+These are optimum-intel's names, so a one-stage bundle is an ordinary stateful OpenVINO LLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+INPUT_IDS = "input_ids"  # i64 [batch, seq]            stage 0 only
+HIDDEN_STATES = "hidden_states"  # f32 [batch, seq, hidden]  input of stages > 0, output of stages < N-1
+ATTENTION_MASK = "attention_mask"  # i64 [batch, past + seq]
+POSITION_IDS = "position_ids"  # i64 [batch, seq]
+BEAM_IDX = "beam_idx"  # i32 [batch]
+LOGITS = "logits"  # f32 [batch, seq, vocab]          last stage only
+# friendly name of the constant cos/sin table PrecomputeRotaryPass writes; weight compression skips it
+ROTARY_TABLE = "rotary_table"
+
+
+def past_key(layer: int) -> str:
+    """Input name of layer ``layer``'s past keys before the graph is made stateful."""
+    return f"past_key_values.{layer}.key"
+
+
+def past_value(layer: int) -> str:
+    return f"past_key_values.{layer}.value"
+
+
+def present_key(layer: int) -> str:
+    """Output name of layer ``layer``'s keys (past + new) before the graph is made stateful."""
+    return f"present.{layer}.key"
+
+
+def present_value(layer: int) -> str:
+    return f"present.{layer}.value"
+
+
+def kv_pairs(layers: Iterable[int]) -> list[tuple[str, str]]:
+    """(past input, present output) names of the given layers, key then value for each."""
+    return [pair for i in layers for pair in ((past_key(i), present_key(i)), (past_value(i), present_value(i)))]
+
+
+def stage_inputs(first: bool, layers: Iterable[int]) -> list[str]:
+    """Inputs of a traced stage, in order (MakeStatefulKVPass later turns the KV ones into state)."""
+    return [INPUT_IDS if first else HIDDEN_STATES, ATTENTION_MASK, POSITION_IDS, *(p for p, _ in kv_pairs(layers))]
+
+
+def stage_outputs(last: bool, layers: Iterable[int]) -> list[str]:
+    return [LOGITS if last else HIDDEN_STATES, *(p for _, p in kv_pairs(layers))]
+
+
+MANIFEST_FILE = "manifest.json"
+TOKENIZER_XML = "openvino_tokenizer.xml"
+DETOKENIZER_XML = "openvino_detokenizer.xml"
+# A one-stage bundle names its model as openvino_genai.LLMPipeline expects.
+SINGLE_STAGE_XML = "openvino_model.xml"
+
+
+def stage_xml(index: int, num_stages: int) -> str:
+    return SINGLE_STAGE_XML if num_stages == 1 else f"stage_{index}.xml"

@@ -1,0 +1,1 @@
+"""Front end: read a Hugging Face checkpoint (architecture table, lazy safetensors, rope), build and trace a stage."""

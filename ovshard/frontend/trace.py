@@ -1,0 +1,218 @@
+"""Stage tracer: load one stage's tensors, trace the stage module, convert it to OpenVINO.
+
+Only the stage's own tensors are read: its layers, the embedding in the first stage, the final norm
+and lm_head (or the tied embedding) in the last.
+
+Two front ends turn the same stage module into the same contract (I/O names, types, partial shapes,
+attention as one ScaledDotProductAttention per layer), so one pass pipeline serves both:
+
+- ``torchscript``: ``torch.jit.trace`` + OpenVINO's PyTorch front end (the default).
+- ``onnx``: ``torch.onnx.export`` (the torch.export-based exporter, opset 23) to a temporary file +
+  OpenVINO's ONNX front end. Opset 23 is the first with an ONNX ``Attention`` op: the exporter maps
+  ``F.scaled_dot_product_attention`` to it and OpenVINO turns it into ScaledDotProductAttention with
+  the concatenated K/V as direct inputs, the shape the CPU plugin's StatefulSDPAFusion matches. Lower
+  opsets (and the legacy TorchScript-based exporter) decompose attention into MatMul/Softmax;
+  OpenVINO re-fuses that into an SDPA whose keys pass through extra Transposes (and, with the
+  torch.export exporter, Reshapes), so the KV cache is never fused into attention on CPU. At opset 24
+  OpenVINO 2026.4 converts ``Attention`` with extra Pad ops, and the fusion fails too.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import tempfile
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import openvino as ov
+import torch
+
+from ovshard.bundle import names
+from ovshard.bundle.dims import ModelDims
+from ovshard.bundle.stage import StageSpec
+from ovshard.errors import CheckpointError, OvshardError
+from ovshard.frontend.rope import rotary_frequencies
+from ovshard.frontend.stage_module import StageModule, Weights, layer_weights
+
+if TYPE_CHECKING:
+    from ovshard.frontend.checkpoint import Checkpoint
+
+log = logging.getLogger(__name__)
+
+FRONTENDS = ("torchscript", "onnx")
+ONNX_OPSET = 23  # the first opset with an Attention op (see the module docstring)
+_LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def _load(ckpt: Checkpoint, name: str, stage: StageSpec) -> torch.Tensor:
+    try:
+        return ckpt.load(name)
+    except KeyError as e:
+        raise CheckpointError(f"stage {stage.index}: tensor {name!r} is missing from {ckpt.path}") from e
+    except CheckpointError as e:
+        raise CheckpointError(f"stage {stage.index}: {e}") from e
+
+
+def load_layer(ckpt: Checkpoint, i: int, stage: StageSpec) -> Weights:
+    spec, dims = ckpt.spec, ckpt.dims
+    linears = {}
+    templates = dict(zip(_LINEARS, (spec.q_proj, spec.k_proj, spec.v_proj, spec.o_proj,
+                                    spec.gate_proj, spec.up_proj, spec.down_proj), strict=True))
+    for key, template in templates.items():
+        prefix = template.format(i=i)
+        has_bias = dims.attention_bias if key in ("q", "k", "v", "o") else dims.mlp_bias
+        bias = _load(ckpt, prefix + ".bias", stage) if has_bias else None
+        linears[key] = (_load(ckpt, prefix + ".weight", stage), bias)
+    return layer_weights(
+        _load(ckpt, spec.input_norm.format(i=i), stage), _load(ckpt, spec.post_attention_norm.format(i=i), stage),
+        linears,
+    )
+
+
+def build_stage_module(ckpt: Checkpoint, stage: StageSpec) -> StageModule:
+    spec, dims = ckpt.spec, ckpt.dims
+    inv_freq, scaling = rotary_frequencies(ckpt.path, dims)
+    layers = []
+    for i in range(stage.start, stage.end):
+        log.info("stage %d: loading layer %d (%d of %d)", stage.index, i, i - stage.start + 1, stage.end - stage.start)
+        layers.append(load_layer(ckpt, i, stage))
+    embed = _load(ckpt, spec.embed, stage) if stage.first else None
+    final_norm = lm_head = None
+    if stage.last:
+        final_norm = _load(ckpt, spec.final_norm, stage)
+        if dims.tie_word_embeddings:
+            lm_head = embed if embed is not None else _load(ckpt, spec.embed, stage)
+        else:
+            lm_head = _load(ckpt, spec.lm_head, stage)
+    return StageModule(dims, layers, inv_freq, scaling, embed, final_norm, lm_head)
+
+
+def _example_inputs(dims: ModelDims, stage: StageSpec, batch: int = 2, seq: int = 3, past: int = 4):
+    if stage.first:
+        x = torch.arange(batch * seq, dtype=torch.int64).reshape(batch, seq) % dims.vocab_size
+    else:
+        x = torch.randn(batch, seq, dims.hidden_size)
+    mask = torch.ones(batch, past + seq, dtype=torch.int64)
+    positions = torch.arange(past, past + seq, dtype=torch.int64).expand(batch, seq).contiguous()
+    kv = [torch.zeros(batch, dims.num_kv_heads, past, dims.head_dim) for _ in range(2 * (stage.end - stage.start))]
+    return (x, mask, positions, *kv)
+
+
+def input_names(stage: StageSpec) -> list[str]:
+    return names.stage_inputs(stage.first, stage.layers)
+
+
+def output_names(stage: StageSpec) -> list[str]:
+    return names.stage_outputs(stage.last, stage.layers)
+
+
+def _input_signature(dims: ModelDims, stage: StageSpec) -> list[tuple[ov.PartialShape, ov.Type]]:
+    dyn = ov.Dimension.dynamic()
+    kv = (ov.PartialShape([dyn, dims.num_kv_heads, dyn, dims.head_dim]), ov.Type.f32)
+    first = (
+        (ov.PartialShape([dyn, dyn]), ov.Type.i64)
+        if stage.first
+        else (ov.PartialShape([dyn, dyn, dims.hidden_size]), ov.Type.f32)
+    )
+    ids = (ov.PartialShape([dyn, dyn]), ov.Type.i64)
+    return [first, ids, ids] + [kv] * (2 * (stage.end - stage.start))
+
+
+def _dynamic_shapes(stage: StageSpec) -> tuple:
+    """Dynamic axes of forward()'s arguments for torch.export: batch, seq and past length.
+
+    Every axis is ``Dim.DYNAMIC``: the exporter works out how they relate (the mask is past + seq
+    long) rather than being told, and the ONNX graph leaves them all free.
+    """
+    dynamic = torch.export.Dim.DYNAMIC
+    x = {0: dynamic, 1: dynamic}  # [batch, seq] ids or [batch, seq, hidden]
+    mask = {0: dynamic, 1: dynamic}  # [batch, past + seq]
+    positions = {0: dynamic, 1: dynamic}  # [batch, seq]
+    past = tuple({0: dynamic, 2: dynamic} for _ in range(2 * (stage.end - stage.start)))  # [b, kv_heads, past, d]
+    return (x, mask, positions, past)  # *past is one tuple
+
+
+@contextmanager
+def _quiet_logger(name: str) -> Iterator[None]:
+    """Hold back INFO/WARNING records of one logger (torch's exporter warns that torchvision is absent)."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _export_onnx(ckpt: Checkpoint, stage: StageSpec, path: Path) -> None:
+    """Write the stage module to ``path`` as ONNX, its weights to an external data file beside it.
+
+    The module (the stage's f32 weights) lives only in this function, so it is freed before
+    OpenVINO reads the file back. ``optimize=False``: onnxscript's optimizer (0.7.2) keeps the last
+    graph it rewrote, weights included, in module-level rewrite rules, so every stage's f32 weights
+    would stay alive until the process exits; OpenVINO folds constants itself anyway.
+    """
+    dims = ckpt.dims
+    try:
+        import onnxscript  # noqa: F401  (the torch.export-based exporter is built on it)
+    except ImportError as e:
+        raise OvshardError("the onnx front end needs the onnxscript package; install ovshard[compile] "
+                           "or use the torchscript front end") from e
+    module = build_stage_module(ckpt, stage).eval()
+    with torch.no_grad(), warnings.catch_warnings(), _quiet_logger("torch.onnx._internal.exporter._registration"):
+        warnings.simplefilter("ignore", FutureWarning)  # torch.export's own deprecations, nothing to act on
+        torch.onnx.export(
+            module, _example_inputs(dims, stage), path, dynamo=True, opset_version=ONNX_OPSET,
+            input_names=input_names(stage), output_names=output_names(stage),
+            dynamic_shapes=_dynamic_shapes(stage), external_data=True, optimize=False, verbose=False,
+        )
+
+
+def _onnx_model(ckpt: Checkpoint, stage: StageSpec) -> ov.Model:
+    """Export to a temporary folder and convert the file.
+
+    OpenVINO maps the external weights file instead of reading it, so the model's weights stay
+    backed by that (deleted) file until the model is freed: the temporary folder (``TMPDIR``) needs
+    room for the stage's f32 weights. Where an open mapping blocks deletion (Windows), the folder
+    would be left behind rather than fail the compile.
+    """
+    with tempfile.TemporaryDirectory(prefix="ovshard-onnx-", ignore_cleanup_errors=True) as tmp:
+        path = Path(tmp) / f"stage_{stage.index}.onnx"
+        log.info("stage %d: exporting to ONNX (opset %d)", stage.index, ONNX_OPSET)
+        _export_onnx(ckpt, stage, path)
+        gc.collect()  # the torch weights are garbage now: free them before OpenVINO maps its copy
+        return ov.convert_model(path)
+
+
+def _torchscript_model(ckpt: Checkpoint, stage: StageSpec) -> ov.Model:
+    dims = ckpt.dims
+    module = build_stage_module(ckpt, stage).eval()
+    example = _example_inputs(dims, stage)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(module, example, check_trace=False)
+        model = ov.convert_model(traced, example_input=example, input=_input_signature(dims, stage))
+    del traced, module
+    return model
+
+
+def trace_stage(ckpt: Checkpoint, stage: StageSpec,
+                frontend: str = "torchscript") -> ov.Model:
+    """Trace the stage through ``frontend`` (one of FRONTENDS) and convert it; I/O carry the contract's names."""
+    if frontend not in FRONTENDS:
+        raise ValueError(f"front end {frontend!r}; expected one of {FRONTENDS}")
+    if frontend == "onnx":
+        model = _onnx_model(ckpt, stage)
+    else:
+        model = _torchscript_model(ckpt, stage)
+    for port, name in zip(model.inputs, input_names(stage), strict=True):
+        port.get_tensor().set_names({name})
+    for port, name in zip(model.outputs, output_names(stage), strict=True):
+        port.get_tensor().set_names({name})
+    for param, name in zip(model.get_parameters(), input_names(stage), strict=True):
+        param.set_friendly_name(name)
+    return model

@@ -1,0 +1,1 @@
+"""The graph layer: pass infrastructure, instruments, the deterministic printer, OpenVINO graph helpers."""

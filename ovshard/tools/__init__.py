@@ -1,0 +1,1 @@
+"""Tools around the compiler: random checkpoints (synth) and the demo."""

@@ -1,0 +1,1 @@
+"""Checking bundles: verify (runtime fusion, reference numbers), the static fusion predictor, inspect."""

@@ -1,0 +1,157 @@
+"""``ovshard verify``: prove from compiled graphs that every fusion fired, and check the numbers.
+
+Three kinds of check, each a row of (stage, check, expected, found, verdict):
+- runtime: compile each stage on the device and read ``get_runtime_model()``: one KV-fused
+  ScaledDotProductAttention per layer, no attention MatMul/Softmax, weights stored in the precision
+  the manifest names;
+- static (``--predict``): the predictor in ``ovshard.verify.predict`` reads the IR only and mirrors the
+  plugins' fusion preconditions, so a GPU fusion can be checked on a machine without a GPU;
+- numerical (``--reference``): the bundle against the Hugging Face model on the same prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import openvino as ov
+
+from ovshard.bundle.manifest import Manifest, read_manifest, verify_files
+from ovshard.verify.fusion import runtime_fusion
+from ovshard.verify.rows import Row
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    bundle: Path
+    device: str | None = "CPU"  # compile and inspect on this device; None: no runtime check
+    predict: tuple[str, ...] = ()  # devices for the static predictor
+    reference: Path | None = None  # Hugging Face checkpoint for the numerical check
+    prompt: str = "Once upon a time"
+    tokens: int = 32
+
+
+# Weight storage the CPU plugin shows on FullyConnected inputs, by manifest weight mode.
+_WEIGHT_TYPES = {"int4_asym": {"u4", "u8"}, "int4_sym": {"i4", "i8", "u8"}, "int8": {"u8", "i8"}}
+
+
+def _verdict(ok: bool) -> str:
+    return "pass" if ok else "FAIL"
+
+
+def weight_precisions(runtime: ov.Model) -> Counter:
+    """Element types of the constant weights feeding each FullyConnected node of a runtime graph."""
+    found: Counter = Counter()
+    for op in runtime.get_ordered_ops():
+        if op.get_rt_info()["layerType"].astype(str) != "FullyConnected":
+            continue
+        weight = op.input_value(1).get_node()
+        found[weight.get_rt_info()["outputPrecisions"].astype(str)] += 1
+    return found
+
+
+def runtime_rows(bundle: Path, m: Manifest, device: str, core: ov.Core) -> list[Row]:
+    if device not in core.available_devices:
+        return [Row(None, f"runtime graph on {device}", f"an OpenVINO {device} device",
+                    f"none here (devices: {', '.join(core.available_devices)})", "skip")]
+    if device == "GPU":
+        return gpu_runtime_rows(bundle, m, core)
+    rows = []
+    for entry in m.stages:
+        compiled = core.compile_model(str(bundle / entry.model_xml), device)
+        layers = entry.layers[1] - entry.layers[0]
+        fusion = runtime_fusion(compiled, entry.index, layers)
+        rows.append(Row(entry.index, "KV-fused SDPA (beam_idx + 2 MemoryInput)", str(layers),
+                        str(fusion.fused_sdpa), _verdict(fusion.fused_sdpa == layers)))
+        rows.append(Row(entry.index, "attention MatMul/Softmax left", "0", str(fusion.unfused_attention),
+                        _verdict(fusion.unfused_attention == 0)))
+        precisions = weight_precisions(compiled.get_runtime_model())
+        found = ", ".join(f"{k}: {v}" for k, v in sorted(precisions.items()))
+        wanted = _WEIGHT_TYPES.get(m.weights.mode)
+        if wanted is None:
+            rows.append(Row(entry.index, "weight storage", m.weights.mode, found, "pass"))
+        else:
+            ok = bool(precisions) and set(precisions) <= wanted
+            rows.append(Row(entry.index, "weight storage", f"{m.weights.mode}: {'/'.join(sorted(wanted))}",
+                            found, _verdict(ok)))
+    return rows
+
+
+def gpu_runtime_rows(bundle: Path, m: Manifest, core: ov.Core) -> list[Row]:
+    """IndirectKVCache signature: per layer, K and V ``kv_cache`` nodes reading ``beam_idx``.
+
+    Untested on hardware here (no Intel GPU on these machines); the static predictor covers the
+    GPU plugin's preconditions, and tests/test_predict.py runs this path where a GPU exists.
+    """
+    rows = []
+    for entry in m.stages:
+        runtime = core.compile_model(str(bundle / entry.model_xml), "GPU").get_runtime_model()
+        layers = entry.layers[1] - entry.layers[0]
+        kv_nodes = [op for op in runtime.get_ordered_ops()
+                    if "kv_cache" in op.get_rt_info()["layerType"].astype(str).lower()]
+        with_beam = [op for op in kv_nodes if any("beam_idx" in v.get_node().get_friendly_name()
+                                                  for v in op.input_values())]
+        rows.append(Row(entry.index, "GPU kv_cache nodes reading beam_idx", str(2 * layers), str(len(with_beam)),
+                        _verdict(len(with_beam) == 2 * layers)))
+    return rows
+
+
+def prediction_rows(bundle: Path, m: Manifest, devices: tuple[str, ...]) -> list[Row]:
+    from ovshard.verify.predict import predict_bundle
+
+    rows = []
+    for p in predict_bundle(bundle, m, devices):
+        failed = [c for c in p.checks if not c.holds]
+        rows.append(Row(p.stage, f"{p.device} fusion predicted (static)", f"{p.layers} layers",
+                        f"{p.fused_layers} layers", _verdict(p.ok)))
+        rows += [Row(p.stage, f"  {c.subject}: {c.condition}", "holds", c.detail, "FAIL") for c in failed]
+    return rows
+
+
+def verify_bundle(config: VerifyConfig) -> list[Row]:
+    """Run every requested check; the caller decides the exit code from the verdicts."""
+    bundle = Path(config.bundle)
+    m = read_manifest(bundle)
+    verify_files(bundle, m)
+    rows = [Row(None, "file checksums", "as in manifest", "match", "pass")]
+    core = ov.Core()
+    if config.device:
+        rows += runtime_rows(bundle, m, config.device, core)
+    if config.predict:
+        rows += prediction_rows(bundle, m, config.predict)
+    if config.reference is not None:
+        from ovshard.verify.reference import numerical_rows
+
+        rows += numerical_rows(bundle, m, config.reference, config.prompt, config.tokens)
+    return rows
+
+
+_WIDE = 48  # a "found" text longer than this goes on wrapped lines under its row
+
+
+def format_report(rows: list[Row]) -> str:
+    table = [["stage", "check", "expected", "found", "verdict"]]
+    notes: dict[int, str] = {}
+    for r in rows:
+        found = r.found
+        if len(found) > _WIDE:
+            notes[len(table)], found = found, "(below)"
+        table.append(["-" if r.stage is None else str(r.stage), r.check, r.expected, found, r.verdict])
+    widths = [max(len(r[i]) for r in table) for i in range(5)]
+    lines = []
+    for n, cells in enumerate(table):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
+        if n in notes:
+            lines += textwrap.wrap(notes[n], width=110, initial_indent="         ", subsequent_indent="         ")
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    failed = sum(r.verdict == "FAIL" for r in rows)
+    lines.append(f"\n{len(rows) - failed} passed or skipped, {failed} failed")
+    return "\n".join(lines)
+
+
+def report_json(rows: list[Row]) -> str:
+    return json.dumps({"ok": all(r.verdict != "FAIL" for r in rows), "rows": [asdict(r) for r in rows]}, indent=2)

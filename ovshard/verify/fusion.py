@@ -1,0 +1,57 @@
+"""Did the CPU plugin fuse the KV cache into attention? Read it off the compiled runtime graph.
+
+StatefulSDPAFusion, when it fires, leaves one ``ScaledDotProductAttention`` node per layer that reads
+the ``beam_idx`` input and two ``MemoryInput`` nodes (the K and V state) directly, and no attention
+``MatMul``/``Softmax``. Imports only openvino: nodes can run it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import openvino as ov
+
+from ovshard.bundle import names
+
+
+@dataclass(frozen=True)
+class FusionReport:
+    stage: int
+    layers: int  # layers in the stage: the number of fused SDPA nodes expected
+    fused_sdpa: int  # SDPA nodes reading beam_idx and two MemoryInputs
+    unfused_attention: int  # MatMul + Softmax nodes left in the runtime graph
+    runtime_ops: dict[str, int]
+
+    @property
+    def ok(self) -> bool:
+        return self.fused_sdpa == self.layers and self.unfused_attention == 0
+
+
+def _layer_type(node: ov.Node) -> str:
+    return str(node.get_rt_info()["layerType"].astype(str))
+
+
+def _is_fused_sdpa(node: ov.Node) -> bool:
+    sources = [v.get_node() for v in node.input_values()]
+    memory = sum(_layer_type(s) == "MemoryInput" for s in sources)
+    beam = any(_layer_type(s) == "Input" and s.get_friendly_name() == names.BEAM_IDX for s in sources)
+    return memory == 2 and beam
+
+
+def runtime_fusion(compiled: ov.CompiledModel, stage: int, layers: int) -> FusionReport:
+    ops = compiled.get_runtime_model().get_ordered_ops()
+    kinds = Counter(_layer_type(op) for op in ops)
+    fused = sum(1 for op in ops if _layer_type(op) == "ScaledDotProductAttention" and _is_fused_sdpa(op))
+    return FusionReport(stage, layers, fused, kinds.get("MatMul", 0) + kinds.get("Softmax", 0), dict(kinds))
+
+
+def check_cpu_fusion(bundle: Path, manifest, core: ov.Core | None = None) -> list[FusionReport]:
+    """Compile every stage of a bundle on CPU and report its KV-cache fusion."""
+    core = core or ov.Core()
+    reports = []
+    for entry in manifest.stages:
+        compiled = core.compile_model(str(Path(bundle) / entry.model_xml), "CPU")
+        reports.append(runtime_fusion(compiled, entry.index, entry.layers[1] - entry.layers[0]))
+    return reports

@@ -1,0 +1,155 @@
+"""Stage workers as local processes: one ``ovshard serve`` per stage on loopback, each on a port it picks.
+
+A worker started with ``--listen HOST:0`` binds a free port, then writes one JSON line on stdout,
+``{"event": "listening", "stage": S, "address": "HOST:PORT"}`` (:func:`listening_line`). The launcher
+reads that line to learn the address, so no port is chosen before it is bound and no other process
+can take it in between. ``ovshard run --local``, the demo and the benchmarks start workers this way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from ovshard.bundle.manifest import read_manifest
+from ovshard.errors import OvshardError
+
+log = logging.getLogger(__name__)
+
+LISTENING = "listening"
+STOP_WAIT_S = 30.0  # how long a terminated worker may take to exit before it is killed
+
+
+def listening_line(stage: int, address: str) -> str:
+    """The line a worker writes on stdout once it listens (one JSON object)."""
+    return json.dumps({"event": LISTENING, "stage": stage, "address": address})
+
+
+def read_listening(line: str, stage: int) -> str | None:
+    """The address in stage ``stage``'s listening line; None for any other line."""
+    try:
+        report = json.loads(line)
+    except ValueError:
+        return None
+    if type(report) is not dict or report.get("event") != LISTENING or report.get("stage") != stage:
+        return None
+    address = report.get("address")
+    return address if isinstance(address, str) else None
+
+
+def serve_command(bundle: Path, stage: int, listen: str = "127.0.0.1:0", options: Sequence[str] = ()) -> list[str]:
+    """``ovshard -q serve BUNDLE --stage S --listen ADDRESS [options]`` with this interpreter."""
+    return [sys.executable, "-m", "ovshard.cli", "-q", "serve", str(bundle), "--stage", str(stage),
+            "--listen", listen, *options]
+
+
+class WorkerProcess:
+    """One ``ovshard serve`` child process, and the address it reports once it listens.
+
+    Its stdout is read to the end by a thread of its own (the listening line, then nothing); its
+    stderr goes where ``stderr`` says (default: this process's stderr).
+    """
+
+    def __init__(self, command: Sequence[str], stage: int, stderr: IO[str] | int | None = None) -> None:
+        self.stage = stage
+        self.process = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=stderr, text=True)
+        self.address: str | None = None
+        self._reported = threading.Event()  # set on the listening line or at the end of stdout
+        stdout = self.process.stdout
+        if stdout is not None:  # always: stdout is a pipe
+            threading.Thread(target=self._watch, args=(stdout,), name=f"stage-{stage}-stdout", daemon=True).start()
+
+    def _watch(self, stdout: IO[str]) -> None:
+        for line in stdout:
+            address = read_listening(line, self.stage)
+            if address is not None and self.address is None:
+                self.address = address
+                self._reported.set()
+            else:
+                log.debug("stage %d worker: %s", self.stage, line.rstrip())
+        self._reported.set()  # stdout closed: the worker exited (or will) without reporting
+
+    def wait_listening(self, timeout: float) -> str:
+        """The address the worker listens on; OvshardError if it exits first or says nothing in time."""
+        if not self._reported.wait(timeout):
+            raise OvshardError(f"the worker for stage {self.stage} (pid {self.process.pid}) did not report a "
+                               f"listening address within {timeout:.0f} s; see its log on stderr")
+        if self.address is None:
+            try:
+                code: int | str = self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                code = "none (it closed its stdout)"
+            raise OvshardError(f"the worker for stage {self.stage} exited before it listened (exit code {code}); "
+                               "its error is on stderr")
+        return self.address
+
+    def stop(self) -> None:
+        """Terminate the worker and wait for it; kill it if it does not exit within STOP_WAIT_S."""
+        if self.process.poll() is None:
+            self.process.terminate()
+        try:
+            self.process.wait(timeout=STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("stage %d worker (pid %d) ignored SIGTERM; killing it", self.stage, self.process.pid)
+            self.process.kill()
+            self.process.wait()
+
+
+class LocalWorkers:
+    """One worker process per stage of a bundle on loopback, as a context manager that stops them.
+
+    Inside the ``with``, ``addresses[i]`` is where stage i listens and ``processes[i]`` is its process.
+    """
+
+    def __init__(self, bundle: Path, exact: bool = False, timeout: float = 120.0, threads: int | None = None) -> None:
+        self.bundle, self.timeout = Path(bundle), timeout
+        self.options = (["--exact"] if exact else []) + (["--threads", str(threads)] if threads else [])
+        self.workers: list[WorkerProcess] = []
+        self.addresses: list[str] = []
+
+    @property
+    def processes(self) -> list[subprocess.Popen[str]]:
+        return [worker.process for worker in self.workers]
+
+    def start(self) -> list[str]:
+        """Start every stage's worker at once, then wait for each to report its address."""
+        stages = read_manifest(self.bundle).num_stages
+        try:
+            self.workers = [WorkerProcess(serve_command(self.bundle, i, options=self.options), i)
+                            for i in range(stages)]
+            self.addresses = [w.wait_listening(self.timeout) for w in self.workers]  # they start side by side
+        except BaseException:
+            self.stop()
+            raise
+        return self.addresses
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            if worker.process.poll() is None:
+                worker.process.terminate()
+        for worker in self.workers:
+            worker.stop()
+
+    def __enter__(self) -> LocalWorkers:
+        self.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self.stop()
+
+
+@contextmanager
+def local_workers(bundle: Path, exact: bool = False, timeout: float = 120.0,
+                  threads: int | None = None) -> Iterator[list[str]]:
+    """One ``ovshard serve`` process per stage on loopback; yields their addresses; stops them after."""
+    with LocalWorkers(bundle, exact, timeout, threads) as workers:
+        yield workers.addresses
