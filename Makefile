@@ -32,6 +32,7 @@ golden: setup
 
 bench: setup
 	$(BIN)/python bench/compile_memory.py --stages 2,4 --monolithic
+	$(BIN)/python bench/compile_memory.py --sweep  # anon memory vs layers per stage; ~30 GB in /tmp/ovshard-sweep
 	CI=true $(BIN)/python bench/suite.py
 
 clean:

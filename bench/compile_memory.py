@@ -20,6 +20,7 @@ Reproduce (from the repository root)::
 
     .venv/bin/python bench/compile_memory.py                      # 2 and 4 stages
     .venv/bin/python bench/compile_memory.py --stages 2,4 --monolithic   # also --stages 1
+    .venv/bin/python bench/compile_memory.py --sweep    # anon memory vs layers per stage (compile_memory_sweep.py)
 
 Needs psutil (in the ``dev`` extra).
 """
@@ -384,6 +385,11 @@ def versions() -> dict[str, str]:
 
 
 def main() -> None:
+    if "--sweep" in sys.argv[1:]:  # the layers-per-stage sweep of anonymous memory: its own options
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from compile_memory_sweep import main as sweep
+
+        sys.exit(sweep([a for a in sys.argv[1:] if a != "--sweep"]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/ovshard-bench"),
                         help="checkpoint and bundles go here (default /tmp/ovshard-bench)")

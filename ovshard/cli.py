@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ovshard.errors import OvshardError
+from ovshard.errors import DiskFullError, OvshardError
 
 log = logging.getLogger("ovshard")
 
@@ -61,6 +61,20 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dump-dir", type=Path,
                    help="where dumps go (default: <output>.dumps); alone, it means --dump-after all")
     p.add_argument("--no-dump-ir", action="store_true", help="dump text and DOT only, no IR copies")
+    p.add_argument("--whole-stage", action="store_true",
+                   help="trace and compress each stage whole (memory of a stage) instead of streaming one "
+                   "layer at a time (memory of a layer; the default with --frontend torchscript)")
+    p.add_argument("--only-stage", type=int, metavar="K",
+                   help="compile stage K only (on its own node, from its own copy of the checkpoint); join "
+                   "the parts with `ovshard bundle merge`")
+    p.add_argument("--cache-dir", type=Path,
+                   help="layer cache: compiled pieces by content, reused across splits and after a crash "
+                   "(default: $OVSHARD_CACHE_DIR or ~/.cache/ovshard)")
+    p.add_argument("--no-cache", action="store_true", help="do not read or write the layer cache")
+    p.add_argument("--jobs", type=int, default=1, help="compile up to N layers in parallel processes (default 1)")
+    p.add_argument("--max-memory", metavar="SIZE",
+                   help="cap on the compile's memory, e.g. 8GB: fewer parallel jobs, or a clear refusal when "
+                   "one layer alone does not fit")
     p.add_argument("--print-after-change", action="store_true",
                    help="print the graph text after every pass that changed it")
 
@@ -214,10 +228,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_proxy(sub)
     _add_synth(sub)
+    _add_bundle(sub)
+    _add_cache(sub)
     return parser
 
 
+def _add_bundle(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bundle", help="work on bundles: merge stage parts compiled on separate nodes")
+    verbs = p.add_subparsers(dest="bundle_command", required=True)
+    merge = verbs.add_parser("merge", help="join part bundles (compile --only-stage K) into one bundle",
+                             description="Check that the parts come from one checkpoint and one plan, that every "
+                             "stage is there exactly once and every file matches its sha256, then write one "
+                             "bundle.")
+    merge.add_argument("parts", type=Path, nargs="+", help="part bundle folders")
+    merge.add_argument("-o", "--output", type=Path, required=True, help="the merged bundle folder")
+
+
+def _add_cache(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("cache", help="the layer cache of compiled pieces: size report or clear")
+    p.add_argument("cache_command", choices=("info", "clear"))
+    p.add_argument("--cache-dir", type=Path, help="default: $OVSHARD_CACHE_DIR or ~/.cache/ovshard")
+
+
 def _compile_config(args: argparse.Namespace):
+    from ovshard.cache import default_cache_dir
     from ovshard.compile import CompileConfig, DumpOptions
     from ovshard.passes import WeightFormat, pipeline
     from ovshard.plan.partition import parse_budgets, parse_layers
@@ -241,6 +275,11 @@ def _compile_config(args: argparse.Namespace):
         frontend=args.frontend,
         dumps=DumpOptions(dump_dir, _selection(dump_after, "--dump-after", known),
                           _selection(args.dump_before, "--dump-before", known), not args.no_dump_ir, emit),
+        streaming=not args.whole_stage,
+        only_stage=args.only_stage,
+        cache_dir=None if args.no_cache else (args.cache_dir or default_cache_dir()),
+        jobs=args.jobs,
+        max_memory=parse_budgets(args.max_memory)[0] if args.max_memory else None,
     )
 
 
@@ -258,12 +297,12 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "compile":
-        from ovshard.bundle.manifest import read_manifest
+        from ovshard.bundle.manifest import read_part_manifest
         from ovshard.compile import compile_bundle
         from ovshard.verify.inspect import summary
 
         compile_bundle(_compile_config(args))
-        print(summary(args.output, read_manifest(args.output)))
+        print(summary(args.output, read_part_manifest(args.output)))  # with --only-stage, a part bundle
         return 0
     if args.command == "inspect":
         from ovshard.verify.inspect import InspectConfig, inspect_bundle
@@ -285,6 +324,19 @@ def _run(args: argparse.Namespace) -> int:
         from ovshard.tools.synth import main_synth
 
         return main_synth(args)
+    if args.command == "bundle":
+        from ovshard.merge import merge_bundles
+        from ovshard.verify.inspect import summary
+
+        manifest = merge_bundles(args.parts, args.output)
+        print(summary(args.output, manifest))
+        return 0
+    if args.command == "cache":
+        from ovshard.cache import clear_cache, default_cache_dir, format_report
+
+        root = args.cache_dir or default_cache_dir()
+        print(format_report(root) if args.cache_command == "info" else clear_cache(root))
+        return 0
     from ovshard.tools.demo import DemoConfig, run_demo
 
     return 0 if run_demo(DemoConfig(args.output, args.stages, args.checkpoint)) else 1
@@ -301,6 +353,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = _run(args)
         sys.stdout.flush()  # a reader that went away (`| head`) shows up here rather than at exit
         return code
+    except DiskFullError as e:  # not a refusal of the request: the work failed, and may succeed with more space
+        print(f"ovshard {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except OvshardError as e:
         print(f"ovshard {args.command}: error: {e}", file=sys.stderr)
         return 2

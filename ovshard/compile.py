@@ -6,10 +6,10 @@ before the next starts, so peak memory follows the largest stage, not the model.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import openvino as ov
 
-from ovshard.bundle import names
+from ovshard.bundle import names, staging
 from ovshard.bundle.manifest import (
     Generation,
     Manifest,
@@ -32,7 +32,8 @@ from ovshard.bundle.manifest import (
 from ovshard.bundle.plan import PartitionPlan
 from ovshard.bundle.stage import StageSpec
 from ovshard.bundle.weights import WeightFormat
-from ovshard.errors import BundleError
+from ovshard.cache import PieceCache
+from ovshard.errors import BundleError, PlanError
 from ovshard.frontend.checkpoint import Checkpoint, open_checkpoint
 from ovshard.frontend.trace import trace_stage
 from ovshard.ir.instruments import (
@@ -41,10 +42,14 @@ from ovshard.ir.instruments import (
     ProgressInstrument,
     ValidateInstrument,
 )
+from ovshard.ir.naming import stable_names
 from ovshard.ir.pass_manager import GraphPass, Instrument, PassContext, PassManager
+from ovshard.memory import PeakSampler
 from ovshard.passes import pipeline
 from ovshard.plan.costs import model_costs
 from ovshard.plan.partition import plan_balanced, plan_budgets, plan_layers
+from ovshard.report import StageFigures, format_report, stage_done
+from ovshard.stream import StageBuild, build_stage, piece_bytes_within, plan_jobs, prebuild
 from ovshard.verify.predict import PredictFusionInstrument
 
 log = logging.getLogger(__name__)
@@ -76,6 +81,12 @@ class CompileConfig:
     frontend: str = "torchscript"  # "torchscript" or "onnx": how the stage module reaches OpenVINO
     dumps: DumpOptions = field(default_factory=DumpOptions)
     skip_passes: tuple[str, ...] = ()  # pipeline passes not to run (A/B experiments, e.g. the beam_idx Gather)
+    streaming: bool = True  # one piece (layer, row chunk) at a time; False: trace and compress whole stages
+    only_stage: int | None = None  # compile this stage only: a part bundle for `ovshard bundle merge`
+    cache_dir: Path | None = None  # layer cache (compiled pieces by content); None: no cache
+    jobs: int = 1  # pieces compiled in parallel processes
+    max_memory: int | None = None  # bytes the compile may use in all; None: no cap
+    piece_bytes: int = 16 << 20  # streamed: consecutive small layers share a piece up to this many f32 weight bytes
 
     def __post_init__(self) -> None:
         if not self.skip_passes:
@@ -124,15 +135,28 @@ def _tensor_specs(ports: list[ov.Output]) -> tuple[TensorSpec, ...]:
 
 def compile_stage(ckpt: Checkpoint, stage: StageSpec, config: CompileConfig, max_positions: int,
                   workdir: Path) -> tuple[StageEntry, list[PassRecord]]:
-    """Trace one stage, run the pipeline over it, save it; free everything before returning."""
+    """Build one stage (streamed or whole), save it; free everything before returning."""
     start = time.perf_counter()
-    log.info("stage %d (%d of %d): tracing layers [%d, %d)", stage.index, stage.index + 1, stage.num_stages,
-             stage.start, stage.end)
-    model = trace_stage(ckpt, stage, config.frontend)
-    ctx = PassContext(stage, ckpt.dims, max_positions)
-    model, records = PassManager(config.passes(), _instruments(config)).run(model, ctx)
+    log.info("stage %d (%d of %d): layers [%d, %d), %s", stage.index, stage.index + 1, stage.num_stages,
+             stage.start, stage.end, "streamed" if _streamed(config) else "traced whole")
+    scratch = workdir / ".pieces" / f"stage{stage.index}"
+    if _streamed(config):
+        build = StageBuild(ckpt, stage, config.passes(), _instruments(config), max_positions, scratch,
+                           keep_raw=_dumping(config), cache=_piece_cache(config, workdir),
+                           piece_bytes=_piece_bytes(config))
+        model, records = build_stage(build)
+    else:
+        build = None
+        model = trace_stage(ckpt, stage, config.frontend)
+        ctx = PassContext(stage, ckpt.dims, max_positions)
+        model, records = PassManager(config.passes(), _instruments(config)).run(model, ctx)
     xml = names.stage_xml(stage.index, stage.num_stages)
+    stable_names(model)  # counter-based default names differ between processes; the saved XML must not
     ov.save_model(model, workdir / xml, compress_to_fp16=False)
+    state_variables = tuple(sorted(v.get_info().variable_id for v in model.get_variables()))
+    del model, build  # the build holds the buffers the graph's chunked weights live in: free them after
+    gc.collect()
+    shutil.rmtree(scratch, ignore_errors=True)
     binary = xml.replace(".xml", ".bin")
     saved = ov.Core().read_model(workdir / xml)  # names as every reader will see them (weights mapped, not copied)
     entry = StageEntry(
@@ -142,12 +166,41 @@ def compile_stage(ckpt: Checkpoint, stage: StageSpec, config: CompileConfig, max
         sha256={xml: sha256_file(workdir / xml), binary: sha256_file(workdir / binary)},
         inputs=_tensor_specs(list(saved.inputs)),
         outputs=_tensor_specs(list(saved.outputs)),
-        state_variables=tuple(sorted(v.get_info().variable_id for v in model.get_variables())),
+        state_variables=state_variables,
     )
-    del model, saved
-    gc.collect()
+    del saved
     log.info("stage %d: compiled in %.1f s", stage.index, time.perf_counter() - start)
     return entry, records
+
+
+def _piece_cache(config: CompileConfig, workdir: Path) -> PieceCache | None:
+    """The layer cache; parallel jobs need one, so without --cache-dir they share one inside the bundle's temp folder."""
+    if config.cache_dir is not None:
+        return PieceCache(config.cache_dir)
+    return PieceCache(workdir / ".pieces" / "cache") if config.jobs > 1 else None
+
+
+def _pipeline_without(weights: WeightFormat, skip: tuple[str, ...]) -> list[GraphPass]:
+    return [p for p in pipeline(weights) if p.name not in skip]
+
+
+def _prebuild(config: CompileConfig, ckpt: Checkpoint, stages: tuple[StageSpec, ...], max_positions: int,
+              workdir: Path) -> None:
+    """Check --max-memory against one layer; with --jobs > 1 compile the pieces in parallel processes first."""
+    jobs = plan_jobs(ckpt, stages, config.jobs, config.max_memory)
+    cache = _piece_cache(config, workdir)
+    if jobs > 1 and cache is not None and not _dumping(config):
+        prebuild(ckpt.path, stages, functools.partial(_pipeline_without, config.weights, config.skip_passes),
+                 max_positions, cache.root, workdir / ".pieces" / "jobs", jobs, _piece_bytes(config))
+
+
+def _piece_bytes(config: CompileConfig) -> int:
+    return piece_bytes_within(config.max_memory, config.piece_bytes)
+
+
+def _streamed(config: CompileConfig) -> bool:
+    """Streaming traces pieces with TorchScript; the ONNX front end traces whole stages."""
+    return config.streaming and config.frontend == "torchscript"
 
 
 def _generation(ckpt: Checkpoint) -> Generation:
@@ -183,45 +236,58 @@ def _tokenizer(ckpt: Checkpoint, workdir: Path) -> TokenizerFiles | None:
                           sha256={f: sha256_file(workdir / f) for f in files})
 
 
-def _workdir(output: Path) -> Path:
-    """A fresh temp folder beside ``output`` (same file system, so the final rename is atomic)."""
+def _workdir(output: Path, needed: int = 0) -> Path:
+    """A fresh temp folder beside ``output`` (same file system, so the final rename is atomic), locked while
+    this compile runs; dead compiles' temp folders there are removed first. ``needed``: bytes, for a warning."""
     output = output.resolve()
     if output.exists() and not output.is_dir():
         raise BundleError(f"{output} exists and is a file, not a folder; choose another -o")
     if output.exists() and not (output / names.MANIFEST_FILE).is_file() and any(output.iterdir()):
         raise BundleError(f"{output} exists and is not an ovshard bundle; choose another -o or empty it")
     try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent))
+        return staging.create(output, needed)
     except OSError as e:
         raise BundleError(f"cannot write the bundle to {output}: {e.strerror}; choose a writable -o") from e
 
 
 def _publish(workdir: Path, output: Path) -> None:
     """Move the finished bundle into place; an existing bundle there is replaced."""
-    output = output.resolve()
-    workdir.chmod(0o755)  # mkdtemp made it private
-    old = None
-    if output.exists():
-        old = output.with_name(f".{output.name}.old-{time.time_ns()}")
-        output.rename(old)
-    workdir.rename(output)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(workdir / ".pieces", ignore_errors=True)  # each stage removed its own; the folder stays
+    staging.publish(workdir, output)
+
+
+def _chosen_stages(plan: PartitionPlan, only_stage: int | None) -> tuple[StageSpec, ...]:
+    """The stages this compile builds: the whole plan, or ``only_stage`` alone for a part bundle."""
+    if only_stage is None:
+        return plan.specs
+    if not 0 <= only_stage < len(plan.specs):
+        raise PlanError(f"--only-stage {only_stage} is not a stage of this plan, which has stages 0.."
+                        f"{len(plan.specs) - 1}; choose K from 0 to {len(plan.specs) - 1}")
+    log.info("compiling stage %d of %d only: a part bundle; merge the parts with `ovshard bundle merge`",
+             only_stage, len(plan.specs))
+    return (plan.specs[only_stage],)
 
 
 def compile_bundle(config: CompileConfig) -> Manifest:
     """Compile ``config.checkpoint`` into a stage bundle at ``config.output``; return its manifest."""
+    started = time.perf_counter()
     ckpt = open_checkpoint(config.checkpoint)
     ckpt.validate_tensors()
     plan = make_plan(config, ckpt)
     log.info("partition plan (%s):\n%s", plan.strategy, plan.format_table())
+    chosen = _chosen_stages(plan, config.only_stage)
     max_positions = config.max_positions or ckpt.dims.max_position_embeddings
-    workdir = _workdir(config.output)
+    needed = staging.space_needed(plan, ckpt.dims.head_dim, max_positions)
+    workdir, figures = _workdir(config.output, needed), []
     try:
+        if _streamed(config):
+            _prebuild(config, ckpt, chosen, max_positions, workdir)
         entries, log_records = [], []
-        for stage in plan.specs:
-            entry, records = compile_stage(ckpt, stage, config, max_positions, workdir)
+        for stage in chosen:
+            with PeakSampler() as memory:
+                entry, records = compile_stage(ckpt, stage, config, max_positions, workdir)
+            figures.append(StageFigures(stage, memory.seconds, memory.peak))
+            log.info("%s", stage_done(figures, chosen))
             entries.append(entry)
             log_records += records
         manifest = Manifest(
@@ -240,7 +306,11 @@ def compile_bundle(config: CompileConfig) -> Manifest:
         )
         (workdir / names.MANIFEST_FILE).write_text(manifest.to_json())
         _publish(workdir, config.output)
-    except BaseException:
-        shutil.rmtree(workdir, ignore_errors=True)
+    except BaseException as e:
+        full = staging.disk_full(e, workdir, config.output, needed)  # judged before the removal frees space
+        staging.discard(workdir)
+        if full is not None:
+            raise full from e
         raise
+    log.info("compile report:\n%s", format_report(figures, time.perf_counter() - started))
     return manifest

@@ -33,3 +33,7 @@ class PostconditionError(PassError):
 
 class BundleError(OvshardError):
     """A bundle cannot be written, or one on disk is missing files or fails its checksums."""
+
+
+class DiskFullError(BundleError):
+    """The file system filled up while a bundle was written; the partial bundle was removed."""

@@ -21,10 +21,14 @@ __all__ = [
 
 
 def pipeline(weights: WeightFormat) -> list[GraphPass]:
-    """The compile pipeline, in order. Ordering facts are checked in each pass's ``requires``."""
+    """The compile pipeline, in order. Ordering facts are checked in each pass's ``requires``.
+
+    Layer-scoped passes come first: a streamed compile runs them on each piece of a stage (one decoder
+    layer, the embedding, the lm_head) and the rest on the joined stage graph.
+    """
     return [
+        CompressWeightsPass(weights),  # fp16 / NNCF int8 / int4 weights, per WeightFormat (layer scope)
         PrecomputeRotaryPass(),  # rotary frequency math -> Gather by position_ids from a constant table
         MakeStatefulKVPass(),  # past/present KV I/O -> ReadValue (zero initializer) / Assign
         InjectBeamIdxGatherPass(),  # beam_idx i32 Parameter + Gather(axis 0) on every KV ReadValue
-        CompressWeightsPass(weights),  # fp16 / NNCF int8 / int4 weights, per WeightFormat
     ]

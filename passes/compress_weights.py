@@ -14,7 +14,10 @@ them, or INT8 when none does (NNCF's ADJUST fallback).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
+from dataclasses import replace
 
 import numpy as np
 import openvino as ov
@@ -54,8 +57,19 @@ def _to_fp16(model: ov.Model, weights: list[ov.Node]) -> None:
 class CompressWeightsPass(GraphPass):
     """Compress weights to the chosen format (NNCF for the integer formats)."""
 
+    scope = "layer"  # each weight is compressed on its own: a streamed compile runs this piece by piece
+
     def __init__(self, fmt: WeightFormat | None = None) -> None:
         self.fmt = fmt or WeightFormat()
+
+    def format_for(self, ctx: PassContext) -> WeightFormat:
+        """The format NNCF applies here. NNCF keeps a graph's embeddings and its last MatMul in the backup
+        precision (INT8) unless all_layers; on a piece of a stage that rule must mean the stage's embedding
+        and last MatMul, so a piece holding neither is compressed as with all_layers."""
+        piece = ctx.piece
+        if piece is None or piece.kind == "embedding" or piece.holds_last_matmul:
+            return self.fmt
+        return replace(self.fmt, all_layers=True)
 
     def call(self, model: ov.Model, ctx: PassContext) -> PassResult:
         weights = float_weights(model)
@@ -73,15 +87,19 @@ class CompressWeightsPass(GraphPass):
         from nncf.quantization.advanced_parameters import AdvancedCompressionParameters, GroupSizeFallbackMode
 
         logging.getLogger("nncf").setLevel(logging.WARNING)
+        fmt = self.format_for(ctx)
         mode = {"int8": nncf.CompressWeightsMode.INT8_ASYM, "int4_sym": nncf.CompressWeightsMode.INT4_SYM,
-                "int4_asym": nncf.CompressWeightsMode.INT4_ASYM}[self.fmt.mode]
+                "int4_asym": nncf.CompressWeightsMode.INT4_ASYM}[fmt.mode]
         kwargs: dict = {"mode": mode}
-        if self.fmt.mode != "int8":  # NNCF's INT8 modes are per channel and always cover every layer
-            kwargs.update(group_size=self.fmt.group_size, ratio=self.fmt.ratio, all_layers=self.fmt.all_layers,
+        if fmt.mode != "int8":  # NNCF's INT8 modes are per channel and always cover every layer
+            kwargs.update(group_size=fmt.group_size, ratio=fmt.ratio, all_layers=fmt.all_layers,
                           advanced_parameters=AdvancedCompressionParameters(
                               group_size_fallback_mode=GroupSizeFallbackMode.ADJUST))
-        log.info("stage %d: NNCF %s on %d weights", ctx.stage.index, self.fmt.mode, len(float_weights(model)))
-        nncf.compress_weights(model, **kwargs)
+        where = f"stage {ctx.stage.index}" + (f" {ctx.piece}" if ctx.piece is not None else "")
+        log.log(logging.DEBUG if ctx.piece is not None else logging.INFO, "%s: NNCF %s on %d weights", where,
+                fmt.mode, len(float_weights(model)))
+        with contextlib.redirect_stdout(sys.stderr):  # NNCF's progress bars: stdout carries results only
+            nncf.compress_weights(model, **kwargs)
 
     def ensures(self, model: ov.Model, ctx: PassContext) -> None:
         if self.fmt.mode == "fp32":

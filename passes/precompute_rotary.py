@@ -6,7 +6,9 @@ After:  Gather(Constant table [max_positions, head_dim], position_ids, axis 0) f
 The pass finds the subgraph that depends on ``position_ids`` and constants only, takes its outputs
 that the rest of the graph reads (the "frontier") when they come from Cos/Sin math, evaluates them
 once for positions 0..max_positions-1 on the CPU plugin, and replaces each by a table lookup. The
-table is exactly what the graph computed, so the rewrite changes no numbers.
+table is exactly what the graph computed, so the rewrite changes no numbers. Position-only ops that
+compute the same value are merged first, so a stage joined from pieces gets one table per value, not
+one per layer.
 """
 
 from __future__ import annotations
@@ -48,6 +50,42 @@ def _has_trig_upstream(node: ov.Node, pos: set[int]) -> bool:
                 seen.add(src.get_instance_id())
                 stack.append(src)
     return False
+
+
+def _signature(op: ov.Node, canonical: dict[int, ov.Output]) -> tuple:
+    """What an op computes: type, attributes, inputs (after merging); a Constant by its bytes."""
+    if op.get_type_name() == "Constant":
+        return ("Constant", str(op.get_output_element_type(0)), tuple(op.get_output_shape(0)), op.get_data().tobytes())
+    inputs = []
+    for v in op.input_values():
+        v = canonical.get(v.get_node().get_instance_id(), v) if v.get_node().get_output_size() == 1 else v
+        inputs.append((v.get_node().get_instance_id(), v.get_index()))
+    return (op.get_type_name(), repr(sorted(op.get_attributes().items())), tuple(inputs))
+
+
+def merge_duplicate_math(model: ov.Model, position_ids: ov.Node) -> int:
+    """Merge position-only ops that compute the same value (and their small constants); return how many.
+
+    A stage joined from pieces repeats each layer's rotary reshapes (``cos[:, None]``); merged, they
+    become one frontier value and one table instead of one per layer.
+    """
+    pos = _position_only(model, position_ids)
+    seen: dict[tuple, ov.Output] = {}
+    canonical: dict[int, ov.Output] = {}
+    merged = 0
+    for op in model.get_ordered_ops():
+        small = op.get_type_name() == "Constant" and op.get_byte_size() <= 64 and all(
+            r.get_node().get_instance_id() in pos for r in op.output(0).get_target_inputs())
+        if op.get_output_size() != 1 or not (small or op.get_instance_id() in pos) or op is position_ids:
+            continue
+        key = _signature(op, canonical)
+        if key in seen:
+            canonical[op.get_instance_id()] = seen[key]
+            op.output(0).replace(seen[key])
+            merged += 1
+        else:
+            seen[key] = op.output(0)
+    return merged
 
 
 def rotary_frontier(model: ov.Model, position_ids: ov.Node) -> list[ov.Output]:
@@ -98,9 +136,10 @@ class PrecomputeRotaryPass(GraphPass):
 
     def call(self, model: ov.Model, ctx: PassContext) -> PassResult:
         position_ids = graph.parameter(model, names.POSITION_IDS)
+        merged = merge_duplicate_math(model, position_ids)
         frontier = rotary_frontier(model, position_ids)
         if not frontier:
-            return PassResult(model, modified=False)
+            return PassResult(model, modified=merged > 0)
         table_positions = np.arange(ctx.max_positions, dtype=np.int64)[None, :]  # [1, max_positions]
         tables = _evaluate(frontier, position_ids, table_positions)
         probe = np.array([[3, 0, 1], [1, 2, 0]], dtype=np.int64) % ctx.max_positions  # [batch 2, seq 3]
@@ -118,6 +157,7 @@ class PrecomputeRotaryPass(GraphPass):
             if perm != list(range(table.ndim)):
                 lookup = ops.transpose(lookup, ops.constant(np.array(perm, np.int64)))
             graph.redirect(out, lookup.output(0))
+        merge_duplicate_math(model, position_ids)  # the lookups' own axis constants: a second run finds nothing
         model.validate_nodes_and_infer_types()
         return PassResult(model, modified=True)
 

@@ -105,15 +105,28 @@ class Manifest:
     dumps: str | None = None  # folder of the compile's graph dumps, if it made any
 
     def __post_init__(self) -> None:
-        check_tiling([e.stage for e in self.stages], self.architecture.num_layers)
-        planned = [s.stage for s in self.plan.stages]
-        if planned != [e.stage for e in self.stages]:
+        planned = list(self.plan.specs)
+        check_tiling(planned, self.architecture.num_layers)
+        held = [e.stage for e in self.stages]
+        if not held or [s for s in planned if s in held] != held:  # a part holds some stages, in order, once each
             raise ValueError(f"the plan's stages {[str(s) for s in planned]} differ from the stage entries "
-                             f"{[str(e.stage) for e in self.stages]}")
+                             f"{[str(s) for s in held]}; expected the plan's stages, or some of them in order "
+                             "(a part bundle)")
 
     @property
     def num_stages(self) -> int:
-        return len(self.stages)
+        """Stages of the split; a part bundle holds entries for only some of them."""
+        return len(self.plan.stages)
+
+    @property
+    def complete(self) -> bool:
+        """True when every stage of the plan is here; False for a part from ``ovshard compile --only-stage``."""
+        return len(self.stages) == len(self.plan.stages)
+
+    def describe_held(self) -> str:
+        """``stage 2 of 4`` or ``stages 0, 2 of 4``: which stages of the split this bundle holds."""
+        indices = ", ".join(str(e.index) for e in self.stages)
+        return f"stage{'s' if len(self.stages) > 1 else ''} {indices} of {self.num_stages}"
 
     def to_json(self) -> str:
         return json.dumps(schema.encode(self), indent=2) + "\n"
@@ -152,7 +165,20 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def read_manifest(bundle: str | Path) -> Manifest:
-    """Parse ``<bundle>/manifest.json``; errors say what is wrong and how to get a good bundle."""
+    """Parse ``<bundle>/manifest.json`` of a complete bundle; errors say what is wrong and how to get a good one.
+
+    A part bundle (``ovshard compile --only-stage K``) is refused: it cannot run until merged.
+    """
+    manifest = read_part_manifest(bundle)
+    if not manifest.complete:
+        raise BundleError(f"bundle {bundle} holds only {manifest.describe_held()}: it is a part from `ovshard "
+                          "compile --only-stage`; merge the parts with `ovshard bundle merge PART... -o OUT` "
+                          "and use the merged bundle")
+    return manifest
+
+
+def read_part_manifest(bundle: str | Path) -> Manifest:
+    """Parse ``<bundle>/manifest.json``, a complete bundle or a part: for ``ovshard bundle merge`` only."""
     path = Path(bundle) / names.MANIFEST_FILE
     if not path.is_file():
         raise BundleError(f"{bundle} is not an ovshard bundle: {names.MANIFEST_FILE} is missing; "

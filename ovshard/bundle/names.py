@@ -49,6 +49,18 @@ def stage_outputs(last: bool, layers: Iterable[int]) -> list[str]:
     return [LOGITS if last else HIDDEN_STATES, *(p for _, p in kv_pairs(layers))]
 
 
+# Ports between the pieces a streamed compile traces one by one and joins into a stage (never stage I/O).
+PIECE_COS = "rotary.cos"  # f32 [batch, seq, head_dim]
+PIECE_SIN = "rotary.sin"
+PIECE_MASK = "attention.mask4d"  # f32 [batch, 1, seq, past + seq], 0 or the f32 minimum
+PIECE_NORMED = "final_norm.out"  # f32 [batch, seq, hidden]
+
+
+def piece_hidden(layer: int) -> str:
+    """The hidden state entering decoder layer ``layer`` (leaving layer ``layer - 1``) inside a stage."""
+    return f"hidden.{layer}"
+
+
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_XML = "openvino_tokenizer.xml"
 DETOKENIZER_XML = "openvino_detokenizer.xml"

@@ -196,6 +196,35 @@ class Checkpoint:
         self.loaded.append(name)
         return tensor.to(torch.float32)
 
+    def load_rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) of the 2-D tensor ``name`` as float32, reading only those rows' bytes."""
+        import torch
+        from safetensors import safe_open
+
+        entry = self._entry(name)
+        try:
+            with safe_open(str(self.path / entry.file), framework="pt") as f:
+                rows: torch.Tensor = f.get_slice(name)[start:end]
+        except Exception as e:
+            raise CheckpointError(f"cannot read rows [{start}, {end}) of {name!r} from {self.path / entry.file}: "
+                                  f"{e}; the file is damaged or truncated: copy or save the checkpoint again") from e
+        return rows.to(torch.float32)
+
+    def tensor_digest(self, name: str, chunk: int = 1 << 24) -> str:
+        """sha256 of the tensor's stored bytes (dtype and shape included): its content, for cache keys."""
+        entry = self._entry(name)
+        digest = hashlib.sha256(f"{entry.dtype}{list(entry.shape)}".encode())
+        with open(self.path / entry.file, "rb") as f:
+            f.seek(entry.begin)
+            left = entry.end - entry.begin
+            while left > 0:
+                block = f.read(min(chunk, left))
+                if not block:
+                    raise CheckpointError(f"{self.path / entry.file} ends inside tensor {name!r}; the file is truncated")
+                digest.update(block)
+                left -= len(block)
+        return digest.hexdigest()
+
     def fingerprint(self) -> str:
         """Identify this checkpoint without hashing its (possibly 100+ GB) data.
 

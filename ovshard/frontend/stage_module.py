@@ -78,6 +78,38 @@ def causal_padding_mask(attention_mask: torch.Tensor, query_len: int) -> torch.T
     return torch.where(visible, zero, blocked)[:, None, :, :]
 
 
+def rotary(inv_freq: torch.Tensor, scaling: float, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [batch, seq, head_dim] for integer positions [batch, seq] (HF's formula)."""
+    freqs = position_ids[..., None].float() * inv_freq  # [batch, seq, head_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def decoder_layer(d: ModelDims, layer: Weights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  mask: torch.Tensor, past_k: torch.Tensor,
+                  past_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One pre-norm decoder layer: h [batch, seq, hidden] -> (h, keys, values [batch, kv_heads, past + seq, d])."""
+    b, t, _ = h.shape
+    x = rms_norm(h, layer.input_norm, d.rms_norm_eps)
+    q = F.linear(x, layer.q_weight, layer.q_bias).view(b, t, d.num_heads, d.head_dim).transpose(1, 2)
+    k = F.linear(x, layer.k_weight, layer.k_bias).view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2)
+    v = F.linear(x, layer.v_weight, layer.v_bias).view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2)
+    cos, sin = cos[:, None], sin[:, None]  # [batch, 1, seq, head_dim]
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    k = torch.cat((past_k, k), dim=2)  # [batch, kv_heads, past + seq, head_dim]
+    v = torch.cat((past_v, v), dim=2)
+    out = F.scaled_dot_product_attention(
+        q, repeat_kv(k, d.kv_groups), repeat_kv(v, d.kv_groups), attn_mask=mask, scale=d.head_dim**-0.5
+    )  # [batch, heads, seq, head_dim]
+    out = out.transpose(1, 2).reshape(b, t, d.num_heads * d.head_dim)
+    h = h + F.linear(out, layer.o_weight, layer.o_bias)
+    m = rms_norm(h, layer.post_attention_norm, d.rms_norm_eps)
+    gate = F.silu(F.linear(m, layer.gate_weight, layer.gate_bias))
+    up = F.linear(m, layer.up_weight, layer.up_bias)
+    return h + F.linear(gate * up, layer.down_weight, layer.down_bias), k, v
+
+
 class StageModule(nn.Module):
     """Layers [start, end) of the model, plus the embedding (first stage) and head (last stage)."""
 
@@ -99,51 +131,60 @@ class StageModule(nn.Module):
         self.globals = Weights({"inv_freq": inv_freq, "embed": embed, "final_norm": final_norm,
                                 "lm_head": None if self.head_is_embed else lm_head})  # no buffer twice
 
-    def rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [batch, seq, head_dim] for integer positions [batch, seq] (HF's formula)."""
-        freqs = position_ids[..., None].float() * self.globals.inv_freq  # [batch, seq, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
-
     @property
     def blocks(self) -> list[Weights]:
         return [cast(Weights, block) for block in self.layers]
 
-    def attention(self, x, layer: Weights, cos, sin, mask, past_k, past_v):
-        d = self.dims
-        b, t, _ = x.shape
-        q = F.linear(x, layer.q_weight, layer.q_bias).view(b, t, d.num_heads, d.head_dim).transpose(1, 2)
-        k = F.linear(x, layer.k_weight, layer.k_bias).view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2)
-        v = F.linear(x, layer.v_weight, layer.v_bias).view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2)
-        cos, sin = cos[:, None], sin[:, None]  # [batch, 1, seq, head_dim]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        k = torch.cat((past_k, k), dim=2)  # [batch, kv_heads, past + seq, head_dim]
-        v = torch.cat((past_v, v), dim=2)
-        out = F.scaled_dot_product_attention(
-            q, repeat_kv(k, d.kv_groups), repeat_kv(v, d.kv_groups), attn_mask=mask, scale=d.head_dim**-0.5
-        )  # [batch, heads, seq, head_dim]
-        out = out.transpose(1, 2).reshape(b, t, d.num_heads * d.head_dim)
-        return F.linear(out, layer.o_weight, layer.o_bias), k, v
-
     def forward(self, x, attention_mask, position_ids, *past):
-        d = self.dims
-        g = self.globals
+        d, g = self.dims, self.globals
         h = F.embedding(x, g.embed) if g.embed is not None else x  # [batch, seq, hidden]
-        cos, sin = self.rotary(position_ids)
-        mask = causal_padding_mask(attention_mask, h.shape[1])
+        cos, sin = rotary(g.inv_freq, self.attention_scaling, position_ids)
+        mask = causal_padding_mask(attention_mask, position_ids.shape[1])
         presents = []
         for n, layer in enumerate(self.blocks):
-            attn, k, v = self.attention(
-                rms_norm(h, layer.input_norm, d.rms_norm_eps), layer, cos, sin, mask, past[2 * n], past[2 * n + 1]
-            )
-            h = h + attn
-            m = rms_norm(h, layer.post_attention_norm, d.rms_norm_eps)
-            gate = F.silu(F.linear(m, layer.gate_weight, layer.gate_bias))
-            up = F.linear(m, layer.up_weight, layer.up_bias)
-            h = h + F.linear(gate * up, layer.down_weight, layer.down_bias)
+            h, k, v = decoder_layer(d, layer, h, cos, sin, mask, past[2 * n], past[2 * n + 1])
             presents += [k, v]
         head = g.embed if self.head_is_embed else g.lm_head
         if head is not None:
             h = F.linear(rms_norm(h, g.final_norm, d.rms_norm_eps), head)  # [batch, seq, vocab]
         return (h, *presents)
+
+
+class PrologueModule(nn.Module):
+    """What every layer of a stage shares: (position_ids, attention_mask) -> cos, sin, 4-D mask."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float) -> None:
+        super().__init__()
+        self.attention_scaling = attention_scaling
+        self.globals = Weights({"inv_freq": inv_freq})
+
+    def forward(self, attention_mask, position_ids):
+        cos, sin = rotary(self.globals.inv_freq, self.attention_scaling, position_ids)
+        return cos, sin, causal_padding_mask(attention_mask, position_ids.shape[1])
+
+
+class LayersModule(nn.Module):
+    """Consecutive decoder layers as their own graph: (h, cos, sin, mask, *past) -> (h, *presents)."""
+
+    def __init__(self, dims: ModelDims, layers: list[Weights]) -> None:
+        super().__init__()
+        self.dims, self.layers = dims, nn.ModuleList(layers)
+
+    def forward(self, h, cos, sin, mask, *past):
+        presents = []
+        for n, layer in enumerate(self.layers):
+            h, k, v = decoder_layer(self.dims, cast(Weights, layer), h, cos, sin, mask, past[2 * n], past[2 * n + 1])
+            presents += [k, v]
+        return (h, *presents)
+
+
+class FinalNormModule(nn.Module):
+    """The final RMSNorm of the last stage; the lm_head MatMul is built from chunks (``ovshard.stream``)."""
+
+    def __init__(self, dims: ModelDims, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.dims = dims
+        self.globals = Weights({"final_norm": weight})
+
+    def forward(self, h):
+        return rms_norm(h, self.globals.final_norm, self.dims.rms_norm_eps)

@@ -8,6 +8,7 @@ from pathlib import Path
 import openvino as ov
 
 from ovshard.bundle import names
+from ovshard.ir.naming import stable_names
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ def convert_tokenizer(checkpoint_dir: Path, out_dir: Path) -> list[str]:
         return []
     written = []
     for model, xml in ((tokenizer, names.TOKENIZER_XML), (detokenizer, names.DETOKENIZER_XML)):
+        stable_names(model)  # counter-based default names would make the XML differ from one process to the next
         ov.save_model(model, out_dir / xml)
         written += [xml, xml.replace(".xml", ".bin")]
     return written

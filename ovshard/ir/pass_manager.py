@@ -34,18 +34,43 @@ class PassResult:
     modified: bool
 
 
+@dataclass(frozen=True)
+class Piece:
+    """A part of a stage that a streamed compile runs the layer-scoped passes on by itself.
+
+    ``kind``: "embedding", "layers" (decoder layers [start, end)) or "head" (the lm_head); the prologue and
+    the final norm hold no weight a pass rewrites. ``holds_last_matmul``: this piece has the stage's
+    last MatMul weight (NNCF keeps it, like the embedding, in its backup precision unless all_layers).
+    """
+
+    kind: str
+    start: int | None = None
+    end: int | None = None
+    holds_last_matmul: bool = False
+
+    def __str__(self) -> str:
+        if self.kind != "layers":
+            return self.kind
+        return f"layer {self.start}" if self.end == (self.start or 0) + 1 else f"layers [{self.start}, {self.end})"
+
+
 @dataclass
 class PassContext:
-    """What a pass may know about the stage it runs on. ``history`` lists the passes run so far."""
+    """What a pass may know about the stage it runs on. ``history`` lists the passes run so far.
+
+    ``piece`` is set when a layer-scoped pass runs on one piece of the stage (a streamed compile).
+    """
 
     stage: StageSpec
     dims: ModelDims
     max_positions: int
     history: list[str] = field(default_factory=list)
+    piece: Piece | None = None
 
     def where(self, pass_name: str) -> str:
         done = ", ".join(self.history) or "none"
-        return f"stage {self.stage.index}, {pass_name} (after passes [{done}])"
+        piece = f" on {self.piece}" if self.piece is not None else ""
+        return f"stage {self.stage.index}, {pass_name}{piece} (after passes [{done}])"
 
 
 class GraphPass(ABC):
@@ -53,9 +78,12 @@ class GraphPass(ABC):
 
     ``in_place``: the pass rewrites the model it is given (and returns it) rather than building a new one;
     the manager clones the graph first when an instrument wants the graph as it was before the pass.
+    ``scope``: "stage" passes need the whole stage graph; "layer" passes touch each weight on its own,
+    so a streamed compile runs them on each piece of the stage (``ctx.piece``) before joining the pieces.
     """
 
     in_place: bool = True
+    scope: str = "stage"
 
     @property
     def name(self) -> str:
@@ -117,13 +145,20 @@ class PassManager:
         self.passes = list(passes)
         self.instruments = list(instruments)
 
-    def run(self, model: ov.Model, ctx: PassContext) -> tuple[ov.Model, list[PassRecord]]:
+    def run(self, model: ov.Model, ctx: PassContext,
+            done: dict[str, tuple[ov.Model, PassRecord]] | None = None) -> tuple[ov.Model, list[PassRecord]]:
+        """Run the pipeline on ``model``. ``done``: passes already run piece by piece (a streamed compile),
+        by name, with the joined graph they produced and their summed record; the instruments see them as
+        if they had run here, so dumps, validation and the pass log are the same."""
         records = []
         for inst in self.instruments:
             inst.run_begin(model, ctx)
         snapshot = any(inst.wants_before_snapshot for inst in self.instruments)
         for n, p in enumerate(self.passes, start=1):
-            model, record = self._step(p, model, ctx, n, snapshot)
+            if done is not None and p.name in done:
+                model, record = self._replay(p, model, done[p.name], ctx, n)
+            else:
+                model, record = self._step(p, model, ctx, n, snapshot)
             records.append(record)
             ctx.history.append(p.name)
         for inst in self.instruments:
@@ -148,6 +183,22 @@ class PassManager:
                 raise
             raise error from e
         return result.model, PassRecord(ctx.stage.index, p.name, result.modified, round(seconds, 4))
+
+    def _replay(self, p: GraphPass, model: ov.Model, done: tuple[ov.Model, PassRecord], ctx: PassContext,
+                n: int) -> tuple[ov.Model, PassRecord]:
+        after, record = done
+        for inst in self.instruments:
+            inst.before_pass(p, model, ctx, n)
+        result = PassResult(after, record.modified)
+        try:
+            for inst in self.instruments:
+                inst.after_pass(p, result, ctx, n, record.seconds)
+        except Exception as e:
+            error = self._failed(p, model, after, ctx, n, e)
+            if error is e:
+                raise
+            raise error from e
+        return after, record
 
     def _failed(self, p: GraphPass, before: ov.Model | None, partial: ov.Model, ctx: PassContext, n: int,
                 error: Exception) -> PassError:

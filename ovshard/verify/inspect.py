@@ -52,10 +52,15 @@ def summary(bundle: Path, m: Manifest) -> str:
     weights = m.weights.describe()
     tok = "yes" if m.tokenizer else "no (token ids only)"
     head = (f"bundle {bundle}  ({m.source.model_type}, {m.architecture.num_layers} layers, "
-            f"{m.num_stages} stages, {m.plan.strategy} plan)\nweights: {weights}\ntokenizer: {tok}\n"
+            f"{m.num_stages} stages, {m.plan.strategy} plan{_part_note(m)})\nweights: {weights}\ntokenizer: {tok}\n"
             f"source: {m.source.path} ({m.source.frontend} front end)\nfingerprint: {m.source.fingerprint}")
     return "\n\n".join([head, _table(stages), "pass log (pipeline order per stage):\n" + _table(log),
                         "\n".join(io)])
+
+
+def _part_note(m: Manifest) -> str:
+    """For a part bundle (``compile --only-stage``): which stages it holds, and that it must be merged."""
+    return "" if m.complete else f"; a part holding {m.describe_held()}: merge the parts with `ovshard bundle merge`"
 
 
 def _dump_dir(config: InspectConfig, m: Manifest) -> Path:

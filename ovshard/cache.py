@@ -1,0 +1,199 @@
+"""The layer cache: compiled pieces of stages, stored by content, reused across splits and after a crash.
+
+A streamed compile (``ovshard.stream``) compiles each piece of a stage (a decoder layer, the embedding,
+the lm_head) on its own; the cache keeps each finished piece as OpenVINO IR under a key made of
+everything that decides its bytes: the sha256 of its tensors as stored, the model's dimensions, the
+weight format the piece gets, the layer-scoped passes, the source of the modules that build and
+compress pieces, and the OpenVINO and NNCF versions. Recompiling the same checkpoint with another split
+reuses every piece whose role did not change, and a compile killed halfway resumes from the pieces it
+finished.
+
+Layout: ``<root>/pieces/<key[:2]>/<key>/{piece.xml, piece.bin, entry.json}``. An entry appears by an
+atomic rename of a finished folder, its files' sha256 are checked on every use (a corrupt entry is
+removed and rebuilt), and a piece is built under an exclusive file lock on ``<root>/locks/<key>.lock``,
+so two concurrent compiles build it once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import openvino as ov
+
+from ovshard.bundle.manifest import sha256_file
+from ovshard.bundle.plan import format_bytes
+from ovshard.errors import OvshardError
+
+log = logging.getLogger(__name__)
+
+ENTRY_FILE = "entry.json"
+PIECE_XML = "piece.xml"
+PIECE_BIN = "piece.bin"
+# the modules whose code decides a piece's bytes: their source is part of every key
+_KEY_MODULES = ("ovshard/frontend/stage_module.py", "ovshard/frontend/pieces.py", "ovshard/frontend/trace.py",
+                "ovshard/ir/splice.py", "passes/compress_weights.py")
+
+
+def default_cache_dir() -> Path:
+    """``$OVSHARD_CACHE_DIR``, else ``$XDG_CACHE_HOME/ovshard``, else ``~/.cache/ovshard``."""
+    chosen = os.environ.get("OVSHARD_CACHE_DIR")
+    if chosen:
+        return Path(chosen)
+    base = os.environ.get("XDG_CACHE_HOME")
+    return (Path(base) if base else Path.home() / ".cache") / "ovshard"
+
+
+def _code_version() -> str:
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for rel in _KEY_MODULES:
+        path = root / rel
+        if not path.is_file():  # an installed (non-editable) tree: passes/ lives inside ovshard/
+            path = Path(__file__).resolve().parent / rel.removeprefix("ovshard/")
+        digest.update(path.read_bytes() if path.is_file() else rel.encode())
+    return digest.hexdigest()
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def piece_key(facts: dict) -> str:
+    """The cache key of a piece: sha256 over its facts plus the code and library versions."""
+    everything = {**facts, "code": _code_version(), "openvino": ov.get_version(), "nncf": _version("nncf")}
+    return hashlib.sha256(json.dumps(everything, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Cached:
+    """A piece read from the cache: the model (weights memory-mapped) and the layer passes' records."""
+
+    model: ov.Model
+    records: list[dict]
+
+
+class PieceCache:
+    """Compiled pieces under ``root``; every method is safe with other processes using the same root."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.core = ov.Core()
+
+    def _entry(self, key: str) -> Path:
+        return self.root / "pieces" / key[:2] / key
+
+    @contextmanager
+    def _locked(self, key: str) -> Iterator[None]:
+        locks = self.root / "locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        with open(locks / f"{key}.lock", "w") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def get(self, key: str) -> Cached | None:
+        """The entry under ``key``, or None; a damaged entry is removed (and so rebuilt by the caller)."""
+        entry = self._entry(key)
+        meta = entry / ENTRY_FILE
+        if not meta.is_file():
+            return None
+        try:
+            info = json.loads(meta.read_text())
+            for name, digest in info["sha256"].items():
+                if sha256_file(entry / name) != digest:
+                    raise ValueError(f"{name} does not match its sha256")
+            model = self.core.read_model(entry / PIECE_XML)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            log.warning("layer cache: entry %s is damaged (%s); rebuilding it", entry, e)
+            shutil.rmtree(entry, ignore_errors=True)
+            return None
+        return Cached(model, info.get("records", []))
+
+    def get_or_build(self, key: str, build: Callable[[], tuple[ov.Model, list[dict]]], what: str) -> Cached:
+        """The cached piece, or ``build()``'s, stored first; built once however many compiles ask at once."""
+        found = self.get(key)
+        if found is not None:
+            log.info("layer cache: %s from %s", what, self._entry(key))
+            return found
+        with self._locked(key):
+            found = self.get(key)  # another compile may have built it while we waited
+            if found is not None:
+                return found
+            model, records = build()
+            self._put(key, model, records, what)
+        stored = self.get(key)
+        if stored is None:
+            raise OvshardError(f"layer cache: {what} was written to {self._entry(key)} but cannot be read back; "
+                               "check the disk, or compile with --no-cache")
+        return stored
+
+    def _put(self, key: str, model: ov.Model, records: list[dict], what: str) -> None:
+        final = self._entry(key)
+        tmp = self.root / "tmp" / f"{key}.{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            ov.save_model(model, tmp / PIECE_XML, compress_to_fp16=False)
+            info = {"what": what, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "records": records,
+                    "sha256": {n: sha256_file(tmp / n) for n in (PIECE_XML, PIECE_BIN)}}
+            (tmp / ENTRY_FILE).write_text(json.dumps(info, indent=1))
+            final.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def _entries(root: Path) -> list[tuple[Path, dict]]:
+    found = []
+    for meta in sorted((root / "pieces").glob(f"*/*/{ENTRY_FILE}")):
+        try:
+            found.append((meta.parent, json.loads(meta.read_text())))
+        except (OSError, ValueError):
+            found.append((meta.parent, {"what": "damaged entry"}))
+    return found
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def format_report(root: Path) -> str:
+    """What the cache at ``root`` holds: entries by kind, their size, and the total."""
+    entries = _entries(root)
+    if not entries:
+        return f"layer cache {root}: empty"
+    kinds: dict[str, list[int]] = {}
+    for path, info in entries:
+        kind = str(info.get("what", "?")).split(" ")[0]
+        kinds.setdefault(kind, []).append(_size(path))
+    lines = [f"layer cache {root}: {len(entries)} pieces, {format_bytes(sum(map(sum, kinds.values())))}"]
+    lines += [f"  {kind:10s} {len(sizes):5d} pieces  {format_bytes(sum(sizes))}" for kind, sizes in sorted(kinds.items())]
+    return "\n".join(lines)
+
+
+def clear_cache(root: Path) -> str:
+    """Remove every entry under ``root``; say how much was freed."""
+    if not root.exists():
+        return f"layer cache {root}: nothing to clear"
+    size, count = _size(root), len(_entries(root))
+    for sub in ("pieces", "tmp", "locks"):
+        shutil.rmtree(root / sub, ignore_errors=True)
+    return f"layer cache {root}: removed {count} pieces, {format_bytes(size)}"

@@ -1,0 +1,102 @@
+"""Peak memory of this process over a stretch of work: anonymous memory (the heap) and resident set.
+
+Anonymous memory (``RssAnon`` in ``/proc/self/status``) is what a compile really holds: weights read
+memory-mapped from safetensors or from saved pieces are file-backed, count in the resident set
+(``VmRSS``) and can be dropped by the kernel at any time. The kernel keeps no peak of ``RssAnon``, and
+its peak of the resident set (``VmHWM``) never resets, so a light thread samples both every
+``interval`` seconds. When the stretch set a new all-time ``VmHWM``, that exact figure replaces the
+sampled resident peak. Standard library only (the benchmarks import it too); off Linux the resident
+peak falls back to ``getrusage`` (the process's peak so far) and the anonymous peak is unknown.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+STATUS = Path("/proc/self/status")
+_FIELDS = {"RssAnon:": "anon", "VmRSS:": "rss", "VmHWM:": "hwm"}
+
+
+@dataclass(frozen=True)
+class MemoryPeak:
+    """The largest figures seen; ``None`` where this platform does not tell."""
+
+    anon_bytes: int | None  # anonymous resident memory (heap, numpy/torch/OpenVINO buffers)
+    rss_bytes: int | None  # whole resident set, file-backed mappings included
+
+
+def read_status(path: Path = STATUS) -> dict[str, int]:
+    """``anon``, ``rss`` and ``hwm`` in bytes from ``/proc/self/status``; empty where there is none."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return {}
+    found = {}
+    for line in text.splitlines():
+        key = _FIELDS.get(line.split(maxsplit=1)[0] if line else "")
+        if key is not None:
+            found[key] = int(line.split()[1]) * 1024  # the kernel writes "VmRSS:   1234 kB"
+    return found
+
+
+def _peak_rusage() -> int | None:
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
+
+
+class PeakSampler:
+    """``with PeakSampler() as s: work()``; then ``s.peak`` and ``s.seconds`` describe ``work``."""
+
+    def __init__(self, interval: float = 0.02) -> None:
+        self.interval = interval
+        self.seconds = 0.0
+        self._anon: int | None = None
+        self._rss: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ovshard-memory", daemon=True)
+        self._hwm: tuple[int | None, int | None] = (None, None)  # VmHWM on entry, on exit
+        self._start = 0.0
+
+    def __enter__(self) -> PeakSampler:
+        self._hwm = (read_status().get("hwm"), None)
+        self._sample()
+        self._start = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        self.seconds = time.perf_counter() - self._start
+        self._hwm = (self._hwm[0], read_status().get("hwm"))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def _sample(self) -> None:
+        status = read_status()
+        if "anon" in status:
+            self._anon = max(self._anon or 0, status["anon"])
+        if "rss" in status:
+            self._rss = max(self._rss or 0, status["rss"])
+
+    @property
+    def peak(self) -> MemoryPeak:
+        rss, (before, after) = self._rss, self._hwm
+        if before is not None and after is not None and after > before:
+            rss = max(rss or 0, after)  # a new all-time peak was set in this stretch: the kernel's figure is exact
+        if rss is None:
+            rss = _peak_rusage()
+        return MemoryPeak(self._anon, rss)
