@@ -417,7 +417,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> Path | None:
         ax.set_title(titles[shape], fontsize=10)
         ax.set_xlabel("layers per stage (largest stage of the plan)")
         ax.set_ylabel("peak anonymous memory, GB")
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.06)  # room for the value labels
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.margins(x=0.08)
         ax.grid(alpha=0.3)

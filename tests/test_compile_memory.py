@@ -20,7 +20,7 @@ from memprobe import Peak  # noqa: E402  (bench/ is not a package; the benchmark
 SHAPE = dict(hidden_size=512, intermediate_size=4096, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
              vocab_size=256, max_position_embeddings=512)
 FEW, MANY = 2, 6  # layers per stage (one stage each)
-# A streamed compile groups layers this small into one piece (CompileConfig.piece_bytes, 256 MB of f32 by
+# A streamed compile groups layers this small into one piece (CompileConfig.piece_bytes, 16 MiB of f32 by
 # default); piece_bytes=1 gives each layer a piece of its own, as real layers of 1B-70B models get.
 COMPILE = """
 import sys
