@@ -240,10 +240,6 @@ def _workdir(output: Path, needed: int = 0) -> Path:
     """A fresh temp folder beside ``output`` (same file system, so the final rename is atomic), locked while
     this compile runs; dead compiles' temp folders there are removed first. ``needed``: bytes, for a warning."""
     output = output.resolve()
-    if output.exists() and not output.is_dir():
-        raise BundleError(f"{output} exists and is a file, not a folder; choose another -o")
-    if output.exists() and not (output / names.MANIFEST_FILE).is_file() and any(output.iterdir()):
-        raise BundleError(f"{output} exists and is not an ovshard bundle; choose another -o or empty it")
     try:
         return staging.create(output, needed)
     except OSError as e:

@@ -136,7 +136,6 @@ def _sources(manifest: Manifest, owners: dict[int, tuple[Path, StageEntry, Manif
 
 def _write(manifest: Manifest, files: dict[str, Path], output: Path) -> None:
     """Write the bundle atomically: link or copy ``files`` and the manifest into a partial folder, publish it."""
-    _check_output(output)
     needed = _bytes_to_copy(files.values(), output)
     workdir = staging.create(output.resolve(), needed)
     try:
@@ -150,14 +149,6 @@ def _write(manifest: Manifest, files: dict[str, Path], output: Path) -> None:
             raise full from e
         raise
     log.info("%d files hard-linked, %d copied", linked, len(files) - linked)
-
-
-def _check_output(output: Path) -> None:
-    output = output.resolve()
-    if output.exists() and not output.is_dir():
-        raise BundleError(f"{output} exists and is a file, not a folder; choose another -o")
-    if output.exists() and not (output / names.MANIFEST_FILE).is_file() and any(output.iterdir()):
-        raise BundleError(f"{output} exists and is not an ovshard bundle; choose another -o or empty it")
 
 
 def _place(source: Path, target: Path) -> bool:

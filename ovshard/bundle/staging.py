@@ -26,8 +26,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from ovshard.bundle import names
 from ovshard.bundle.plan import PartitionPlan, format_bytes
-from ovshard.errors import DiskFullError
+from ovshard.errors import BundleError, DiskFullError
 
 try:
     import fcntl
@@ -53,8 +54,17 @@ def space_needed(plan: PartitionPlan, head_dim: int, max_positions: int) -> int:
     return sum(stages) + max(stages)
 
 
+def check_output(output: Path) -> None:
+    """Refuse an ``-o`` that is a file, or a folder of other things than a bundle (which would be replaced)."""
+    if output.exists() and not output.is_dir():
+        raise BundleError(f"{output} exists and is a file, not a folder; choose another -o")
+    if output.exists() and not (output / names.MANIFEST_FILE).is_file() and any(output.iterdir()):
+        raise BundleError(f"{output} exists and is not an ovshard bundle; choose another -o or empty it")
+
+
 def create(output: Path, needed: int) -> Path:
     """A fresh partial folder beside ``output``, locked by this process; dead compiles' partials go first."""
+    check_output(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(output)
     free = _free(output.parent)
