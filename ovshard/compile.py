@@ -147,7 +147,7 @@ def compile_stage(ckpt: Checkpoint, stage: StageSpec, config: CompileConfig, max
         model, records = build_stage(build)
     else:
         build = None
-        model = trace_stage(ckpt, stage, config.frontend)
+        model = trace_stage(ckpt, stage, config.frontend, max_positions)
         ctx = PassContext(stage, ckpt.dims, max_positions)
         model, records = PassManager(config.passes(), _instruments(config)).run(model, ctx)
     xml = names.stage_xml(stage.index, stage.num_stages)

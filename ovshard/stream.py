@@ -81,11 +81,14 @@ def build_stage(b: StageBuild) -> tuple[ov.Model, list[PassRecord]]:
     joined, raw = Assembler(), Assembler() if b.keep_raw else None
     if stage.first:
         weight = _matrix(b, b.ckpt.spec.embed, pieces.embedding_chunk, Piece("embedding"), joined, raw)
+        if b.ckpt.block.embed_scale is not None:
+            for asm in filter(None, (joined, raw)):
+                asm.add(pieces.embed_scale_piece(b.ckpt))
     else:
         for asm in filter(None, (joined, raw)):
             _stage_input(asm, names.piece_hidden(stage.start), dims.hidden_size)
     for asm in filter(None, (joined, raw)):
-        asm.add(pieces.prologue_piece(b.ckpt))
+        asm.add(pieces.prologue_piece(b.ckpt, stage, b.max_positions))
     start = time.perf_counter()  # the rate of the layers alone: the embedding before them is timed apart
     for a, z in layer_groups(b.ckpt, stage, b.piece_bytes):
         began = time.perf_counter()
@@ -100,11 +103,14 @@ def build_stage(b: StageBuild) -> tuple[ov.Model, list[PassRecord]]:
         for asm in filter(None, (joined, raw)):
             asm.add(pieces.final_norm_piece(b.ckpt))
         if dims.tie_word_embeddings and stage.first:  # one constant feeds the embedding and the lm_head
-            _tied_head(joined, weight[0])
+            _tied_head(b, joined, weight[0])
             if raw is not None:
-                _tied_head(raw, weight[1])
+                _tied_head(b, raw, weight[1])
         else:
             _matrix(b, head_tensor(b.ckpt), pieces.head_chunk, HEAD, joined, raw)
+        if b.ckpt.block.final_softcap is not None:
+            for asm in filter(None, (joined, raw)):
+                asm.add(pieces.softcap_piece(b.ckpt))
     return _finish(b, joined, raw)
 
 
@@ -141,10 +147,21 @@ def _stage_input(asm: Assembler, alias: str, hidden: int) -> None:
     asm.provide(alias, param.output(0))
 
 
-def _tied_head(asm: Assembler, weight: ov.Output) -> None:
+def embedding_output(ckpt: Checkpoint) -> str:
+    """What the embedding's row chunks produce: the first layer's input, or the rows before Gemma's scale."""
+    return names.piece_hidden(0) if ckpt.block.embed_scale is None else names.PIECE_EMBEDDED
+
+
+def head_output(ckpt: Checkpoint) -> str:
+    """What the lm_head produces: the logits, or the logits before Gemma 2's soft-capping."""
+    return names.LOGITS if ckpt.block.final_softcap is None else names.PIECE_HEAD
+
+
+def _tied_head(b: StageBuild, asm: Assembler, weight: ov.Output) -> None:
     logits = ov.opset13.matmul(asm.produced[names.PIECE_NORMED], weight, transpose_a=False, transpose_b=True)
-    logits.output(0).get_tensor().set_names({names.LOGITS})
-    asm.provide(names.LOGITS, logits.output(0))
+    name = head_output(b.ckpt)
+    logits.output(0).get_tensor().set_names({name})
+    asm.provide(name, logits.output(0))
 
 
 def _run_layer_passes(b: StageBuild, model: ov.Model, piece: Piece) -> ov.Model:
@@ -168,7 +185,7 @@ def _persist(b: StageBuild, model: ov.Model, name: str) -> ov.Model:
 def _piece_facts(b: StageBuild, piece: Piece, tensors: list[str]) -> dict:
     """Everything that decides a piece's bytes, for its cache key (code and library versions are added)."""
     return {"piece": schema.encode(piece), "tensors": {n: b.ckpt.tensor_digest(n) for n in tensors},
-            "dims": schema.encode(b.ckpt.dims), "passes": [(p.name, repr(vars(p))) for p in b.layer_passes]}
+            "dims": schema.encode(b.ckpt.dims), "block": schema.encode(b.ckpt.block), "passes": [(p.name, repr(vars(p))) for p in b.layer_passes]}
 
 
 def _cached(b: StageBuild, piece: Piece, tensors: list[str], build: Callable[[], ov.Model]) -> ov.Model:
@@ -240,7 +257,7 @@ def _matrix_models(b: StageBuild, tensor: str, chunk_model: Callable, piece: Pie
         model = first[key]
         model.validate_nodes_and_infer_types()
         model.outputs[0].get_tensor().set_names(
-            {names.piece_hidden(b.stage.start) if piece.kind == "embedding" else names.LOGITS})
+            {embedding_output(b.ckpt) if piece.kind == "embedding" else head_output(b.ckpt)})
     return first
 
 

@@ -24,6 +24,8 @@ class ModelDims:
     max_position_embeddings: int
     rope_type: str
     rope_theta: float
+    o_bias: bool = False  # the attention output projection's bias (Qwen2: q, k, v biased, o not)
+    attention_softcap: float | None = None  # Gemma 2: tanh soft-capping of attention scores (no SDPA op form)
 
     @property
     def kv_groups(self) -> int:

@@ -50,10 +50,26 @@ def stage_outputs(last: bool, layers: Iterable[int]) -> list[str]:
 
 
 # Ports between the pieces a streamed compile traces one by one and joins into a stage (never stage I/O).
-PIECE_COS = "rotary.cos"  # f32 [batch, seq, head_dim]
-PIECE_SIN = "rotary.sin"
 PIECE_MASK = "attention.mask4d"  # f32 [batch, 1, seq, past + seq], 0 or the f32 minimum
 PIECE_NORMED = "final_norm.out"  # f32 [batch, seq, hidden]
+PIECE_EMBEDDED = "embedding.out"  # f32 [batch, seq, hidden]: gathered rows before the embedding scale
+PIECE_HEAD = "lm_head.out"  # f32 [batch, seq, vocab]: logits before final soft-capping
+DEFAULT_TABLE = "default"  # the rotary table (and FULL the mask kind) a family with one of each uses
+FULL_MASK = "full_attention"
+
+
+def piece_cos(table: str) -> str:
+    """The rotary cos [batch, seq, rotary_dim] of rotary table ``table`` (one, or one per layer type)."""
+    return "rotary.cos" if table == DEFAULT_TABLE else f"rotary.{table}.cos"
+
+
+def piece_sin(table: str) -> str:
+    return "rotary.sin" if table == DEFAULT_TABLE else f"rotary.{table}.sin"
+
+
+def piece_mask(kind: str) -> str:
+    """The 4-D additive mask of attention kind ``kind`` (full, or sliding window)."""
+    return PIECE_MASK if kind == FULL_MASK else f"{PIECE_MASK}.{kind}"
 
 
 def piece_hidden(layer: int) -> str:

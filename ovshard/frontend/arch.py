@@ -1,13 +1,15 @@
-"""Per-architecture facts in one table: config keys, tensor names, block layout.
+"""Model families as data: tensor names and block layout per family, one table.
 
-Passes and the tracer never branch on ``model_type``; they read an :class:`ArchSpec`. Adding a
-family means adding a table entry (and tests), not new branches elsewhere.
+Passes, the tracer and the tensor reader never branch on ``model_type``; they read an :class:`ArchSpec`
+(what a family stores and how its block is wired) and a :class:`~ovshard.frontend.block.Block` (the
+numbers of one checkpoint's block, from its config.json). Adding a family is a table entry here, the
+config keys it wires, and tests; see the README's "Adding a family".
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, TypedDict
 
 from ovshard.bundle.dims import ModelDims
 from ovshard.errors import CheckpointError, UnsupportedArchitectureError
@@ -15,13 +17,33 @@ from ovshard.errors import CheckpointError, UnsupportedArchitectureError
 # rope types whose inverse frequencies are fixed for a config (so a constant cos/sin table is exact)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # rope types whose frequencies depend on the running sequence length; refused, see README
-DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+DYNAMIC_ROPE_TYPES = ("dynamic",)
+# mixture-of-experts families: refused by name (routing is a later issue)
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe", "olmoe", "gpt_oss",
+             "llama4", "llama4_text", "granitemoe", "jamba", "dbrx")
+# activations the block computes, by the names transformers gives them
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+               "gelu": "gelu"}
+
+
+# How a family picks its sliding layers when config.json lists no layer_types (older configs):
+# "none": no layer slides; "all": every layer, when sliding_window is set (Mistral, Phi-3);
+# "from_max_window_layers": layers from max_window_layers on, when use_sliding_window (Qwen2/3);
+# "periodic": all but every window_period-th layer (Gemma 2: 2; Gemma 3: sliding_window_pattern, 6).
+WINDOW_RULES = ("none", "all", "from_max_window_layers", "periodic")
 
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """How one model family lays out its checkpoint. Tensor names are templates over ``{i}``."""
+    """How one model family stores its checkpoint and wires its block. Tensor names are templates over ``{i}``.
 
+    Norm roles: ``input_norm`` feeds attention; without ``pre_feedforward_norm`` the
+    ``post_attention_norm`` feeds the MLP (Llama). With it (Gemma 2/3), ``post_attention_norm`` normalizes
+    the attention output before the residual add, ``pre_feedforward_norm`` feeds the MLP and
+    ``post_feedforward_norm`` normalizes its output.
+    """
+
+    family: str
     model_types: tuple[str, ...]
     embed: str
     final_norm: str
@@ -35,52 +57,170 @@ class ArchSpec:
     gate_proj: str
     up_proj: str
     down_proj: str
-    activations: tuple[str, ...]  # accepted values of config["hidden_act"]
+    pre_feedforward_norm: str | None = None
+    post_feedforward_norm: str | None = None
+    q_norm: str | None = None  # per-head RMSNorm of queries before rotary
+    k_norm: str | None = None
+    qkv_proj: str | None = None  # q, k, v stored as one [q; k; v] matrix, split at load time
+    gate_up_proj: str | None = None  # gate and up stored as one [gate; up] matrix
+    qkv_bias: bool | None = None  # q, k and v biases: None follows config["attention_bias"]
+    o_bias: bool | None = None  # the output projection's bias: None follows config["attention_bias"]
+    has_mlp_bias: bool = False  # whether config["mlp_bias"] is read at all
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + w): Gemma stores w around 0
+    embed_scale: bool = False  # the embedding output is multiplied by sqrt(hidden) (Gemma)
+    tied_by_default: bool = False  # tie_word_embeddings when config.json omits it (transformers' default)
+    activation_key: str = "hidden_act"
+    default_activation: str = "silu"
+    window_rule: str = "none"  # which layers slide when config.json has no layer_types: see WINDOW_RULES
+    window_period: int = 2  # "periodic": layer i slides unless (i + 1) is a multiple of this (or the config's)
+    text_config: bool = False  # a multimodal config whose "text_config" describes the language model
+    ignored_prefixes: tuple[str, ...] = ()  # tensors of other towers (vision) that the text model never reads
+    wires: frozenset[str] = frozenset()  # config keys that change the math and that this family implements
+
+    @property
+    def sandwich_norms(self) -> bool:
+        return self.pre_feedforward_norm is not None
+
+    def norm_templates(self) -> tuple[str, ...]:
+        """Every per-layer RMSNorm scale tensor (templates over ``{i}``)."""
+        found = (self.input_norm, self.post_attention_norm, self.pre_feedforward_norm, self.post_feedforward_norm,
+                 self.q_norm, self.k_norm)
+        return tuple(t + ("" if t.endswith(".weight") else ".weight") for t in found if t is not None)
 
 
-LLAMA = ArchSpec(
-    model_types=("llama",),
-    embed="model.embed_tokens.weight",
-    final_norm="model.norm.weight",
-    lm_head="lm_head.weight",
-    input_norm="model.layers.{i}.input_layernorm.weight",
-    post_attention_norm="model.layers.{i}.post_attention_layernorm.weight",
-    q_proj="model.layers.{i}.self_attn.q_proj",
-    k_proj="model.layers.{i}.self_attn.k_proj",
-    v_proj="model.layers.{i}.self_attn.v_proj",
-    o_proj="model.layers.{i}.self_attn.o_proj",
-    gate_proj="model.layers.{i}.mlp.gate_proj",
-    up_proj="model.layers.{i}.mlp.up_proj",
-    down_proj="model.layers.{i}.mlp.down_proj",
-    activations=("silu",),
+class _Names(TypedDict, total=False):
+    """ArchSpec's tensor-name fields, so a family entry can spread a shared naming scheme."""
+
+    embed: str
+    final_norm: str
+    lm_head: str
+    input_norm: str
+    post_attention_norm: str
+    q_proj: str
+    k_proj: str
+    v_proj: str
+    o_proj: str
+    gate_proj: str
+    up_proj: str
+    down_proj: str
+    pre_feedforward_norm: str
+    post_feedforward_norm: str
+    q_norm: str
+    k_norm: str
+
+
+def _names(prefix: str = "model.", *, gemma: bool = False, qk_norm: bool = False,
+           lm_head: str = "lm_head.weight") -> _Names:
+    """A naming scheme: Llama's (``prefix`` + layers.{i}...), with Gemma's four norms and/or q/k norms."""
+    layer = prefix + "layers.{i}."
+    names = _Names(
+        embed=prefix + "embed_tokens.weight", final_norm=prefix + "norm.weight", lm_head=lm_head,
+        input_norm=layer + "input_layernorm.weight", post_attention_norm=layer + "post_attention_layernorm.weight",
+        q_proj=layer + "self_attn.q_proj", k_proj=layer + "self_attn.k_proj", v_proj=layer + "self_attn.v_proj",
+        o_proj=layer + "self_attn.o_proj", gate_proj=layer + "mlp.gate_proj", up_proj=layer + "mlp.up_proj",
+        down_proj=layer + "mlp.down_proj",
+    )
+    if gemma:
+        names["pre_feedforward_norm"] = layer + "pre_feedforward_layernorm.weight"
+        names["post_feedforward_norm"] = layer + "post_feedforward_layernorm.weight"
+    if qk_norm:
+        names["q_norm"] = layer + "self_attn.q_norm.weight"
+        names["k_norm"] = layer + "self_attn.k_norm.weight"
+    return names
+
+
+_SLIDING = frozenset({"sliding_window", "layer_types"})
+_QWEN_SLIDING = _SLIDING | {"use_sliding_window", "max_window_layers"}
+_GEMMA = _SLIDING | {"query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                     "hidden_activation", "sliding_window_pattern", "_sliding_window_pattern"}
+
+LLAMA = ArchSpec(family="llama", model_types=("llama",), **_names(), has_mlp_bias=True)
+QWEN2 = ArchSpec(family="qwen2", model_types=("qwen2",), **_names(), qkv_bias=True, o_bias=False,
+                 window_rule="from_max_window_layers", wires=_QWEN_SLIDING)
+QWEN3 = ArchSpec(family="qwen3", model_types=("qwen3",), **_names(qk_norm=True),
+                 window_rule="from_max_window_layers", wires=_QWEN_SLIDING)
+MISTRAL = ArchSpec(family="mistral", model_types=("mistral",), **_names(), qkv_bias=False, o_bias=False,
+                   window_rule="all", wires=_SLIDING)
+PHI3 = ArchSpec(
+    family="phi3", model_types=("phi3",), **_names(), qkv_bias=False, o_bias=False,
+    qkv_proj="model.layers.{i}.self_attn.qkv_proj", gate_up_proj="model.layers.{i}.mlp.gate_up_proj",
+    window_rule="all", wires=_SLIDING | {"partial_rotary_factor", "original_max_position_embeddings"},
 )
+GEMMA2 = ArchSpec(family="gemma2", model_types=("gemma2",), **_names(gemma=True), norm_offset=1.0, embed_scale=True,
+                  tied_by_default=True,
+                  activation_key="hidden_activation", default_activation="gelu_pytorch_tanh", window_rule="periodic",
+                  window_period=2, wires=_GEMMA)
+GEMMA3_TEXT = replace(GEMMA2, family="gemma3_text", model_types=("gemma3_text",), **_names(gemma=True, qk_norm=True),
+                      window_period=6,
+                      wires=_GEMMA | {"rope_local_base_freq"})
+GEMMA3 = replace(GEMMA3_TEXT, family="gemma3", model_types=("gemma3",),
+                 **_names("language_model.model.", gemma=True, qk_norm=True, lm_head="language_model.lm_head.weight"),
+                 text_config=True,
+                 ignored_prefixes=("vision_tower.", "multi_modal_projector."))
 
-ARCHITECTURES: dict[str, ArchSpec] = {t: spec for spec in (LLAMA,) for t in spec.model_types}
+FAMILIES = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3_TEXT, GEMMA3)
+ARCHITECTURES: dict[str, ArchSpec] = {t: spec for spec in FAMILIES for t in spec.model_types}
 
 
 def arch_for(config: dict[str, Any]) -> ArchSpec:
-    model_type = config.get("model_type")
-    spec = ARCHITECTURES.get(str(model_type))
+    model_type = str(config.get("model_type"))
+    spec = ARCHITECTURES.get(model_type)
     if spec is None:
         supported = ", ".join(sorted(ARCHITECTURES))
+        if model_type in MOE_TYPES or any(k in config for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+            raise UnsupportedArchitectureError(
+                f"config.json has model_type={model_type!r}, a mixture-of-experts (MoE) model; ovshard compiles "
+                f"dense models only for now (supported: {supported}). MoE routing is a later issue."
+            )
         raise UnsupportedArchitectureError(
-            f"config.json has model_type={model_type!r}; ovshard supports: {supported}. "
-            "Convert the checkpoint to a supported family or add a table entry in ovshard/arch.py."
-        )
-    act = config.get("hidden_act", "silu")
-    if act not in spec.activations:
-        raise UnsupportedArchitectureError(
-            f"hidden_act={act!r} is not supported for {model_type}; expected one of {spec.activations}"
+            f"config.json has model_type={model_type!r}; ovshard supports: {supported}. A new family needs an "
+            "ArchSpec entry in ovshard/frontend/arch.py (tensor names, norm layout, the config keys it wires) "
+            "and a family test in tests/test_families.py; see the README's 'Adding a family'."
         )
     return spec
 
 
-def rope_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """The rope parameters, from transformers 5 ``rope_parameters`` or the legacy ``rope_scaling``."""
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config of the language model: ``config`` itself, or a multimodal config's ``text_config``."""
+    spec = arch_for(config)
+    if not spec.text_config:
+        return config
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"a {spec.family} config.json must hold a 'text_config' object, the language model's")
+    merged = dict(text)
+    merged.setdefault("model_type", "gemma3_text")
+    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in config and key not in text:
+            merged[key] = config[key]
+    return merged
+
+
+def activation(spec: ArchSpec, config: dict[str, Any]) -> str:
+    """The block's activation ("silu", "gelu_tanh", "gelu"), from the family's config key."""
+    name = config.get(spec.activation_key) or config.get("hidden_act") or spec.default_activation
+    if name not in ACTIVATIONS:
+        raise UnsupportedArchitectureError(
+            f"{spec.activation_key}={name!r} is not supported for {spec.family}; expected one of {sorted(ACTIVATIONS)}"
+        )
+    return ACTIVATIONS[name]
+
+
+def rope_settings(config: dict[str, Any], layer_type: str | None = None) -> dict[str, Any]:
+    """The rope parameters (of one layer type, where they differ per type).
+
+    Reads transformers 5 ``rope_parameters`` (flat, or one dict per layer type as Gemma 3 writes) and the
+    legacy keys: ``rope_scaling``, ``rope_theta`` and Gemma 3's ``rope_local_base_freq``.
+    """
     params = dict(config.get("rope_parameters") or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        params = dict(params.get(layer_type or "full_attention") or next(iter(params.values())))
+    elif layer_type == "sliding_attention" and "rope_local_base_freq" in config:  # legacy Gemma 3
+        params = {"rope_type": "default", "rope_theta": config["rope_local_base_freq"]}
     legacy = config.get("rope_scaling") or {}
-    for key, value in legacy.items():
-        params.setdefault(key, value)
+    if layer_type != "sliding_attention" or "rope_local_base_freq" not in config:
+        for key, value in legacy.items():
+            params.setdefault(key, value)
     if "type" in params and "rope_type" not in params:
         params["rope_type"] = params.pop("type")
     params.setdefault("rope_type", "default")
@@ -90,13 +230,16 @@ def rope_settings(config: dict[str, Any]) -> dict[str, Any]:
 
 def read_dims(config: dict[str, Any]) -> ModelDims:
     """Validate ``config`` against the architecture table and return its dimensions."""
-    arch_for(config)
+    spec = arch_for(config)
+    config = text_config(config)
     try:
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
         kv_heads = int(config.get("num_key_value_heads") or heads)
+        attention_bias = bool(config.get("attention_bias", False))
+        rope = rope_settings(config)
         dims = ModelDims(
-            model_type=str(config["model_type"]),
+            model_type=str(config["model_type"]) if not spec.text_config else spec.model_types[0],
             hidden_size=hidden,
             num_layers=int(config["num_hidden_layers"]),
             num_heads=heads,
@@ -105,48 +248,53 @@ def read_dims(config: dict[str, Any]) -> ModelDims:
             intermediate_size=int(config["intermediate_size"]),
             vocab_size=int(config["vocab_size"]),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias", False)),
-            mlp_bias=bool(config.get("mlp_bias", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", spec.tied_by_default)),
+            attention_bias=attention_bias if spec.qkv_bias is None else spec.qkv_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)) and spec.has_mlp_bias,
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            rope_type=str(rope_settings(config)["rope_type"]),
-            rope_theta=float(rope_settings(config)["rope_theta"]),
+            rope_type=str(rope["rope_type"]),
+            rope_theta=float(rope["rope_theta"]),
+            o_bias=attention_bias if spec.o_bias is None else spec.o_bias,
+            attention_softcap=_optional_float(config.get("attn_logit_softcapping")),
         )
     except KeyError as e:
-        raise CheckpointError(f"config.json lacks the key {e.args[0]!r}, which a {config['model_type']} model needs") from e
+        raise CheckpointError(f"config.json lacks the key {e.args[0]!r}, which a {spec.family} model needs") from e
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"config.json has a malformed value ({e}); check it against the model's card") from e
     if dims.num_heads % dims.num_kv_heads:
         raise CheckpointError(
             f"num_attention_heads={dims.num_heads} is not a multiple of num_key_value_heads={dims.num_kv_heads}"
         )
-    if dims.rope_type in DYNAMIC_ROPE_TYPES:
-        raise UnsupportedArchitectureError(
-            f"rope type {dims.rope_type!r} changes its frequencies with the running sequence length, so no "
-            f"fixed cos/sin table is exact; supported rope types: {', '.join(STATIC_ROPE_TYPES)}"
-        )
-    if dims.rope_type not in STATIC_ROPE_TYPES:
-        raise UnsupportedArchitectureError(
-            f"unknown rope type {dims.rope_type!r}; supported: {', '.join(STATIC_ROPE_TYPES)}"
-        )
     return dims
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def layer_tensors(spec: ArchSpec, dims: ModelDims, i: int) -> dict[str, tuple[int, ...]]:
     """Names and shapes of layer ``i``'s tensors, as Hugging Face stores them."""
     q_out = dims.num_heads * dims.head_dim
     kv_out = dims.num_kv_heads * dims.head_dim
-    linear = {
-        spec.q_proj: (q_out, dims.hidden_size, dims.attention_bias),
-        spec.k_proj: (kv_out, dims.hidden_size, dims.attention_bias),
-        spec.v_proj: (kv_out, dims.hidden_size, dims.attention_bias),
-        spec.o_proj: (dims.hidden_size, q_out, dims.attention_bias),
-        spec.gate_proj: (dims.intermediate_size, dims.hidden_size, dims.mlp_bias),
-        spec.up_proj: (dims.intermediate_size, dims.hidden_size, dims.mlp_bias),
-        spec.down_proj: (dims.hidden_size, dims.intermediate_size, dims.mlp_bias),
-    }
-    shapes: dict[str, tuple[int, ...]] = {
-        spec.input_norm.format(i=i): (dims.hidden_size,),
-        spec.post_attention_norm.format(i=i): (dims.hidden_size,),
-    }
+    qkv_bias, o_bias, mlp_bias = dims.attention_bias, dims.o_bias, dims.mlp_bias
+    linear: dict[str, tuple[int, int, bool]] = {}
+    if spec.qkv_proj:
+        linear[spec.qkv_proj] = (q_out + 2 * kv_out, dims.hidden_size, qkv_bias)
+    else:
+        linear[spec.q_proj] = (q_out, dims.hidden_size, qkv_bias)
+        linear[spec.k_proj] = (kv_out, dims.hidden_size, qkv_bias)
+        linear[spec.v_proj] = (kv_out, dims.hidden_size, qkv_bias)
+    linear[spec.o_proj] = (dims.hidden_size, q_out, o_bias)
+    if spec.gate_up_proj:
+        linear[spec.gate_up_proj] = (2 * dims.intermediate_size, dims.hidden_size, mlp_bias)
+    else:
+        linear[spec.gate_proj] = (dims.intermediate_size, dims.hidden_size, mlp_bias)
+        linear[spec.up_proj] = (dims.intermediate_size, dims.hidden_size, mlp_bias)
+    linear[spec.down_proj] = (dims.hidden_size, dims.intermediate_size, mlp_bias)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for template in spec.norm_templates():
+        per_head = template in (spec.q_norm, spec.k_norm)
+        shapes[template.format(i=i)] = (dims.head_dim,) if per_head else (dims.hidden_size,)
     for prefix, (out_f, in_f, bias) in linear.items():
         shapes[prefix.format(i=i) + ".weight"] = (out_f, in_f)
         if bias:

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from ovshard.bundle.dims import ModelDims
 from ovshard.errors import CheckpointError
-from ovshard.frontend.arch import ArchSpec, arch_for, model_tensors, read_dims
+from ovshard.frontend.arch import ArchSpec, model_tensors
+from ovshard.frontend.block import Block, describe
 
 if TYPE_CHECKING:
     import torch
@@ -150,6 +151,7 @@ class Checkpoint:
     has_tokenizer: bool
     spec: ArchSpec
     dims: ModelDims  # validated by :func:`ovshard.frontend.arch.read_dims`
+    block: Block  # what the decoder block computes, from config.json (:func:`ovshard.frontend.block.read_block`)
     weight_files: tuple[str, ...]  # safetensors files, sorted by name
     loaded: list[str] = field(default_factory=list)  # tensors whose data was read, in order
     _entries: dict[str, TensorEntry] = field(default_factory=dict, repr=False)
@@ -284,7 +286,8 @@ class Checkpoint:
                     "Quantized checkpoints are not supported: start from the floating-point weights"
                 )
         allowed = set(expected) | ({spec.lm_head} if dims.tie_word_embeddings else set())
-        extra = [n for n in self._entries if n not in allowed and not n.endswith(IGNORED_SUFFIXES)]
+        extra = [n for n in self._entries if n not in allowed and not n.endswith(IGNORED_SUFFIXES)
+                 and not n.startswith(spec.ignored_prefixes)]
         if extra:
             raise CheckpointError(
                 f"{self.path} holds {len(extra)} tensors a {dims.model_type} model does not use, e.g. "
@@ -304,7 +307,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             f"checkpoint path {root} is a file; expected the directory holding config.json and *.safetensors"
         )
     config, config_bytes = _read_json(root / CONFIG_FILE, what="config.json")
-    spec = arch_for(config)
+    spec, dims, block = describe(config)
     generation_path = root / GENERATION_CONFIG_FILE
     generation = (
         _read_json(generation_path, what="generation_config.json")[0] if generation_path.exists() else None
@@ -319,7 +322,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         generation_config=generation,
         has_tokenizer=any((root / name).is_file() for name in TOKENIZER_FILES),
         spec=spec,
-        dims=read_dims(config),
+        dims=dims,
+        block=block,
         weight_files=tuple(headers),
         _entries=entries,
         _headers=headers,

@@ -23,8 +23,14 @@ from torch import nn
 
 from ovshard.bundle import names
 from ovshard.bundle.stage import StageSpec
-from ovshard.frontend.rope import rotary_frequencies
-from ovshard.frontend.stage_module import FinalNormModule, LayersModule, PrologueModule
+from ovshard.frontend.rope import rotary_tables
+from ovshard.frontend.stage_module import (
+    EmbedScaleModule,
+    FinalNormModule,
+    LayersModule,
+    PrologueModule,
+    SoftcapModule,
+)
 from ovshard.frontend.trace import load_layer
 
 if TYPE_CHECKING:
@@ -56,43 +62,67 @@ def _dyn(*dims: int | None) -> ov.PartialShape:
     return ov.PartialShape([ov.Dimension.dynamic() if d is None else d for d in dims])
 
 
-def prologue_piece(ckpt: Checkpoint) -> ov.Model:
-    """(attention_mask, position_ids) -> rotary cos, sin and the 4-D mask, as the stage module builds them."""
-    inv_freq, scaling = rotary_frequencies(ckpt.path, ckpt.dims)
+def context_ports(ckpt: Checkpoint, layers: range) -> list[Port]:
+    """The prologue's outputs that layers ``layers`` read: cos, sin per rotary table, then a mask per kind."""
+    ropes, masks = ckpt.block.used(layers)
+    rotary_dim, f32 = ckpt.block.rotary_dim, ov.Type.f32
+    ports: list[Port] = []
+    for key in ropes:
+        ports += [(names.piece_cos(key), _dyn(None, None, rotary_dim), f32),
+                  (names.piece_sin(key), _dyn(None, None, rotary_dim), f32)]
+    return ports + [(names.piece_mask(kind), _dyn(None, 1, None, None), f32) for kind in masks]
+
+
+def prologue_piece(ckpt: Checkpoint, stage: StageSpec, max_positions: int | None) -> ov.Model:
+    """(attention_mask, position_ids) -> the rotary cos/sin and 4-D masks the stage's layers read."""
+    tables = rotary_tables(ckpt.config, ckpt.block, stage.layers, max_positions)
     mask = torch.ones(_BATCH, _PAST + _SEQ, dtype=torch.int64)
     positions = torch.arange(_PAST, _PAST + _SEQ, dtype=torch.int64).expand(_BATCH, _SEQ).contiguous()
     ids = _dyn(None, None)
-    return _trace(PrologueModule(inv_freq, scaling), (mask, positions),
+    return _trace(PrologueModule(ckpt.block, stage.layers, tables), (mask, positions),
                   [(names.ATTENTION_MASK, ids, ov.Type.i64), (names.POSITION_IDS, ids, ov.Type.i64)],
-                  [names.PIECE_COS, names.PIECE_SIN, names.PIECE_MASK])
+                  [name for name, _, _ in context_ports(ckpt, stage.layers)])
 
 
 def layers_piece(ckpt: Checkpoint, start: int, end: int, stage: StageSpec) -> ov.Model:
-    """Decoder layers [start, end): (hidden, cos, sin, mask, past k/v ...) -> (hidden, present k/v ...)."""
-    d = ckpt.dims
-    module = LayersModule(d, [load_layer(ckpt, i, stage) for i in range(start, end)])
+    """Decoder layers [start, end): (hidden, cos, sin ..., masks ..., past k/v ...) -> (hidden, present k/v ...)."""
+    d, layers = ckpt.dims, range(start, end)
+    module = LayersModule(d, ckpt.block, layers, [load_layer(ckpt, i, stage) for i in layers])
     kv_example = torch.zeros(_BATCH, d.num_kv_heads, _PAST, d.head_dim)
-    example = (torch.randn(_BATCH, _SEQ, d.hidden_size), torch.randn(_BATCH, _SEQ, d.head_dim),
-               torch.randn(_BATCH, _SEQ, d.head_dim), torch.zeros(_BATCH, 1, _SEQ, _PAST + _SEQ),
-               *[kv_example] * (2 * (end - start)))
+    context = context_ports(ckpt, layers)
+    context_example = [torch.zeros(_BATCH, 1, _SEQ, _PAST + _SEQ) if shape.rank.get_length() == 4
+                       else torch.randn(_BATCH, _SEQ, ckpt.block.rotary_dim) for _, shape, _ in context]
+    example = (torch.randn(_BATCH, _SEQ, d.hidden_size), *context_example, *[kv_example] * (2 * (end - start)))
     f32, kv = ov.Type.f32, _dyn(None, d.num_kv_heads, None, d.head_dim)
-    inputs = [(names.piece_hidden(start), _dyn(None, None, d.hidden_size), f32),
-              (names.PIECE_COS, _dyn(None, None, d.head_dim), f32), (names.PIECE_SIN, _dyn(None, None, d.head_dim), f32),
-              (names.PIECE_MASK, _dyn(None, 1, None, None), f32)]
-    inputs += [(past, kv, f32) for past, _ in names.kv_pairs(range(start, end))]
-    outputs = [names.piece_hidden(end), *(present for _, present in names.kv_pairs(range(start, end)))]
+    inputs = [(names.piece_hidden(start), _dyn(None, None, d.hidden_size), f32), *context]
+    inputs += [(past, kv, f32) for past, _ in names.kv_pairs(layers)]
+    outputs = [names.piece_hidden(end), *(present for _, present in names.kv_pairs(layers))]
     model = _trace(module, example, inputs, outputs)
     del module
     return model
 
 
+def embed_scale_piece(ckpt: Checkpoint) -> ov.Model:
+    """The gathered embedding rows -> times the family's embedding scale (Gemma: sqrt(hidden))."""
+    d = ckpt.dims
+    return _trace(EmbedScaleModule(ckpt.block), (torch.randn(_BATCH, _SEQ, d.hidden_size),),
+                  [(names.PIECE_EMBEDDED, _dyn(None, None, d.hidden_size), ov.Type.f32)], [names.piece_hidden(0)])
+
+
 def final_norm_piece(ckpt: Checkpoint) -> ov.Model:
     """hidden -> the final RMSNorm's output; the lm_head MatMul is joined on from row chunks."""
     d = ckpt.dims
-    module = FinalNormModule(d, ckpt.load(ckpt.spec.final_norm))
+    module = FinalNormModule(d, ckpt.block, ckpt.load(ckpt.spec.final_norm))
     end = names.piece_hidden(d.num_layers)
     return _trace(module, (torch.randn(_BATCH, _SEQ, d.hidden_size),),
                   [(end, _dyn(None, None, d.hidden_size), ov.Type.f32)], [names.PIECE_NORMED])
+
+
+def softcap_piece(ckpt: Checkpoint) -> ov.Model:
+    """The lm_head's logits -> soft-capped logits (Gemma 2)."""
+    vocab = ckpt.dims.vocab_size
+    return _trace(SoftcapModule(ckpt.block), (torch.randn(_BATCH, _SEQ, vocab),),
+                  [(names.PIECE_HEAD, _dyn(None, None, vocab), ov.Type.f32)], [names.LOGITS])
 
 
 def chunk_rows(rows: int, cols: int, chunk_bytes: int = 64 << 20) -> int:

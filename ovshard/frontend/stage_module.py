@@ -1,10 +1,15 @@
-"""The torch module traced for one pipeline stage: a Llama-family decoder slice written for tracing.
+"""The torch module traced for one pipeline stage: a decoder slice written for tracing, following a Block.
+
+Every family difference is a field of :class:`~ovshard.frontend.block.Block` (norm offset, q/k norms,
+sandwich norms, embedding scale, activation, attention scale and soft-capping, partial rotary, sliding
+windows, per-layer rotary tables); nothing here branches on ``model_type``.
 
 Differences from Hugging Face's modules, all deliberate:
-- rotary cos/sin come from a fixed ``inv_freq`` (no rope-type branches reach the graph);
+- rotary cos/sin come from a fixed ``inv_freq`` per table (no rope-type branches reach the graph);
 - attention is ``F.scaled_dot_product_attention`` (OpenVINO's KV-cache fusions need the SDPA op);
 - the causal + padding mask is built inside the graph from ``attention_mask`` by physical cache index,
-  so a position zeroed in the mask is invisible to every later query (mask rewind relies on this);
+  so a position zeroed in the mask is invisible to every later query (mask rewind relies on this); a
+  sliding window counts visible positions (the mask's cumulative sum), so rewinds keep it exact;
 - past keys/values are plain tensors in and out, one pair per layer.
 """
 
@@ -17,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ovshard.bundle.dims import ModelDims
+from ovshard.frontend.block import Block
 
 
 class Weights(nn.Module):
@@ -36,23 +42,34 @@ class Weights(nn.Module):
         def __getattr__(self, name: str) -> Any: ...
 
 
-def layer_weights(input_norm: torch.Tensor, post_attention_norm: torch.Tensor,
+def layer_weights(norms: dict[str, torch.Tensor],
                   linears: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> Weights:
-    """One decoder layer: norms and q,k,v,o,gate,up,down (weight [out, in], bias or None)."""
-    tensors: dict[str, torch.Tensor | None] = {"input_norm": input_norm, "post_attention_norm": post_attention_norm}
+    """One decoder layer: its norm scales by role (``attn_norm``, ``mlp_norm``, ``attn_out_norm``,
+    ``mlp_out_norm``, ``q_norm``, ``k_norm``) and q,k,v,o,gate,up,down (weight [out, in], bias or None)."""
+    tensors: dict[str, torch.Tensor | None] = dict(norms)
     for key, (weight, bias) in linears.items():
         tensors[f"{key}_weight"], tensors[f"{key}_bias"] = weight, bias
     return Weights(tensors)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm over the last axis, scaled by ``weight`` (Llama) or ``offset + weight`` (Gemma: 1 + w)."""
     variance = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(variance + eps))
+    scale = weight if offset == 0.0 else offset + weight
+    return scale * (x * torch.rsqrt(variance + eps))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """Rotate the first ``rotary_dim`` head dims of x [batch, heads, seq, head_dim]; the rest pass through."""
+    if rotary_dim == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -64,50 +81,130 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.reshape(b, kv_heads * groups, seq, head_dim)
 
 
-def causal_padding_mask(attention_mask: torch.Tensor, query_len: int) -> torch.Tensor:
+def causal_padding_mask(attention_mask: torch.Tensor, query_len: int, window: int | None = None) -> torch.Tensor:
     """Additive mask [batch, 1, query, past + query] from attention_mask [batch, past + query].
 
-    Query t sits at physical cache index past + t; it sees key j iff j <= past + t and mask[j] == 1.
+    Query t sits at physical cache index past + t; it sees key j iff j <= past + t and mask[j] == 1,
+    and, with a sliding ``window``, iff fewer than ``window`` visible positions lie in (j, past + t]: the
+    window counts what the mask shows (its cumulative sum), not cache slots, so rewound (zeroed) slots and
+    holes left by speculation never shorten it.
     """
     key_index = torch.cumsum(torch.ones_like(attention_mask), dim=-1) - 1  # [batch, total]
     query_index = key_index[:, -query_len:]  # [batch, query]
     causal = key_index[:, None, :] <= query_index[:, :, None]  # [batch, query, total]
     visible = causal & (attention_mask[:, None, :] > 0)
+    if window is not None:
+        seen = torch.cumsum(attention_mask, dim=-1)  # visible positions up to and including each slot
+        distance = seen[:, -query_len:, None] - seen[:, None, :]  # [batch, query, total]
+        visible = visible & (distance < window)
     zero = torch.zeros((), dtype=torch.float32)
     blocked = torch.tensor(torch.finfo(torch.float32).min, dtype=torch.float32)
     return torch.where(visible, zero, blocked)[:, None, :, :]
 
 
 def rotary(inv_freq: torch.Tensor, scaling: float, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [batch, seq, head_dim] for integer positions [batch, seq] (HF's formula)."""
-    freqs = position_ids[..., None].float() * inv_freq  # [batch, seq, head_dim / 2]
+    """cos, sin [batch, seq, rotary_dim] for integer positions [batch, seq] (HF's formula)."""
+    freqs = position_ids[..., None].float() * inv_freq  # [batch, seq, rotary_dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * scaling, emb.sin() * scaling
 
 
-def decoder_layer(d: ModelDims, layer: Weights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, blk: Block) -> torch.Tensor:
+    """Scores, mask, softmax, values: one SDPA op, or (with soft-capping, which SDPA cannot express) explicit."""
+    if blk.attention_softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=blk.attention_scale)
+    cap = blk.attention_softcap
+    scores = torch.matmul(q, k.transpose(2, 3)) * blk.attention_scale
+    scores = torch.tanh(scores / cap) * cap + mask
+    return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32), v)
+
+
+def _activation(x: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if kind == "gelu_tanh" else "none")
+
+
+def decoder_layer(d: ModelDims, blk: Block, layer: Weights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   mask: torch.Tensor, past_k: torch.Tensor,
                   past_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One pre-norm decoder layer: h [batch, seq, hidden] -> (h, keys, values [batch, kv_heads, past + seq, d])."""
     b, t, _ = h.shape
-    x = rms_norm(h, layer.input_norm, d.rms_norm_eps)
-    q = F.linear(x, layer.q_weight, layer.q_bias).view(b, t, d.num_heads, d.head_dim).transpose(1, 2)
-    k = F.linear(x, layer.k_weight, layer.k_bias).view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2)
+    eps, offset = d.rms_norm_eps, blk.norm_offset
+    x = rms_norm(h, layer.attn_norm, eps, offset)
+    q = F.linear(x, layer.q_weight, layer.q_bias).view(b, t, d.num_heads, d.head_dim)
+    k = F.linear(x, layer.k_weight, layer.k_bias).view(b, t, d.num_kv_heads, d.head_dim)
     v = F.linear(x, layer.v_weight, layer.v_bias).view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2)
-    cos, sin = cos[:, None], sin[:, None]  # [batch, 1, seq, head_dim]
-    q = q * cos + rotate_half(q) * sin
-    k = k * cos + rotate_half(k) * sin
+    if blk.qk_norm:
+        q, k = rms_norm(q, layer.q_norm, eps, offset), rms_norm(k, layer.k_norm, eps, offset)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    cos, sin = cos[:, None], sin[:, None]  # [batch, 1, seq, rotary_dim]
+    q = apply_rotary(q, cos, sin, blk.rotary_dim)
+    k = apply_rotary(k, cos, sin, blk.rotary_dim)
     k = torch.cat((past_k, k), dim=2)  # [batch, kv_heads, past + seq, head_dim]
     v = torch.cat((past_v, v), dim=2)
-    out = F.scaled_dot_product_attention(
-        q, repeat_kv(k, d.kv_groups), repeat_kv(v, d.kv_groups), attn_mask=mask, scale=d.head_dim**-0.5
-    )  # [batch, heads, seq, head_dim]
-    out = out.transpose(1, 2).reshape(b, t, d.num_heads * d.head_dim)
-    h = h + F.linear(out, layer.o_weight, layer.o_bias)
-    m = rms_norm(h, layer.post_attention_norm, d.rms_norm_eps)
-    gate = F.silu(F.linear(m, layer.gate_weight, layer.gate_bias))
+    out = attention(q, repeat_kv(k, d.kv_groups), repeat_kv(v, d.kv_groups), mask, blk)  # [batch, heads, seq, d]
+    out = F.linear(out.transpose(1, 2).reshape(b, t, d.num_heads * d.head_dim), layer.o_weight, layer.o_bias)
+    if blk.sandwich_norms:
+        out = rms_norm(out, layer.attn_out_norm, eps, offset)
+    h = h + out
+    m = rms_norm(h, layer.mlp_norm, eps, offset)
+    gate = _activation(F.linear(m, layer.gate_weight, layer.gate_bias), blk.activation)
     up = F.linear(m, layer.up_weight, layer.up_bias)
-    return h + F.linear(gate * up, layer.down_weight, layer.down_bias), k, v
+    out = F.linear(gate * up, layer.down_weight, layer.down_bias)
+    if blk.sandwich_norms:
+        out = rms_norm(out, layer.mlp_out_norm, eps, offset)
+    return h + out, k, v
+
+
+def embed_tokens(ids: torch.Tensor, table: torch.Tensor, blk: Block) -> torch.Tensor:
+    h = F.embedding(ids, table)
+    return h if blk.embed_scale is None else h * torch.tensor(blk.embed_scale, dtype=h.dtype)
+
+
+def softcap_logits(logits: torch.Tensor, blk: Block) -> torch.Tensor:
+    if blk.final_softcap is None:
+        return logits
+    return torch.tanh(logits / blk.final_softcap) * blk.final_softcap
+
+
+class Context:
+    """The per-stage values every layer reads: a rotary (cos, sin) per table, a mask per attention kind."""
+
+    def __init__(self, blk: Block, layers: range) -> None:
+        self.blk, self.layers = blk, layers
+        self.ropes, self.masks = blk.used(layers)
+
+    def build(self, tables: dict[str, tuple[torch.Tensor, float]], attention_mask: torch.Tensor,
+              position_ids: torch.Tensor) -> list[torch.Tensor]:
+        """cos, sin per rotary table, then one 4-D mask per kind: the flat list :meth:`split` reads."""
+        out: list[torch.Tensor] = []
+        for key in self.ropes:
+            inv_freq, scaling = tables[key]
+            out += rotary(inv_freq, scaling, position_ids)
+        for kind in self.masks:
+            out.append(causal_padding_mask(attention_mask, position_ids.shape[1], self.blk.window(kind)))
+        return out
+
+    def split(self, values: tuple | list) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
+        ropes = {key: (values[2 * n], values[2 * n + 1]) for n, key in enumerate(self.ropes)}
+        masks = {kind: values[2 * len(self.ropes) + n] for n, kind in enumerate(self.masks)}
+        return ropes, masks
+
+    @property
+    def size(self) -> int:
+        return 2 * len(self.ropes) + len(self.masks)
+
+    def run_layers(self, d: ModelDims, weights: list[Weights], h: torch.Tensor, values: tuple | list,
+                   past: tuple) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        ropes, masks = self.split(values)
+        presents = []
+        for n, (i, layer) in enumerate(zip(self.layers, weights, strict=True)):
+            cos, sin = ropes[self.blk.rope_keys[i]]
+            h, k, v = decoder_layer(d, self.blk, layer, h, cos, sin, masks[self.blk.mask_kind(i)],
+                                    past[2 * n], past[2 * n + 1])
+            presents += [k, v]
+        return h, presents
 
 
 class StageModule(nn.Module):
@@ -116,20 +213,22 @@ class StageModule(nn.Module):
     def __init__(
         self,
         dims: ModelDims,
-        layers: list[Weights],
-        inv_freq: torch.Tensor,
-        attention_scaling: float,
+        blk: Block,
+        layers: range,
+        weights: list[Weights],
+        tables: dict[str, tuple[torch.Tensor, float]],
         embed: torch.Tensor | None,
         final_norm: torch.Tensor | None,
         lm_head: torch.Tensor | None,
     ) -> None:
         super().__init__()
-        self.dims = dims
-        self.layers = nn.ModuleList(layers)
-        self.attention_scaling = attention_scaling
+        self.dims, self.blk, self.context = dims, blk, Context(blk, layers)
+        self.layers = nn.ModuleList(weights)
+        self.scalings = {key: scaling for key, (_, scaling) in tables.items()}
         self.head_is_embed = lm_head is not None and lm_head is embed  # tied, in a one-stage model
-        self.globals = Weights({"inv_freq": inv_freq, "embed": embed, "final_norm": final_norm,
-                                "lm_head": None if self.head_is_embed else lm_head})  # no buffer twice
+        self.globals = Weights({"embed": embed, "final_norm": final_norm,
+                                "lm_head": None if self.head_is_embed else lm_head,  # no buffer twice
+                                **{f"inv_freq_{key}": inv_freq for key, (inv_freq, _) in tables.items()}})
 
     @property
     def blocks(self) -> list[Weights]:
@@ -137,54 +236,74 @@ class StageModule(nn.Module):
 
     def forward(self, x, attention_mask, position_ids, *past):
         d, g = self.dims, self.globals
-        h = F.embedding(x, g.embed) if g.embed is not None else x  # [batch, seq, hidden]
-        cos, sin = rotary(g.inv_freq, self.attention_scaling, position_ids)
-        mask = causal_padding_mask(attention_mask, position_ids.shape[1])
-        presents = []
-        for n, layer in enumerate(self.blocks):
-            h, k, v = decoder_layer(d, layer, h, cos, sin, mask, past[2 * n], past[2 * n + 1])
-            presents += [k, v]
+        h = embed_tokens(x, g.embed, self.blk) if g.embed is not None else x  # [batch, seq, hidden]
+        tables = {key: (getattr(g, f"inv_freq_{key}"), scaling) for key, scaling in self.scalings.items()}
+        values = self.context.build(tables, attention_mask, position_ids)
+        h, presents = self.context.run_layers(d, self.blocks, h, values, past)
         head = g.embed if self.head_is_embed else g.lm_head
         if head is not None:
-            h = F.linear(rms_norm(h, g.final_norm, d.rms_norm_eps), head)  # [batch, seq, vocab]
+            h = softcap_logits(F.linear(rms_norm(h, g.final_norm, d.rms_norm_eps, self.blk.norm_offset), head),
+                               self.blk)  # [batch, seq, vocab]
         return (h, *presents)
 
 
 class PrologueModule(nn.Module):
-    """What every layer of a stage shares: (position_ids, attention_mask) -> cos, sin, 4-D mask."""
+    """What the layers of a stage share: (attention_mask, position_ids) -> cos, sin per table, mask per kind."""
 
-    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float) -> None:
+    def __init__(self, blk: Block, layers: range, tables: dict[str, tuple[torch.Tensor, float]]) -> None:
         super().__init__()
-        self.attention_scaling = attention_scaling
-        self.globals = Weights({"inv_freq": inv_freq})
+        self.context = Context(blk, layers)
+        self.scalings = {key: scaling for key, (_, scaling) in tables.items()}
+        self.globals = Weights({f"inv_freq_{key}": inv_freq for key, (inv_freq, _) in tables.items()})
 
     def forward(self, attention_mask, position_ids):
-        cos, sin = rotary(self.globals.inv_freq, self.attention_scaling, position_ids)
-        return cos, sin, causal_padding_mask(attention_mask, position_ids.shape[1])
+        tables = {key: (getattr(self.globals, f"inv_freq_{key}"), s) for key, s in self.scalings.items()}
+        return tuple(self.context.build(tables, attention_mask, position_ids))
 
 
 class LayersModule(nn.Module):
-    """Consecutive decoder layers as their own graph: (h, cos, sin, mask, *past) -> (h, *presents)."""
+    """Consecutive decoder layers as their own graph: (h, *context values, *past) -> (h, *presents)."""
 
-    def __init__(self, dims: ModelDims, layers: list[Weights]) -> None:
+    def __init__(self, dims: ModelDims, blk: Block, layers: range, weights: list[Weights]) -> None:
         super().__init__()
-        self.dims, self.layers = dims, nn.ModuleList(layers)
+        self.dims, self.context = dims, Context(blk, layers)
+        self.layers = nn.ModuleList(weights)
 
-    def forward(self, h, cos, sin, mask, *past):
-        presents = []
-        for n, layer in enumerate(self.layers):
-            h, k, v = decoder_layer(self.dims, cast(Weights, layer), h, cos, sin, mask, past[2 * n], past[2 * n + 1])
-            presents += [k, v]
+    def forward(self, h, *rest):
+        n = self.context.size
+        h, presents = self.context.run_layers(self.dims, [cast(Weights, w) for w in self.layers], h, rest[:n], rest[n:])
         return (h, *presents)
+
+
+class EmbedScaleModule(nn.Module):
+    """Gemma's embedding scale, on the gathered rows (the embedding itself is joined from row chunks)."""
+
+    def __init__(self, blk: Block) -> None:
+        super().__init__()
+        self.blk = blk
+
+    def forward(self, h):
+        return h * torch.tensor(self.blk.embed_scale, dtype=h.dtype)
 
 
 class FinalNormModule(nn.Module):
     """The final RMSNorm of the last stage; the lm_head MatMul is built from chunks (``ovshard.stream``)."""
 
-    def __init__(self, dims: ModelDims, weight: torch.Tensor) -> None:
+    def __init__(self, dims: ModelDims, blk: Block, weight: torch.Tensor) -> None:
         super().__init__()
-        self.dims = dims
+        self.dims, self.blk = dims, blk
         self.globals = Weights({"final_norm": weight})
 
     def forward(self, h):
-        return rms_norm(h, self.globals.final_norm, self.dims.rms_norm_eps)
+        return rms_norm(h, self.globals.final_norm, self.dims.rms_norm_eps, self.blk.norm_offset)
+
+
+class SoftcapModule(nn.Module):
+    """Gemma 2's final logit soft-capping, after the lm_head built from chunks."""
+
+    def __init__(self, blk: Block) -> None:
+        super().__init__()
+        self.blk = blk
+
+    def forward(self, logits):
+        return softcap_logits(logits, self.blk)

@@ -35,7 +35,7 @@ from ovshard.bundle import names
 from ovshard.bundle.dims import ModelDims
 from ovshard.bundle.stage import StageSpec
 from ovshard.errors import CheckpointError, OvshardError
-from ovshard.frontend.rope import rotary_frequencies
+from ovshard.frontend.rope import rotary_tables
 from ovshard.frontend.stage_module import StageModule, Weights, layer_weights
 
 if TYPE_CHECKING:
@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 
 FRONTENDS = ("torchscript", "onnx")
 ONNX_OPSET = 23  # the first opset with an Attention op (see the module docstring)
-_LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 def _load(ckpt: Checkpoint, name: str, stage: StageSpec) -> torch.Tensor:
@@ -57,25 +56,56 @@ def _load(ckpt: Checkpoint, name: str, stage: StageSpec) -> torch.Tensor:
         raise CheckpointError(f"stage {stage.index}: {e}") from e
 
 
+def _norms(ckpt: Checkpoint, i: int, stage: StageSpec) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s norm scales by the role the stage module reads them in."""
+    spec = ckpt.spec
+    roles: dict[str, str | None] = {"attn_norm": spec.input_norm}
+    if spec.sandwich_norms:
+        roles |= {"attn_out_norm": spec.post_attention_norm, "mlp_norm": spec.pre_feedforward_norm,
+                  "mlp_out_norm": spec.post_feedforward_norm}
+    else:
+        roles["mlp_norm"] = spec.post_attention_norm
+    roles |= {"q_norm": spec.q_norm, "k_norm": spec.k_norm}
+    return {role: _load(ckpt, template.format(i=i), stage) for role, template in roles.items() if template}
+
+
+def _split(weight: torch.Tensor, bias: torch.Tensor | None,
+           sizes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Rows of a fused projection (Phi-3's qkv_proj, gate_up_proj) as separate contiguous (weight, bias)."""
+    weights = [part.contiguous() for part in torch.split(weight, sizes, dim=0)]
+    biases = [None] * len(sizes) if bias is None else [part.contiguous() for part in torch.split(bias, sizes, dim=0)]
+    return list(zip(weights, biases, strict=True))
+
+
 def load_layer(ckpt: Checkpoint, i: int, stage: StageSpec) -> Weights:
     spec, dims = ckpt.spec, ckpt.dims
-    linears = {}
-    templates = dict(zip(_LINEARS, (spec.q_proj, spec.k_proj, spec.v_proj, spec.o_proj,
-                                    spec.gate_proj, spec.up_proj, spec.down_proj), strict=True))
-    for key, template in templates.items():
+
+    def linear(template: str, bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         prefix = template.format(i=i)
-        has_bias = dims.attention_bias if key in ("q", "k", "v", "o") else dims.mlp_bias
-        bias = _load(ckpt, prefix + ".bias", stage) if has_bias else None
-        linears[key] = (_load(ckpt, prefix + ".weight", stage), bias)
-    return layer_weights(
-        _load(ckpt, spec.input_norm.format(i=i), stage), _load(ckpt, spec.post_attention_norm.format(i=i), stage),
-        linears,
-    )
+        return _load(ckpt, prefix + ".weight", stage), _load(ckpt, prefix + ".bias", stage) if bias else None
+
+    linears: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    if spec.qkv_proj:
+        q_out, kv_out = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
+        parts = _split(*linear(spec.qkv_proj, dims.attention_bias), [q_out, kv_out, kv_out])
+        linears.update(zip(("q", "k", "v"), parts, strict=True))
+    else:
+        for key, template in (("q", spec.q_proj), ("k", spec.k_proj), ("v", spec.v_proj)):
+            linears[key] = linear(template, dims.attention_bias)
+    linears["o"] = linear(spec.o_proj, dims.o_bias)
+    if spec.gate_up_proj:
+        parts = _split(*linear(spec.gate_up_proj, dims.mlp_bias), [dims.intermediate_size] * 2)
+        linears.update(zip(("gate", "up"), parts, strict=True))
+    else:
+        linears["gate"] = linear(spec.gate_proj, dims.mlp_bias)
+        linears["up"] = linear(spec.up_proj, dims.mlp_bias)
+    linears["down"] = linear(spec.down_proj, dims.mlp_bias)
+    return layer_weights(_norms(ckpt, i, stage), linears)
 
 
-def build_stage_module(ckpt: Checkpoint, stage: StageSpec) -> StageModule:
+def build_stage_module(ckpt: Checkpoint, stage: StageSpec, max_positions: int | None = None) -> StageModule:
     spec, dims = ckpt.spec, ckpt.dims
-    inv_freq, scaling = rotary_frequencies(ckpt.path, dims)
+    tables = rotary_tables(ckpt.config, ckpt.block, stage.layers, max_positions)
     layers = []
     for i in range(stage.start, stage.end):
         log.info("stage %d: loading layer %d (%d of %d)", stage.index, i, i - stage.start + 1, stage.end - stage.start)
@@ -88,7 +118,7 @@ def build_stage_module(ckpt: Checkpoint, stage: StageSpec) -> StageModule:
             lm_head = embed if embed is not None else _load(ckpt, spec.embed, stage)
         else:
             lm_head = _load(ckpt, spec.lm_head, stage)
-    return StageModule(dims, layers, inv_freq, scaling, embed, final_norm, lm_head)
+    return StageModule(dims, ckpt.block, stage.layers, layers, tables, embed, final_norm, lm_head)
 
 
 def _example_inputs(dims: ModelDims, stage: StageSpec, batch: int = 2, seq: int = 3, past: int = 4):
@@ -148,7 +178,7 @@ def _quiet_logger(name: str) -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _export_onnx(ckpt: Checkpoint, stage: StageSpec, path: Path) -> None:
+def _export_onnx(ckpt: Checkpoint, stage: StageSpec, path: Path, max_positions: int | None) -> None:
     """Write the stage module to ``path`` as ONNX, its weights to an external data file beside it.
 
     The module (the stage's f32 weights) lives only in this function, so it is freed before
@@ -162,7 +192,7 @@ def _export_onnx(ckpt: Checkpoint, stage: StageSpec, path: Path) -> None:
     except ImportError as e:
         raise OvshardError("the onnx front end needs the onnxscript package; install ovshard[compile] "
                            "or use the torchscript front end") from e
-    module = build_stage_module(ckpt, stage).eval()
+    module = build_stage_module(ckpt, stage, max_positions).eval()
     with torch.no_grad(), warnings.catch_warnings(), _quiet_logger("torch.onnx._internal.exporter._registration"):
         warnings.simplefilter("ignore", FutureWarning)  # torch.export's own deprecations, nothing to act on
         torch.onnx.export(
@@ -172,7 +202,7 @@ def _export_onnx(ckpt: Checkpoint, stage: StageSpec, path: Path) -> None:
         )
 
 
-def _onnx_model(ckpt: Checkpoint, stage: StageSpec) -> ov.Model:
+def _onnx_model(ckpt: Checkpoint, stage: StageSpec, max_positions: int | None) -> ov.Model:
     """Export to a temporary folder and convert the file.
 
     OpenVINO maps the external weights file instead of reading it, so the model's weights stay
@@ -183,14 +213,14 @@ def _onnx_model(ckpt: Checkpoint, stage: StageSpec) -> ov.Model:
     with tempfile.TemporaryDirectory(prefix="ovshard-onnx-", ignore_cleanup_errors=True) as tmp:
         path = Path(tmp) / f"stage_{stage.index}.onnx"
         log.info("stage %d: exporting to ONNX (opset %d)", stage.index, ONNX_OPSET)
-        _export_onnx(ckpt, stage, path)
+        _export_onnx(ckpt, stage, path, max_positions)
         gc.collect()  # the torch weights are garbage now: free them before OpenVINO maps its copy
         return ov.convert_model(path)
 
 
-def _torchscript_model(ckpt: Checkpoint, stage: StageSpec) -> ov.Model:
+def _torchscript_model(ckpt: Checkpoint, stage: StageSpec, max_positions: int | None) -> ov.Model:
     dims = ckpt.dims
-    module = build_stage_module(ckpt, stage).eval()
+    module = build_stage_module(ckpt, stage, max_positions).eval()
     example = _example_inputs(dims, stage)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
@@ -200,15 +230,15 @@ def _torchscript_model(ckpt: Checkpoint, stage: StageSpec) -> ov.Model:
     return model
 
 
-def trace_stage(ckpt: Checkpoint, stage: StageSpec,
-                frontend: str = "torchscript") -> ov.Model:
+def trace_stage(ckpt: Checkpoint, stage: StageSpec, frontend: str = "torchscript",
+                max_positions: int | None = None) -> ov.Model:
     """Trace the stage through ``frontend`` (one of FRONTENDS) and convert it; I/O carry the contract's names."""
     if frontend not in FRONTENDS:
         raise ValueError(f"front end {frontend!r}; expected one of {FRONTENDS}")
     if frontend == "onnx":
-        model = _onnx_model(ckpt, stage)
+        model = _onnx_model(ckpt, stage, max_positions)
     else:
-        model = _torchscript_model(ckpt, stage)
+        model = _torchscript_model(ckpt, stage, max_positions)
     for port, name in zip(model.inputs, input_names(stage), strict=True):
         port.get_tensor().set_names({name})
     for port, name in zip(model.outputs, output_names(stage), strict=True):

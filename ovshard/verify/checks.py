@@ -20,7 +20,7 @@ from pathlib import Path
 import openvino as ov
 
 from ovshard.bundle.manifest import Manifest, read_manifest, verify_files
-from ovshard.verify.fusion import runtime_fusion
+from ovshard.verify.fusion import explicit_attention_layers, runtime_fusion
 from ovshard.verify.rows import Row
 
 
@@ -63,11 +63,16 @@ def runtime_rows(bundle: Path, m: Manifest, device: str, core: ov.Core) -> list[
     for entry in m.stages:
         compiled = core.compile_model(str(bundle / entry.model_xml), device)
         layers = entry.layers[1] - entry.layers[0]
-        fusion = runtime_fusion(compiled, entry.index, layers)
-        rows.append(Row(entry.index, "KV-fused SDPA (beam_idx + 2 MemoryInput)", str(layers),
-                        str(fusion.fused_sdpa), _verdict(fusion.fused_sdpa == layers)))
-        rows.append(Row(entry.index, "attention MatMul/Softmax left", "0", str(fusion.unfused_attention),
-                        _verdict(fusion.unfused_attention == 0)))
+        fusion = runtime_fusion(compiled, entry.index, layers, explicit_attention_layers(m, layers))
+        rows.append(Row(entry.index, "KV-fused SDPA (beam_idx + 2 MemoryInput)", str(fusion.expected_fused),
+                        str(fusion.fused_sdpa), _verdict(fusion.fused_sdpa == fusion.expected_fused)))
+        if fusion.explicit_layers:
+            rows.append(Row(entry.index, "explicit attention (soft-capped scores have no SDPA form)",
+                            "MatMul/Softmax present", str(fusion.unfused_attention),
+                            _verdict(fusion.unfused_attention > 0)))
+        else:
+            rows.append(Row(entry.index, "attention MatMul/Softmax left", "0", str(fusion.unfused_attention),
+                            _verdict(fusion.unfused_attention == 0)))
         precisions = weight_precisions(compiled.get_runtime_model())
         found = ", ".join(f"{k}: {v}" for k, v in sorted(precisions.items()))
         wanted = _WEIGHT_TYPES.get(m.weights.mode)

@@ -1,0 +1,177 @@
+"""The decoder block of one checkpoint, as data: read once from config.json, followed by the stage module.
+
+:class:`Block` holds every choice the traced math makes that differs between families: norm offset,
+q/k norms, four-norm "sandwich" layers, embedding scale, activation, attention scale and soft-capping,
+partial rotary, and per layer its attention type (full or sliding window) and rotary table. Config keys
+that change the math of some model but that this checkpoint's family does not implement are refused by
+name (:data:`UNWIRED`): nothing in config.json is silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ovshard.bundle import names
+from ovshard.bundle.dims import ModelDims
+from ovshard.errors import UnsupportedArchitectureError
+from ovshard.frontend.arch import (
+    DYNAMIC_ROPE_TYPES,
+    STATIC_ROPE_TYPES,
+    ArchSpec,
+    activation,
+    arch_for,
+    read_dims,
+    rope_settings,
+    text_config,
+)
+
+FULL, SLIDING = names.FULL_MASK, "sliding_attention"
+DEFAULT_ROPE = names.DEFAULT_TABLE  # the rotary table's key when every layer shares one
+# rope types accepted only for families that wire them (longrope: up to original_max_position_embeddings)
+FAMILY_ROPE_TYPES = {"longrope": "phi3"}
+
+# Config keys that change some model's math, with the values that leave it unchanged. A family that does
+# not list a key in ArchSpec.wires refuses a config where it holds any other value.
+UNWIRED: dict[str, tuple[Any, ...]] = {
+    "sliding_window": (None,),
+    "use_sliding_window": (None, False),
+    "attn_logit_softcapping": (None,),
+    "final_logit_softcapping": (None,),
+    "query_pre_attn_scalar": (None,),
+    "partial_rotary_factor": (None, 1.0),
+    "use_bidirectional_attention": (None, False),
+    "qk_layernorm": (None, False),
+    "use_qk_norm": (None, False),
+    "attention_chunk_size": (None,),
+    "no_rope_layers": (None,),
+    "logits_scaling": (None, 1.0),
+    "embedding_multiplier": (None, 1.0),
+    "residual_multiplier": (None, 1.0),
+    "attention_multiplier": (None,),
+    "logit_scale": (None, 1.0),
+}
+ALWAYS_REFUSED: dict[str, tuple[Any, ...]] = {  # no family implements these
+    "use_bidirectional_attention": (None, False),
+    "attention_chunk_size": (None,),
+}
+
+
+@dataclass(frozen=True)
+class Block:
+    """What one checkpoint's decoder block computes, beyond its dimensions (:class:`ModelDims`)."""
+
+    norm_offset: float  # RMSNorm output * (offset + w)
+    qk_norm: bool  # per-head RMSNorm of q and k before rotary
+    sandwich_norms: bool  # four norms a layer: before and after attention and MLP
+    embed_scale: float | None  # embedding output * this (Gemma: sqrt(hidden))
+    activation: str  # "silu", "gelu_tanh" or "gelu", of the gated MLP
+    attention_scale: float  # scores = q.k * this
+    attention_softcap: float | None  # scores = cap * tanh(scores / cap)
+    final_softcap: float | None  # logits = cap * tanh(logits / cap)
+    rotary_dim: int  # the leading head dims rotated (partial rotary); the rest pass through
+    sliding_window: int | None  # a sliding layer sees keys fewer than this many visible positions back
+    layer_types: tuple[str, ...]  # per layer: FULL or SLIDING
+    rope_keys: tuple[str, ...]  # per layer: the rotary table it reads (DEFAULT_ROPE, or its layer type)
+
+    def mask_kind(self, layer: int) -> str:
+        return self.layer_types[layer]
+
+    def window(self, kind: str) -> int | None:
+        return self.sliding_window if kind == SLIDING else None
+
+    def used(self, layers: range) -> tuple[list[str], list[str]]:
+        """The rotary tables and mask kinds layers ``layers`` read, each once, in a fixed order."""
+        ropes = sorted({self.rope_keys[i] for i in layers})
+        masks = sorted({self.layer_types[i] for i in layers})
+        return ropes, masks
+
+
+def _refuse_unwired(spec: ArchSpec, config: dict[str, Any]) -> None:
+    rope = config.get("rope_parameters") or {}
+    flat_rope = rope if not all(isinstance(v, dict) for v in rope.values()) else {}
+    for key, neutral in UNWIRED.items():
+        value = config.get(key, flat_rope.get(key))
+        if (key in ALWAYS_REFUSED or key not in spec.wires) and value not in neutral:
+            raise UnsupportedArchitectureError(
+                f"config.json sets {key}={value!r}, which changes the model's math, but ovshard's {spec.family} "
+                f"family does not implement it (it would compute as if {key}={neutral[-1]!r}). Remove it only if "
+                "the model was trained without it; otherwise this checkpoint is not supported yet."
+            )
+
+
+def _layer_types(spec: ArchSpec, config: dict[str, Any], layers: int, window: int | None) -> tuple[str, ...]:
+    if window is None:
+        return (FULL,) * layers
+    listed = config.get("layer_types")
+    if listed is not None:
+        if len(listed) != layers or any(t not in (FULL, SLIDING) for t in listed):
+            raise UnsupportedArchitectureError(
+                f"config.json layer_types={listed!r}; expected {layers} entries, each {FULL!r} or {SLIDING!r}"
+            )
+        return tuple(listed)
+    if spec.window_rule == "all":
+        return (SLIDING,) * layers
+    if spec.window_rule == "from_max_window_layers":
+        first = int(config.get("max_window_layers", 0))
+        return tuple(SLIDING if i >= first else FULL for i in range(layers))
+    if spec.window_rule == "periodic":
+        period = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or spec.window_period)
+        return tuple(SLIDING if (i + 1) % period else FULL for i in range(layers))
+    return (FULL,) * layers
+
+
+def _check_rope(spec: ArchSpec, params: dict[str, Any], where: str) -> None:
+    rope_type = params["rope_type"]
+    if rope_type in DYNAMIC_ROPE_TYPES:
+        raise UnsupportedArchitectureError(
+            f"rope type {rope_type!r}{where} changes its frequencies with the running sequence length, so no "
+            f"fixed cos/sin table is exact; supported rope types: {', '.join(STATIC_ROPE_TYPES)}"
+        )
+    if rope_type not in STATIC_ROPE_TYPES and FAMILY_ROPE_TYPES.get(rope_type) != spec.family:
+        families = f" (and {', '.join(f'{t} for {f}' for t, f in FAMILY_ROPE_TYPES.items())})"
+        raise UnsupportedArchitectureError(
+            f"rope type {rope_type!r}{where} is not supported for {spec.family}; supported: "
+            f"{', '.join(STATIC_ROPE_TYPES)}{families}"
+        )
+
+
+def read_block(config: dict[str, Any]) -> Block:
+    """The block of the checkpoint whose config.json is ``config``; refuses what it cannot compute exactly."""
+    spec = arch_for(config)
+    dims = read_dims(config)
+    text = text_config(config)
+    _refuse_unwired(spec, text)
+    window = text.get("sliding_window")
+    if spec.window_rule == "from_max_window_layers" and not text.get("use_sliding_window"):
+        window = None
+    layer_types = _layer_types(spec, text, dims.num_layers, None if window is None else int(window))
+    per_type_rope = isinstance(text.get("rope_parameters"), dict) and all(
+        isinstance(v, dict) for v in text["rope_parameters"].values()) or "rope_local_base_freq" in text
+    rope_keys = tuple(t if per_type_rope else DEFAULT_ROPE for t in layer_types)
+    for key in set(rope_keys):
+        _check_rope(spec, rope_settings(text, None if key == DEFAULT_ROPE else key),
+                    "" if key == DEFAULT_ROPE else f" of {key} layers")
+    flat_rope = text.get("rope_parameters") or {}
+    partial = text.get("partial_rotary_factor", flat_rope.get("partial_rotary_factor") if not per_type_rope else None)
+    scalar = text.get("query_pre_attn_scalar")
+    return Block(
+        norm_offset=spec.norm_offset,
+        qk_norm=spec.q_norm is not None,
+        sandwich_norms=spec.sandwich_norms,
+        embed_scale=math.sqrt(dims.hidden_size) if spec.embed_scale else None,
+        activation=activation(spec, text),
+        attention_scale=float(scalar if scalar is not None else dims.head_dim) ** -0.5,
+        attention_softcap=dims.attention_softcap,
+        final_softcap=None if text.get("final_logit_softcapping") is None else float(text["final_logit_softcapping"]),
+        rotary_dim=int(dims.head_dim * float(partial or 1.0)),
+        sliding_window=None if window is None or SLIDING not in layer_types else int(window),
+        layer_types=layer_types,
+        rope_keys=rope_keys,
+    )
+
+
+def describe(config: dict[str, Any]) -> tuple[ArchSpec, ModelDims, Block]:
+    """Everything the compiler reads off a config.json: its family, dimensions and block."""
+    return arch_for(config), read_dims(config), read_block(config)
