@@ -78,6 +78,13 @@ def piece_key(facts: dict) -> str:
     return hashlib.sha256(json.dumps(everything, sort_keys=True).encode()).hexdigest()
 
 
+def tokenizer_key(source_digest: str) -> str:
+    """The cache key of a converted tokenizer: its source files' digest plus the converter's versions."""
+    facts = {"source": source_digest, "openvino_tokenizers": _version("openvino-tokenizers"),
+             "transformers": _version("transformers"), "openvino": ov.get_version()}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class Cached:
     """A piece read from the cache: the model (weights memory-mapped) and the layer passes' records."""
@@ -106,6 +113,31 @@ class PieceCache:
                 yield
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def files(self, key: str, into: Path, build: Callable[[Path], list[str]]) -> list[str]:
+        """Files kept under ``key`` (a converted tokenizer), copied into ``into``; ``build(into)`` makes them on
+        a miss, and they are kept for the next compile. Returns the file names."""
+        entry = self.root / "files" / key[:2] / key
+        with self._locked(f"files-{key}"):
+            if (entry / ENTRY_FILE).is_file():
+                names = json.loads((entry / ENTRY_FILE).read_text())["files"]
+                if all((entry / n).is_file() for n in names):
+                    for n in names:
+                        shutil.copyfile(entry / n, into / n)
+                    log.info("cache: %d files from %s", len(names), entry)
+                    return names
+            names = build(into)
+            if not names:  # nothing was made (the builder warned why): nothing to keep
+                return names
+            partial = entry.with_name(entry.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+            for n in names:
+                shutil.copyfile(into / n, partial / n)
+            (partial / ENTRY_FILE).write_text(json.dumps({"files": names}))
+            shutil.rmtree(entry, ignore_errors=True)
+            partial.rename(entry)
+            return names
 
     def get(self, key: str) -> Cached | None:
         """The entry under ``key``, or None; a damaged entry is removed (and so rebuilt by the caller)."""

@@ -36,7 +36,7 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compile", help="compile a Hugging Face checkpoint into a stage bundle",
                        description="Trace, convert and optimise a Hugging Face causal LM into N pipeline "
                        "stages (one stateful OpenVINO IR each) plus manifest and tokenizer.")
-    p.add_argument("checkpoint", type=Path, help="folder with config.json and *.safetensors")
+    p.add_argument("checkpoint", type=Path, help="a Hugging Face folder (config.json + *.safetensors) or a .gguf file")
     p.add_argument("-o", "--output", type=Path, default=Path("out"), help="bundle folder (default: out)")
     split = p.add_mutually_exclusive_group()
     split.add_argument("--stages", type=int, help="split into N stages, minimising the largest (default 1)")
@@ -191,12 +191,14 @@ def _add_proxy(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_synth(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("synth", help="write a random-weight Llama checkpoint of a named shape or config.json",
+    from ovshard.tools.shapes import SHAPES  # plain data: no numpy, torch or openvino
+
+    p = sub.add_parser("synth", help="write a random-weight checkpoint of a named shape or config.json",
                        description="Write a Hugging Face checkpoint (config.json, generation_config.json, "
-                       "safetensors) with seeded random weights, streamed tensor by tensor in bounded memory "
-                       "and renamed into place when complete.")
-    p.add_argument("shape", help="tiny, llama-3.2-1b, llama-3.1-8b, llama-3.1-70b, or the path of a Llama "
-                   "config.json (or of the folder holding it)")
+                       "safetensors) of any supported family with seeded random weights, streamed tensor by "
+                       "tensor in bounded memory and renamed into place when complete.")
+    p.add_argument("shape", help=f"{', '.join(SHAPES)}, or the path of a config.json of a supported family "
+                   "(or of the folder holding it)")
     p.add_argument("-o", "--output", type=Path, required=True, help="checkpoint folder (new or empty)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                    help="storage dtype (default: the config's dtype; float32 for the named shapes)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import logging
 import shutil
 import time
@@ -32,9 +33,10 @@ from ovshard.bundle.manifest import (
 from ovshard.bundle.plan import PartitionPlan
 from ovshard.bundle.stage import StageSpec
 from ovshard.bundle.weights import WeightFormat
-from ovshard.cache import PieceCache
+from ovshard.cache import PieceCache, tokenizer_key
 from ovshard.errors import BundleError, PlanError
-from ovshard.frontend.checkpoint import Checkpoint, open_checkpoint
+from ovshard.frontend.checkpoint import Checkpoint
+from ovshard.frontend.source import open_source
 from ovshard.frontend.trace import trace_stage
 from ovshard.ir.instruments import (
     DumpInstrument,
@@ -212,24 +214,40 @@ def _generation(ckpt: Checkpoint) -> Generation:
 
 
 def _copy_configs(ckpt: Checkpoint, workdir: Path) -> dict[str, str]:
-    """config.json and generation_config.json, which openvino-genai reads beside the model."""
+    """config.json and generation_config.json, which openvino-genai reads beside the model.
+
+    Copied byte for byte from a checkpoint folder; a single-file checkpoint (GGUF) has none, so they are
+    written from the config the reader built.
+    """
     copied = {}
-    for name in ("config.json", "generation_config.json"):
+    contents = {"config.json": ckpt.config, "generation_config.json": ckpt.generation_config}
+    for name, content in contents.items():
         source = ckpt.path / name
         if source.is_file():
             shutil.copyfile(source, workdir / name)
-            copied[name] = sha256_file(workdir / name)
+        elif content is not None and not ckpt.path.is_dir():
+            (workdir / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+        else:
+            continue
+        copied[name] = sha256_file(workdir / name)
     return copied
 
 
-def _tokenizer(ckpt: Checkpoint, workdir: Path) -> TokenizerFiles | None:
+def _tokenizer(ckpt: Checkpoint, workdir: Path, cache: PieceCache | None) -> TokenizerFiles | None:
     from ovshard.frontend.tokenizer import convert_tokenizer
 
     if not ckpt.has_tokenizer:
         log.warning("%s has no tokenizer; the bundle will take and return token ids only", ckpt.path)
         return None
-    log.info("converting the tokenizer with openvino-tokenizers")
-    files = convert_tokenizer(ckpt.path, workdir)
+
+    def convert(into: Path) -> list[str]:
+        log.info("converting the tokenizer with openvino-tokenizers")
+        scratch = workdir / ".pieces" / "tokenizer"
+        written = convert_tokenizer(ckpt.tokenizer_folder(scratch), into)
+        shutil.rmtree(scratch, ignore_errors=True)
+        return written
+
+    files = convert(workdir) if cache is None else cache.files(tokenizer_key(ckpt.tokenizer_digest()), workdir, convert)
     if not files:
         return None
     return TokenizerFiles(tokenizer=names.TOKENIZER_XML, detokenizer=names.DETOKENIZER_XML,
@@ -267,7 +285,7 @@ def _chosen_stages(plan: PartitionPlan, only_stage: int | None) -> tuple[StageSp
 def compile_bundle(config: CompileConfig) -> Manifest:
     """Compile ``config.checkpoint`` into a stage bundle at ``config.output``; return its manifest."""
     started = time.perf_counter()
-    ckpt = open_checkpoint(config.checkpoint)
+    ckpt = open_source(config.checkpoint)
     ckpt.validate_tensors()
     plan = make_plan(config, ckpt)
     log.info("partition plan (%s):\n%s", plan.strategy, plan.format_table())
@@ -288,13 +306,13 @@ def compile_bundle(config: CompileConfig) -> Manifest:
             log_records += records
         manifest = Manifest(
             source=Source(path=str(ckpt.path), fingerprint=ckpt.fingerprint(), model_type=ckpt.dims.model_type,
-                          frontend=config.frontend),
+                          frontend=config.frontend, quantization=ckpt.quantization),
             architecture=ckpt.dims,
             weights=config.weights,
             plan=plan,
             stages=tuple(entries),
             pass_log=tuple(log_records),
-            tokenizer=_tokenizer(ckpt, workdir),
+            tokenizer=_tokenizer(ckpt, workdir, _piece_cache(config, workdir) if config.cache_dir else None),
             generation=_generation(ckpt),
             runtime_hints=RuntimeHints(max_positions=max_positions),
             extra_files=_copy_configs(ckpt, workdir),

@@ -336,9 +336,9 @@ def prebuild(checkpoint: Path, stages: tuple[StageSpec, ...], passes_of: Callabl
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from ovshard.frontend.checkpoint import open_checkpoint
+    from ovshard.frontend.source import open_source
 
-    ckpt = open_checkpoint(checkpoint)
+    ckpt = open_source(checkpoint)
     work: list[Job] = []
     for s in stages:
         if s.first:
@@ -358,9 +358,9 @@ def prebuild(checkpoint: Path, stages: tuple[StageSpec, ...], passes_of: Callabl
 
 def _job(checkpoint: Path, job: Job, passes_of: Callable[[], list[GraphPass]], max_positions: int,
          cache_root: Path, scratch: Path, piece_bytes: int) -> None:
-    from ovshard.frontend.checkpoint import open_checkpoint
+    from ovshard.frontend.source import open_source
 
-    ckpt = open_checkpoint(checkpoint)
+    ckpt = open_source(checkpoint)
     b = StageBuild(ckpt, job.stage, passes_of(), [], max_positions, scratch, cache=PieceCache(cache_root),
                    piece_bytes=piece_bytes)
     joined = Assembler()

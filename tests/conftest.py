@@ -9,6 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# No OpenVINO/NNCF telemetry: it forks the process on every convert_model event, which made compiles
+# several times slower here. Set before any test module loads openvino; subprocesses inherit it.
+os.environ.setdefault("CI", "true")
+
 # CLI compiles in tests use a layer cache of their own, never the user's ~/.cache/ovshard
 os.environ.setdefault("OVSHARD_CACHE_DIR", tempfile.mkdtemp(prefix="ovshard-test-cache-"))
 

@@ -169,10 +169,10 @@ def test_unsupported_model_type(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     """model_type gpt2 is refused with the list of supported types."""
     ckpt = tmp_path / "gpt2"
     ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps(llama_config(model_type="gpt2")))
+    (ckpt / "config.json").write_text(json.dumps({**llama_config(), "model_type": "gpt2"}))
     out = tmp_path / "out"
     code, _, err = cli(capsys, *compile_args(ckpt, out))
-    assert_refused(code, err, "compile", "model_type='gpt2'", "supports: llama")
+    assert_refused(code, err, "compile", "model_type='gpt2'", "supports: gemma2", "llama", "qwen3")
     assert_nothing_written(out)
 
 

@@ -13,7 +13,10 @@ from hypothesis import strategies as st
 
 from ovshard.bundle import schema
 from ovshard.bundle.plan import PartitionPlan, format_bytes
+from ovshard.bundle.weights import WeightFormat
 from ovshard.errors import BundleError, PlanError
+from ovshard.frontend.arch import arch_for, read_dims
+from ovshard.plan.costs import model_costs
 from ovshard.plan.partition import (
     Block,
     ModelCosts,
@@ -24,6 +27,7 @@ from ovshard.plan.partition import (
     plan_budgets,
     plan_layers,
 )
+from ovshard.tools.synth import preset
 
 MiB = 2**20
 GiB = 2**30
@@ -332,3 +336,52 @@ def test_format_table_lists_every_stage_range_and_a_total() -> None:
 def test_format_bytes_uses_binary_units(n: int, text: str) -> None:
     """Sizes print in B, KiB, MiB or GiB with one decimal."""
     assert format_bytes(n) == text
+
+
+# The planner's weights of real models: bytes from the family's tensor table, no weights read
+
+PUBLIC_PARAMETERS = {  # the parameter counts the model cards (safetensors metadata) give
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-3.1-8b": 8_030_261_248,
+    "llama-3.1-70b": 70_553_706_496,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-7b": 7_615_616_512,
+    "qwen3-0.6b": 596_049_920,
+    "qwen3-8b": 8_190_735_360,
+    "mistral-7b": 7_248_023_552,
+    "phi-3-mini": 3_821_079_552,
+    "phi-4-mini": 3_836_021_760,
+    "gemma-2-2b": 2_614_341_888,
+    "gemma-2-9b": 9_241_705_984,
+    "gemma-3-270m": 268_098_176,
+    "gemma-3-1b": 999_885_952,
+    "gemma-3-4b": 3_880_263_168,  # the language model; the SigLIP tower adds ~0.42e9 (4.30e9 in all)
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_PARAMETERS))
+def test_model_costs_weigh_real_models_at_their_public_parameter_count(name: str) -> None:
+    """In fp32 the planner's blocks weigh 4 bytes a parameter of the public model (a tied head counted twice)."""
+    config = preset(name)
+    dims = read_dims(config)
+    costs = model_costs(arch_for(config), dims, WeightFormat("fp32"))
+    total = sum(b.weight_bytes for b in costs.blocks)
+    table = dims.vocab_size * dims.hidden_size
+    assert total == 4 * (PUBLIC_PARAMETERS[name] + (table if dims.tie_word_embeddings else 0))
+    layers = [b for b in costs.blocks if b.kind == "layer"]
+    assert len(layers) == dims.num_layers and len({b.weight_bytes for b in layers}) == 1
+    assert all(b.kv_bytes_per_token == 2 * 2 * dims.num_kv_heads * dims.head_dim for b in layers)
+
+
+def test_model_costs_count_fused_and_per_head_tensors() -> None:
+    """Phi-3's fused qkv/gate_up and Qwen3's per-head q/k norms weigh what the separate tensors would."""
+    def layer_bytes(config: dict) -> int:
+        return model_costs(arch_for(config), read_dims(config), WeightFormat("fp32")).blocks[1].weight_bytes
+
+    phi = preset("phi-3-mini")
+    as_llama = preset("llama-3.1-8b", hidden_size=3072, num_attention_heads=32, num_key_value_heads=32,
+                      head_dim=96, intermediate_size=8192)
+    assert layer_bytes(phi) == layer_bytes(as_llama)
+    qwen3 = preset("qwen3-8b")
+    without_qk_norm = preset("llama-3.1-8b", intermediate_size=12288)
+    assert layer_bytes(qwen3) == layer_bytes(without_qk_norm) + 4 * 2 * 128

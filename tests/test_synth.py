@@ -14,12 +14,27 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    Qwen3Config,
+)
 
-from ovshard.frontend.arch import arch_for, model_tensors, read_dims
+from ovshard.frontend.arch import ARCHITECTURES, arch_for, model_tensors, read_dims
 from ovshard.frontend.checkpoint import INDEX_FILE, open_checkpoint
 from ovshard.tools import synth
-from ovshard.tools.synth import SHAPES, float32_to_bfloat16_bits, llama_config, preset, write_checkpoint
+from ovshard.tools.shapes import FAMILY_DEFAULTS
+from ovshard.tools.synth import (
+    SHAPES,
+    family_config,
+    float32_to_bfloat16_bits,
+    llama_config,
+    preset,
+    write_checkpoint,
+)
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -284,7 +299,8 @@ def test_cli_writes_tiny_checkpoint_that_transformers_loads(tmp_path: Path) -> N
 
 @pytest.mark.parametrize(
     ("name", "parameters"),
-    [("llama-3.2-1b", 1_235_814_400), ("llama-3.1-8b", 8_030_261_248), ("llama-3.1-70b", 70_553_706_496)],
+    [("llama-3.2-1b", 1_235_814_400), ("llama-3.1-8b", 8_030_261_248), ("llama-3.1-70b", 70_553_706_496),
+     ("qwen3-8b", 8_190_735_360), ("phi-4-mini", 3_836_021_760), ("gemma-3-4b", 3_880_263_168)],
 )
 def test_cli_dry_run_reports_real_size_and_writes_nothing(tmp_path: Path, name: str, parameters: int) -> None:
     """`--dry-run` on a real shape reports its true parameter count and bytes, and leaves no folder."""
@@ -353,12 +369,141 @@ def test_layout_matches_what_is_written(tmp_path: Path) -> None:
 
 
 def test_cli_unknown_shape_fails_with_the_known_ones() -> None:
-    """An unknown shape name exits 2 with one line listing the shapes and mentioning config.json, no traceback."""
+    """An unknown shape name exits 2 with one line listing the shapes and the supported families, no traceback."""
     run = subprocess.run([sys.executable, "-m", "ovshard.cli", "synth", "llama-9", "-o", "never"],
                          capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
-        "ovshard synth: error: unknown shape 'llama-9': expected one of tiny, llama-3.2-1b, llama-3.1-8b, "
-        "llama-3.1-70b, or the path of a Hugging Face config.json of a Llama model (or of the folder holding it)"
+        f"ovshard synth: error: unknown shape 'llama-9': expected one of {', '.join(SHAPES)}, or the path of a "
+        "Hugging Face config.json (or of the folder holding it) of a supported family: "
+        f"{', '.join(sorted(ARCHITECTURES))}"
     ]
+    assert "qwen2.5-7b" in SHAPES and "gemma3_text" in ARCHITECTURES
     assert not (Path(__file__).resolve().parents[1] / "never").exists()
+
+
+def test_cli_help_lists_every_shape() -> None:
+    """`ovshard synth --help` names every preset."""
+    run = subprocess.run([sys.executable, "-m", "ovshard.cli", "synth", "--help"], capture_output=True, text=True,
+                         timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0
+    text = " ".join(run.stdout.split())  # argparse wraps the help text
+    assert [name for name in SHAPES if name not in text] == []
+
+
+# families: every family of the architecture table, and the public shapes of each
+
+# keys every PretrainedConfig writes whatever the family; the presets leave them to transformers
+GENERIC_CONFIG_KEYS = {"_name_or_path", "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder",
+                       "output_attentions", "output_hidden_states", "problem_type", "return_dict",
+                       "transformers_version"}
+
+
+def _transformers_config(config: dict) -> dict:
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    return AutoConfig.for_model(config["model_type"], **fields).to_dict()
+
+
+@pytest.mark.parametrize("name", [*SHAPES, *(f"family:{t}" for t in FAMILY_DEFAULTS)])
+def test_shape_is_a_complete_transformers_config(name: str) -> None:
+    """The family's transformers config class writes back exactly the shape's keys and values, no key missing."""
+    config = SHAPES[name] if name in SHAPES else FAMILY_DEFAULTS[name.removeprefix("family:")]
+    written = _transformers_config(config)
+    assert sorted(set(written) - GENERIC_CONFIG_KEYS - set(config)) == [], "keys the shape lacks"
+    assert sorted(set(config) - set(written)) == [], "keys transformers does not know"
+    assert {k: v for k, v in written.items() if k in config} == config
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_shape_tensors_are_the_transformers_model_state(name: str) -> None:
+    """The tensors checkpoint_layout lists (what --dry-run counts) are the state dict of the transformers model."""
+    fields = {k: v for k, v in SHAPES[name].items() if k != "model_type"}
+    config = AutoConfig.for_model(SHAPES[name]["model_type"], **fields)
+    with torch.device("meta"):  # shapes only: a 70B model costs no memory
+        model = AutoModelForCausalLM.from_config(config)
+    state = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        del state["lm_head.weight"]  # tied: transformers stores only the embedding
+    layout = synth.checkpoint_layout(SHAPES[name])
+    assert layout.shapes == state
+    assert layout.parameters == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILY_DEFAULTS))
+def test_each_family_writes_a_checkpoint_transformers_loads(tmp_path: Path, model_type: str) -> None:
+    """A tiny checkpoint of each family loads in transformers with no key missing or unexpected, value for value."""
+    root = write_checkpoint(tmp_path / model_type, family_config(model_type), seed=1)
+    model, info = AutoModelForCausalLM.from_pretrained(root, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    ckpt = open_checkpoint(root)
+    ckpt.validate_tensors()
+    state = model.state_dict()
+    for name in ckpt.tensor_names():
+        assert torch.equal(state[name], ckpt.load(name)), name
+
+
+@pytest.mark.parametrize(("model_type", "applied_minus_stored"), [("llama", 0.0), ("qwen3", 0.0), ("gemma2", 1.0),
+                                                                   ("gemma3_text", 1.0)])
+def test_norm_scales_apply_as_one_plus_noise(tmp_path: Path, model_type: str, applied_minus_stored: float) -> None:
+    """Every RMSNorm (q/k norms too) stores w ~ N(1, r^2) for w * x norms and w ~ N(0, r^2) for Gemma's x * (1 + w)."""
+    config = family_config(model_type, hidden_size=256, head_dim=128, intermediate_size=64, vocab_size=64)
+    ckpt = open_checkpoint(write_checkpoint(tmp_path / model_type, config))
+    norms = [n for n in ckpt.tensor_names() if n.endswith("norm.weight")]
+    assert len(norms) == 1 + config["num_hidden_layers"] * (4 if model_type.startswith("gemma") else 2) + (
+        2 * config["num_hidden_layers"] if model_type in ("qwen3", "gemma3_text") else 0)
+    for name in norms:
+        applied = ckpt.load(name) + applied_minus_stored  # the scale the block multiplies by
+        assert abs(applied.mean().item() - 1.0) < 0.05 and abs(applied.std().item() - 0.1) < 0.03, name
+
+
+def test_layers_override_keeps_the_sliding_pattern() -> None:
+    """--layers cuts or extends layer_types along the model's own period (Gemma 3: five sliding, one full)."""
+    config = synth.shape_config("gemma-3-1b", layers=8)
+    assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2
+    assert synth.shape_config("gemma-2-2b", layers=3)["layer_types"] == [
+        "sliding_attention", "full_attention", "sliding_attention"]
+    assert synth.shape_config("qwen3-8b", layers=40)["layer_types"] == ["full_attention"] * 40
+    _transformers_config(config)  # transformers checks layer_types against num_hidden_layers
+
+
+def test_cli_accepts_a_config_json_of_another_family(tmp_path: Path) -> None:
+    """A Qwen3 config.json as transformers writes it (legacy torch_dtype) gives a checkpoint transformers loads."""
+    config = Qwen3Config(vocab_size=200, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16).to_dict()
+    config["torch_dtype"] = "float16"
+    del config["dtype"]
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    code, _ = _synth(str(tmp_path / "src"), "-o", str(tmp_path / "out"), "--layers", "3")
+    assert code == 0
+    ckpt = open_checkpoint(tmp_path / "out")
+    assert ckpt.tensor_info("model.layers.2.self_attn.q_norm.weight") == ("F16", (16,))
+    assert ckpt.config["layer_types"] == ["full_attention"] * 3
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_cli_writes_the_language_model_of_a_multimodal_config(tmp_path: Path) -> None:
+    """A Gemma 3 multimodal config.json gets its language model's tensors under their stored names, nothing else."""
+    text = family_config("gemma3_text", num_hidden_layers=2)
+    config = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
+              "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 16}, "initializer_range": 0.1,
+              "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, _ = _synth(str(tmp_path / "config.json"), "-o", str(tmp_path / "out"))
+    assert code == 0
+    ckpt = open_checkpoint(tmp_path / "out")
+    names = set(ckpt.tensor_names())
+    assert "language_model.model.layers.1.self_attn.k_norm.weight" in names
+    assert all(n.startswith("language_model.model.") for n in names), sorted(names)
+    assert abs(ckpt.load("language_model.model.embed_tokens.weight").std().item() - 0.1) < 0.01
+
+
+def test_cli_refuses_a_mixture_of_experts_config(tmp_path: Path) -> None:
+    """A Mixtral config.json exits 2 with a message naming the model type and MoE, and writes nothing."""
+    (tmp_path / "config.json").write_text(json.dumps(MixtralConfig(num_hidden_layers=1).to_dict()))
+    run = subprocess.run([sys.executable, "-m", "ovshard.cli", "synth", str(tmp_path), "-o", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 2
+    assert "mixtral" in run.stderr and "MoE" in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert not (tmp_path / "out").exists()

@@ -51,6 +51,7 @@ class Source:
     fingerprint: str  # "sha256:..." over config.json and the safetensors headers
     model_type: str
     frontend: str  # "torchscript" | "onnx"
+    quantization: str | None = None  # the source's own quantization (a GGUF file type, e.g. "Q4_K_M"); None: float
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,8 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# files that hold weights, not tokenizer or config: left out of the tokenizer digest
+WEIGHT_FILE_PREFIXES = ("model.safetensors", "model-", "pytorch_model")
 # weight formats we recognise only to say how to convert them
 UNSUPPORTED_WEIGHT_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.h5", "*.msgpack")
 
@@ -157,6 +159,23 @@ class Checkpoint:
     _entries: dict[str, TensorEntry] = field(default_factory=dict, repr=False)
     _headers: dict[str, SafetensorsHeader] = field(default_factory=dict, repr=False)
     _config_bytes: bytes = field(default=b"", repr=False)  # config.json as read at open
+
+    @property
+    def quantization(self) -> str | None:
+        """The source's own quantization (a GGUF file type such as ``"Q4_K_M"``); None: floating-point weights."""
+        return None
+
+    def tokenizer_folder(self, scratch: Path) -> Path:
+        """A folder transformers loads this checkpoint's tokenizer from (a GGUF file writes one to ``scratch``)."""
+        return self.path
+
+    def tokenizer_digest(self) -> str:
+        """sha256 over the folder's small non-weight files (tokenizer, chat template, configs): a cache key."""
+        digest = hashlib.sha256()
+        for file in sorted(self.path.iterdir()):
+            if file.is_file() and not file.name.startswith(WEIGHT_FILE_PREFIXES) and file.stat().st_size < 1 << 26:
+                digest.update(file.name.encode() + b"\0" + hashlib.sha256(file.read_bytes()).digest())
+        return digest.hexdigest()
 
     def tensor_names(self) -> list[str]:
         """Every tensor name, in file order (files sorted by name, then by data offset)."""
@@ -401,9 +420,13 @@ def _no_weights_message(root: Path) -> str:
         {p.name for pattern in (*UNSUPPORTED_WEIGHT_PATTERNS, "*.safetensors") for p in root.glob(pattern)}
     )
     found_text = f"found {', '.join(found[:5])}" if found else "found no weight files"
+    gguf = sorted(p.name for p in root.glob("*.gguf"))
+    if gguf:
+        return (f"{root} holds {', '.join(gguf[:3])} but no safetensors; to compile a GGUF file, pass the file "
+                f"itself: ovshard compile {root / gguf[0]} ...")
     return (
         f"{root} has neither {SINGLE_FILE} nor {INDEX_FILE} ({found_text}). ovshard reads safetensors "
-        "only; PyTorch .bin/.pt checkpoints are not supported. Convert with transformers: "
+        "folders and GGUF files; PyTorch .bin/.pt checkpoints are not supported. Convert with transformers: "
         "model = AutoModelForCausalLM.from_pretrained(dir); model.save_pretrained(new_dir, "
         "safe_serialization=True)"
     )

@@ -1,20 +1,22 @@
 """Random-weight Hugging Face checkpoints of a given shape, written one chunk at a time.
 
-Tests and scale experiments need Llama-shaped checkpoints without downloading real weights. A
-70B-shaped checkpoint is ~280 GB in float32, so :func:`write_checkpoint` never holds more than one
-chunk of one tensor: it computes each safetensors header from the shapes alone, then generates and
-appends the tensors in header order.
+Tests and scale experiments need real-shaped checkpoints (any family of the architecture table, named
+shapes in :mod:`ovshard.tools.shapes`) without downloading real weights. A 70B-shaped checkpoint is
+~280 GB in float32, so :func:`write_checkpoint` never holds more than one chunk of one tensor: it
+computes each safetensors header from the shapes alone (the family's ``model_tensors``), then
+generates and appends the tensors in header order.
 
 Values: tensor ``name`` is drawn from ``numpy.random.default_rng([seed, crc32(name)])`` (stable
 across runs, platforms and layer counts), ``N(0, initializer_range**2)`` for weights and
-``1 + N(0, initializer_range**2)`` for RMSNorm scales. A large ``initializer_range`` (the tiny
-preset uses 0.1) keeps greedy decoding clear of near-ties between the top two logits.
+``1 - norm_offset + N(0, initializer_range**2)`` for RMSNorm scales, so the scale the block applies
+(``norm_offset + w``) is 1 plus noise: ``w`` near 1 for Llama-style ``w * x`` norms, near 0 for Gemma's
+``x * (1 + w)``. A large ``initializer_range`` (the tiny shapes use 0.1) keeps greedy decoding clear of
+near-ties between the top two logits.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
 import math
@@ -33,11 +35,16 @@ import numpy as np
 from ovshard.bundle.dims import ModelDims
 from ovshard.bundle.plan import format_bytes
 from ovshard.errors import CheckpointError, OvshardError, PlanError
-from ovshard.frontend.arch import ArchSpec, arch_for, model_tensors, read_dims
+from ovshard.frontend.arch import ARCHITECTURES, ArchSpec, arch_for, model_tensors, read_dims
 from ovshard.frontend.checkpoint import CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from ovshard.plan.partition import parse_budgets
+from ovshard.tools.shapes import SHAPES, family_config, llama_config, preset, resize_layer_types
 
 logger = logging.getLogger(__name__)
+
+# the shapes are defined in ovshard.tools.shapes and offered here too, beside the writer
+__all__ = ["SHAPES", "CheckpointLayout", "checkpoint_layout", "family_config", "llama_config", "main_synth", "preset",
+           "shape_config", "tensor_chunks", "with_layers", "write_checkpoint"]
 
 # config["dtype"] value -> (safetensors dtype string, little-endian numpy storage dtype)
 STORAGE_DTYPES: dict[str, tuple[str, str]] = {
@@ -47,98 +54,6 @@ STORAGE_DTYPES: dict[str, tuple[str, str]] = {
 }
 # elements generated at once: bounds memory to ~4 MiB of float32 whatever the tensor size
 CHUNK_ELEMENTS = 1 << 20
-
-_LLAMA_DEFAULTS: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": None,
-    "dtype": "float32",
-    "head_dim": 16,
-    "hidden_act": "silu",
-    "hidden_size": 64,
-    "initializer_range": 0.1,
-    "intermediate_size": 128,
-    "max_position_embeddings": 512,
-    "mlp_bias": False,
-    "num_attention_heads": 4,
-    "num_hidden_layers": 4,
-    "num_key_value_heads": 2,
-    "pretraining_tp": 1,
-    "rms_norm_eps": 1e-5,
-    # llama3 scaling with a short original context, so the scaled and unscaled bands both occur
-    "rope_parameters": {
-        "rope_type": "llama3",
-        "rope_theta": 10000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    },
-    "tie_word_embeddings": False,
-    "use_cache": True,
-    "vocab_size": 256,
-}
-
-
-def llama_config(**overrides: Any) -> dict[str, Any]:
-    """A complete transformers-5 ``LlamaForCausalLM`` config.json dict (the tiny shape) with overrides.
-
-    Each override replaces its key whole; ``rope_parameters`` is replaced, not merged.
-    """
-    config = copy.deepcopy(_LLAMA_DEFAULTS)
-    config.update(copy.deepcopy(overrides))
-    return config
-
-
-def _llama3_rope(theta: float, factor: float) -> dict[str, Any]:
-    return {
-        "rope_type": "llama3",
-        "rope_theta": theta,
-        "factor": factor,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
-
-
-_META_LLAMA3 = {
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-    "initializer_range": 0.02,
-    "max_position_embeddings": 131072,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-}
-
-SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": llama_config(),
-    "llama-3.2-1b": llama_config(
-        **_META_LLAMA3, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, head_dim=64,
-        intermediate_size=8192, tie_word_embeddings=True, rope_parameters=_llama3_rope(500000.0, 32.0),
-    ),
-    "llama-3.1-8b": llama_config(
-        **_META_LLAMA3, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, head_dim=128,
-        intermediate_size=14336, tie_word_embeddings=False, rope_parameters=_llama3_rope(500000.0, 8.0),
-    ),
-    "llama-3.1-70b": llama_config(
-        **_META_LLAMA3, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, head_dim=128,
-        intermediate_size=28672, tie_word_embeddings=False, rope_parameters=_llama3_rope(500000.0, 8.0),
-    ),
-}  # fmt: skip
-
-
-def preset(name: str, **overrides: Any) -> dict[str, Any]:
-    """A fresh copy of ``SHAPES[name]`` with ``overrides`` applied."""
-    if name not in SHAPES:
-        raise ValueError(f"unknown shape preset {name!r}; choose one of {', '.join(SHAPES)}")
-    config = copy.deepcopy(SHAPES[name])
-    config.update(copy.deepcopy(overrides))
-    return config
-
 
 def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
     """Round float32 values to bfloat16 (nearest, ties to even); return the uint16 bit patterns."""
@@ -158,20 +73,20 @@ def _encode(values: np.ndarray, dtype: str) -> np.ndarray:
     return values.astype(STORAGE_DTYPES[dtype][1], copy=False)
 
 
-def tensor_chunks(name: str, numel: int, *, std: float, is_norm: bool, seed: int) -> Iterator[np.ndarray]:
-    """The float32 values of tensor ``name``, flattened, in chunks of at most ``CHUNK_ELEMENTS``."""
+def tensor_chunks(name: str, numel: int, *, std: float, mean: float = 0.0, seed: int) -> Iterator[np.ndarray]:
+    """The float32 values of tensor ``name``, ``N(mean, std**2)`` flattened, in chunks of at most ``CHUNK_ELEMENTS``."""
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
     for start in range(0, numel, CHUNK_ELEMENTS):
         values = rng.standard_normal(min(CHUNK_ELEMENTS, numel - start), dtype=np.float32)
         values *= np.float32(std)
-        if is_norm:
-            values += np.float32(1.0)
+        if mean:
+            values += np.float32(mean)
         yield values
 
 
 def _norm_names(spec: ArchSpec, dims: ModelDims) -> set[str]:
-    per_layer = (spec.input_norm, spec.post_attention_norm)
-    return {spec.final_norm} | {t.format(i=i) for i in range(dims.num_layers) for t in per_layer}
+    """Every RMSNorm scale of the checkpoint: the final norm and each layer's (q/k norms included)."""
+    return {spec.final_norm} | {t.format(i=i) for i in range(dims.num_layers) for t in spec.norm_templates()}
 
 
 def _plan_shards(sizes: dict[str, int], max_shard_bytes: int | None) -> list[list[str]]:
@@ -217,6 +132,14 @@ def _write_config_files(root: Path, config: dict[str, Any]) -> None:
     (root / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
 
 
+def _initializer_range(config: dict[str, Any]) -> float:
+    """The weights' std: ``initializer_range``, or the language model's in a multimodal config."""
+    text = config.get("text_config")
+    fallback = text.get("initializer_range", 0.02) if isinstance(text, dict) else 0.02
+    value = config.get("initializer_range", fallback)
+    return float(value if value is not None else 0.02)
+
+
 @dataclass(frozen=True)
 class _ValueSource:
     """How tensor values are drawn and stored: see the module docstring."""
@@ -225,9 +148,11 @@ class _ValueSource:
     dtype: str
     std: float
     norms: set[str]
+    norm_mean: float  # 1 - the family's norm_offset: the applied scale (offset + w) is 1 plus noise
 
     def encoded_chunks(self, name: str, numel: int) -> Iterator[np.ndarray]:
-        for values in tensor_chunks(name, numel, std=self.std, is_norm=name in self.norms, seed=self.seed):
+        mean = self.norm_mean if name in self.norms else 0.0
+        for values in tensor_chunks(name, numel, std=self.std, mean=mean, seed=self.seed):
             yield _encode(values, self.dtype)
 
 
@@ -256,6 +181,9 @@ def write_checkpoint(
     max_shard_bytes: int | None = None,
 ) -> Path:
     """Write a random-weight checkpoint of ``config``'s shape to ``out_dir`` and return its path.
+
+    The tensors are those of the family's table (``model_tensors``), under its stored names; of a
+    multimodal config (Gemma 3) only the language model's, what ovshard compiles.
 
     ``dtype`` is ``"float32"``, ``"float16"`` or ``"bfloat16"``; the written config.json says so.
     With ``max_shard_bytes`` the tensors are split, in order, into ``model-0000k-of-0000N.safetensors``
@@ -288,8 +216,9 @@ def write_checkpoint(
         values = _ValueSource(
             seed=seed,
             dtype=dtype,
-            std=float(config.get("initializer_range", 0.02)),
+            std=_initializer_range(config),
             norms=_norm_names(spec, dims),
+            norm_mean=1.0 - spec.norm_offset,
         )
         written, total = 0, sum(sizes.values())
         for k, (file, names) in enumerate(zip(files, shards, strict=True)):
@@ -342,7 +271,7 @@ def checkpoint_layout(config: dict[str, Any], dtype: str = "float32",
 
 
 def shape_config(source: str, layers: int | None = None) -> dict[str, Any]:
-    """The config of a named shape (``SHAPES``) or of a Llama config.json (a file or the folder holding it)."""
+    """The config of a named shape (``SHAPES``) or of a config.json of a supported family (a file or its folder)."""
     path = Path(source)
     if source in SHAPES:
         config = preset(source)
@@ -350,12 +279,26 @@ def shape_config(source: str, layers: int | None = None) -> dict[str, Any]:
         config = _read_config(path if path.is_file() else path / CONFIG_FILE)
     else:
         raise OvshardError(f"unknown shape {source!r}: expected one of {', '.join(SHAPES)}, or the path of a "
-                           "Hugging Face config.json of a Llama model (or of the folder holding it)")
+                           f"Hugging Face config.json (or of the folder holding it) of a supported family: "
+                           f"{', '.join(sorted(ARCHITECTURES))}")
     if layers is not None:
-        if layers < 1:
-            raise OvshardError(f"--layers {layers}: expected at least 1 layer")
-        config["num_hidden_layers"] = layers
-    read_dims(config)  # a non-Llama model_type or a missing key fails here, naming what is wrong
+        config = with_layers(config, layers)
+    read_dims(config)  # an unsupported model_type or a missing key fails here, naming what is wrong
+    return config
+
+
+def with_layers(config: dict[str, Any], layers: int) -> dict[str, Any]:
+    """``config`` cut (or grown) to ``layers`` layers: ``num_hidden_layers`` and ``layer_types`` follow.
+
+    A multimodal config (Gemma 3) changes its ``text_config``, the language model's.
+    """
+    if layers < 1:
+        raise OvshardError(f"--layers {layers}: expected at least 1 layer")
+    if isinstance(config.get("text_config"), dict):
+        return {**config, "text_config": with_layers(config["text_config"], layers)}
+    config = {**config, "num_hidden_layers": layers}
+    if isinstance(config.get("layer_types"), list) and config["layer_types"]:
+        config["layer_types"] = resize_layer_types(config["layer_types"], layers)
     return config
 
 
@@ -379,7 +322,7 @@ def main_synth(args: argparse.Namespace) -> int:
         raise OvshardError(f"the config's dtype is {dtype!r}; pass --dtype with one of {', '.join(STORAGE_DTYPES)}")
     max_shard_bytes = _parse_size(args.max_shard_size)
     layout = checkpoint_layout(config, dtype, max_shard_bytes)
-    logger.info("%s: %d layers, %d tensors in %d file(s)", args.shape, config["num_hidden_layers"],
+    logger.info("%s: %d layers, %d tensors in %d file(s)", args.shape, read_dims(config).num_layers,
                 len(layout.shapes), len(layout.files))
     for file, tensors, nbytes in layout.files:
         logger.debug("%s: %d tensors, %s", file, len(tensors), format_bytes(nbytes))

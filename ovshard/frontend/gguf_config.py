@@ -1,0 +1,174 @@
+"""GGUF metadata as the config.json and generation_config.json transformers rebuilds from it.
+
+One table, :data:`FAMILIES`, says per GGUF architecture which Hugging Face ``model_type`` it loads as
+and what llama.cpp's converter did to its tensors. The config keys follow transformers' GGUF loader
+(``transformers.integrations.ggml.GGUF_CONFIG_MAPPING`` and the config classes' defaults), and where the
+file states more than transformers reads, llama.cpp (which computes with it): a stored head size
+(``attention.key_length``), rope scaling keys, Llama 3's ``rope_freqs`` table, Gemma's 27B query scale.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ovshard.errors import CheckpointError, UnsupportedArchitectureError
+from ovshard.frontend.block import FULL, SLIDING
+
+
+@dataclass(frozen=True)
+class GGUFFamily:
+    """What one GGUF architecture loads as, and what llama.cpp's converter did to its tensors."""
+
+    model_type: str  # the Hugging Face model_type
+    permute_qk: bool = False  # q/k rows permuted into llama.cpp's rotary layout
+    norm_offset: bool = False  # RMSNorm scales stored as 1 + w
+    activation: tuple[str, str] = ("hidden_act", "silu")  # the config key and value transformers sets
+    sliding_period: int | None = None  # every period-th layer attends fully, the others slide
+    large_layers: int | None = None  # the 27B's layer count: llama.cpp scales its queries by hidden/heads
+    local_rope_theta: float | None = None  # the sliding layers' rope base, which the file does not store
+    softcaps: tuple[float | None, float | None] = (None, None)  # attention, final logits: when not stored
+
+
+_GELU = ("hidden_activation", "gelu_pytorch_tanh")
+FAMILIES: dict[str, GGUFFamily] = {
+    "llama": GGUFFamily("llama", permute_qk=True),
+    "qwen2": GGUFFamily("qwen2"),
+    "qwen3": GGUFFamily("qwen3"),
+    "gemma2": GGUFFamily("gemma2", norm_offset=True, activation=_GELU, sliding_period=2, large_layers=46,
+                         softcaps=(50.0, 30.0)),
+    "gemma3": GGUFFamily("gemma3_text", norm_offset=True, activation=_GELU, sliding_period=6, large_layers=62,
+                         local_rope_theta=10000.0),
+}
+# llama.cpp writes Mistral and Mistral-Nemo as "llama" and runs them as llama (no sliding window); they load
+# as llama here too, as in transformers (which renames only a file whose general.name is exactly "mistral")
+
+
+def family_of(path: Path, arch: str) -> GGUFFamily:
+    if arch not in FAMILIES:
+        raise UnsupportedArchitectureError(
+            f"{path} is a GGUF of architecture {arch!r}; ovshard reads GGUF architectures "
+            f"{', '.join(sorted(FAMILIES))}. Start from the model's safetensors checkpoint instead.")
+    return FAMILIES[arch]
+
+
+def rebuild_config(path: Path, arch: str, family: GGUFFamily, meta: dict[str, Any],
+                   shapes: dict[str, tuple[int, ...]], rope_freqs: np.ndarray | None) -> dict[str, Any]:
+    """The config.json transformers builds from this file's metadata (transformers 5 names).
+
+    ``shapes``: every GGUF tensor's (torch-order) shape; ``rope_freqs``: the file's rope_freqs table, if any.
+    """
+
+    def key(name: str, default: Any = KeyError) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is KeyError:
+            raise CheckpointError(f"{path} lacks the metadata key {arch}.{name}, which a {arch} GGUF needs; "
+                                  "convert the model again with a current llama.cpp")
+        return value
+
+    if key("expert_count", None):  # Mixtral is written as "llama"
+        raise UnsupportedArchitectureError(
+            f"{path} is a mixture-of-experts (MoE) model ({key('expert_count')} experts); ovshard compiles dense "
+            "models only for now")
+    hidden, heads, layers = int(key("embedding_length")), int(key("attention.head_count")), int(key("block_count"))
+    head_dim = int(key("attention.key_length", None) or key("rope.dimension_count", None) or hidden // heads)
+    kv_heads = key("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # llama.cpp writes one count a layer for hybrid models
+        if len(set(kv_heads)) != 1:
+            raise UnsupportedArchitectureError(f"{path} has per-layer key/value head counts {kv_heads}; "
+                                               "ovshard needs one count for every layer")
+        kv_heads = kv_heads[0]
+    act_key, act = family.activation
+    config: dict[str, Any] = {
+        "model_type": family.model_type, "hidden_size": hidden, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": int(kv_heads), "head_dim": head_dim,
+        "intermediate_size": int(key("feed_forward_length")), "vocab_size": shapes.get("token_embd.weight", (0,))[0],
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(key("context_length")), act_key: act,
+        # llama.cpp writes the output projection only when it is not the embedding matrix
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "attention_bias": "blk.0.attn_q.bias" in shapes,
+        "rope_parameters": _rope(path, arch, family, meta, rope_freqs, head_dim),
+    }
+    for name, ggml_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                           ("pad_token_id", "padding_token_id"), ("unk_token_id", "unknown_token_id")):
+        if f"tokenizer.ggml.{ggml_key}" in meta:
+            config[name] = int(meta[f"tokenizer.ggml.{ggml_key}"])
+    if family.sliding_period is not None:
+        period = family.sliding_period
+        config["sliding_window"] = int(key("attention.sliding_window"))
+        config["layer_types"] = [SLIDING if (i + 1) % period else FULL for i in range(layers)]
+        config["query_pre_attn_scalar"] = hidden // heads if layers == family.large_layers else head_dim
+        attn_cap, final_cap = family.softcaps
+        config["attn_logit_softcapping"] = key("attn_logit_softcapping", attn_cap)
+        config["final_logit_softcapping"] = key("final_logit_softcapping", final_cap)
+    return config
+
+
+def _rope(path: Path, arch: str, family: GGUFFamily, meta: dict[str, Any], rope_freqs: np.ndarray | None,
+          head_dim: int) -> dict[str, Any]:
+    """``rope_parameters``: the base, llama.cpp's scaling keys, Llama 3's ``rope_freqs`` table, Gemma 3's local base.
+
+    transformers reads the base only; a file that says more is followed (llama.cpp computes with it).
+    """
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if scaling == "linear" and factor not in (None, 1.0):
+        params.update(rope_type="linear", factor=float(factor))
+    elif scaling == "yarn":
+        params.update(rope_type="yarn", factor=float(factor or 1.0), original_max_position_embeddings=int(
+            meta[f"{arch}.rope.scaling.original_context_length"]))
+        for name in ("beta_fast", "beta_slow"):
+            if f"{arch}.rope.scaling.yarn_{name}" in meta:
+                params[name] = float(meta[f"{arch}.rope.scaling.yarn_{name}"])
+    elif scaling not in ("none", "linear"):
+        raise UnsupportedArchitectureError(f"{path} sets {arch}.rope.scaling.type={scaling!r}; ovshard reads "
+                                           "'none', 'linear' and 'yarn'")
+    if rope_freqs is not None:
+        params = _llama3_rope(path, rope_freqs, theta, head_dim)
+    if family.local_rope_theta is None:
+        return params
+    local = {"rope_type": "default", "rope_theta": family.local_rope_theta}
+    return {"sliding_attention": local, "full_attention": params}
+
+
+# The Llama 3.1/3.2/3.3 rope settings; llama.cpp stores their effect as a table of per-frequency factors
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _llama3_rope(path: Path, table: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
+    """The llama3 rope parameters whose factors equal the file's ``rope_freqs`` table, or a refusal."""
+    stored = np.asarray(table, dtype=np.float64)
+    factor = float(stored.max())
+    params = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, **LLAMA3_ROPE}
+    wavelength = 2 * math.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    context, low, high = (LLAMA3_ROPE[k] for k in ("original_max_position_embeddings", "low_freq_factor",
+                                                    "high_freq_factor"))
+    smooth = (context / wavelength - low) / (high - low)
+    expected = np.where(wavelength < context / high, 1.0,
+                        np.where(wavelength > context / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+    if stored.shape != expected.shape or not np.allclose(stored, expected, rtol=1e-5):
+        raise UnsupportedArchitectureError(
+            f"{path} holds a rope_freqs table ({stored.size} factors) that the Llama 3 rope settings {LLAMA3_ROPE} "
+            "do not reproduce; start from the model's safetensors checkpoint")
+    return params
+
+
+def generation_config(meta: dict[str, Any]) -> dict[str, Any]:
+    """generation_config.json: bos, pad, and every end-of-generation id the file names (eos, end of turn)."""
+    eos = [int(meta[f"tokenizer.ggml.{k}"]) for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+           if f"tokenizer.ggml.{k}" in meta]
+    eos = list(dict.fromkeys(eos))
+    generation: dict[str, Any] = {"eos_token_id": eos[0] if len(eos) == 1 else eos} if eos else {}
+    for name, k in (("bos_token_id", "bos_token_id"), ("pad_token_id", "padding_token_id")):
+        if f"tokenizer.ggml.{k}" in meta:
+            generation[name] = int(meta[f"tokenizer.ggml.{k}"])
+    return generation
+
+

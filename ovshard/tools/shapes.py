@@ -1,0 +1,240 @@
+"""Named model shapes for ``ovshard synth``: complete transformers-5 config.json dicts, one a preset.
+
+Each family has a tiny default (the keys ``<Family>Config().to_dict()`` writes, minus the generic
+``PretrainedConfig`` ones, with a small shape and ``initializer_range`` 0.1 for clear greedy margins);
+a preset is that default with the public model's values. Values are those of the public config.json
+files on the Hugging Face hub, written the way transformers 5 saves them (``rope_parameters``, per
+layer type for Gemma 3; ``layer_types``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def _common(architecture: str, model_type: str) -> dict[str, Any]:
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": None,
+        "dtype": "float32",
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "initializer_range": 0.1,
+        "intermediate_size": 128,
+        "max_position_embeddings": 512,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": 256,
+    }
+
+
+def _qwen(architecture: str, model_type: str) -> dict[str, Any]:
+    return {**_common(architecture, model_type), "layer_types": [FULL] * 4, "max_window_layers": 4,
+            "sliding_window": None, "use_sliding_window": False}
+
+
+def _gemma(architecture: str, model_type: str) -> dict[str, Any]:
+    config = _common(architecture, model_type)
+    del config["hidden_act"]  # Gemma configs name it hidden_activation
+    return {**config, "attention_bias": False, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+            "head_dim": 16, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 16,
+            "sliding_window": 8, "tie_word_embeddings": True, "use_bidirectional_attention": None}
+
+
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        **_common("LlamaForCausalLM", "llama"), "attention_bias": False, "head_dim": 16, "mlp_bias": False,
+        "pretraining_tp": 1, "rms_norm_eps": 1e-5,
+        # llama3 scaling with a short original context, so the scaled and unscaled bands both occur
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    },
+    "qwen2": _qwen("Qwen2ForCausalLM", "qwen2"),  # q, k and v always carry biases: no attention_bias key
+    "qwen3": {**_qwen("Qwen3ForCausalLM", "qwen3"), "attention_bias": False, "head_dim": 16},
+    "mistral": {**_common("MistralForCausalLM", "mistral"), "head_dim": 16, "sliding_window": None},
+    "phi3": {
+        **_common("Phi3ForCausalLM", "phi3"), "embd_pdrop": 0.0, "original_max_position_embeddings": 512,
+        "resid_pdrop": 0.0, "rms_norm_eps": 1e-5, "sliding_window": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+    },
+    "gemma2": {**_gemma("Gemma2ForCausalLM", "gemma2"), "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0, "layer_types": [SLIDING, FULL] * 2},
+    "gemma3_text": {**_gemma("Gemma3ForCausalLM", "gemma3_text"), "_sliding_window_pattern": 2,
+                    "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                    "layer_types": [SLIDING, FULL] * 2, "use_bidirectional_attention": False,
+                    "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+                                        FULL: {"rope_type": "default", "rope_theta": 1000000.0}}},
+}
+
+
+def family_config(model_type: str, **overrides: Any) -> dict[str, Any]:
+    """A complete transformers-5 config.json dict of ``model_type``'s tiny shape, with ``overrides``.
+
+    Each override replaces its key whole (``rope_parameters`` is replaced, not merged). ``layer_types``
+    follows ``num_hidden_layers`` unless given: its pattern (the shortest period of the default) is
+    repeated or cut to the layer count.
+    """
+    if model_type not in FAMILY_DEFAULTS:
+        raise ValueError(f"no tiny default for model_type {model_type!r}; choose one of {', '.join(FAMILY_DEFAULTS)}")
+    config = copy.deepcopy(FAMILY_DEFAULTS[model_type])
+    config.update(copy.deepcopy(overrides))
+    if "layer_types" in config and "layer_types" not in overrides:
+        config["layer_types"] = resize_layer_types(config["layer_types"], config["num_hidden_layers"])
+    return config
+
+
+def llama_config(**overrides: Any) -> dict[str, Any]:
+    """A complete transformers-5 ``LlamaForCausalLM`` config.json dict (the tiny shape) with overrides."""
+    return family_config("llama", **overrides)
+
+
+def resize_layer_types(layer_types: list[str], layers: int) -> list[str]:
+    """``layer_types`` for ``layers`` layers: the first ``layers`` entries of its periodic extension.
+
+    The period is the shortest ``p`` with ``layer_types[i] == layer_types[i % p]`` for every listed layer
+    (Gemma 2: 2, Gemma 3: 6, all-full: 1), so ``--layers`` keeps a model's sliding/full pattern.
+    """
+    period = next(p for p in range(1, len(layer_types) + 1)
+                  if all(t == layer_types[i % p] for i, t in enumerate(layer_types)))
+    return [layer_types[i % period] for i in range(layers)]
+
+
+def _pattern(layers: int, period: int) -> list[str]:
+    """Layer i is full attention when (i + 1) is a multiple of ``period``, else sliding (Gemma 2/3)."""
+    return [FULL if (i + 1) % period == 0 else SLIDING for i in range(layers)]
+
+
+def _qwen25(**values: Any) -> dict[str, Any]:
+    layers = values["num_hidden_layers"]
+    return family_config("qwen2", bos_token_id=151643, eos_token_id=151643, initializer_range=0.02,
+                         layer_types=[FULL] * layers, max_window_layers=layers, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, **values)
+
+
+def _qwen3(**values: Any) -> dict[str, Any]:
+    layers = values["num_hidden_layers"]
+    return family_config("qwen3", bos_token_id=151643, eos_token_id=151645, head_dim=128, initializer_range=0.02,
+                         layer_types=[FULL] * layers, max_position_embeddings=40960, max_window_layers=layers,
+                         num_key_value_heads=8, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                         vocab_size=151936, **values)
+
+
+def _gemma2(**values: Any) -> dict[str, Any]:
+    return family_config("gemma2", head_dim=256, initializer_range=0.02,
+                         layer_types=_pattern(values["num_hidden_layers"], 2), max_position_embeddings=8192,
+                         query_pre_attn_scalar=256, sliding_window=4096, vocab_size=256000, **values)
+
+
+def _gemma3(*, full_rope: dict[str, Any], **values: Any) -> dict[str, Any]:
+    return family_config(
+        "gemma3_text", _sliding_window_pattern=6, head_dim=256, initializer_range=0.02,
+        layer_types=_pattern(values["num_hidden_layers"], 6), query_pre_attn_scalar=256,
+        rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+                         FULL: {**full_rope, "rope_theta": 1000000.0}}, **values)
+
+
+def _llama3_rope(theta: float, factor: float) -> dict[str, Any]:
+    return {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+_META_LLAMA3 = {"bos_token_id": 128000, "eos_token_id": 128001, "initializer_range": 0.02,
+                "max_position_embeddings": 131072, "num_key_value_heads": 8, "vocab_size": 128256}
+
+# Phi-4-mini's longrope factors: one per rotary frequency (rotary_dim / 2 = 128 * 0.75 / 2 = 48)
+_PHI4_LONG_FACTOR = [
+    1.0, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817, 2.187582649, 2.446418898,
+    2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023, 4.785517845, 5.351743533, 5.984965424,
+    6.693110555, 7.485043894, 8.370679318, 9.36110372, 10.4687158, 11.70738129, 13.09260651, 14.64173252,
+    16.37415215, 18.31155283, 20.47818807, 22.90118105, 25.61086418, 28.64115884, 31.03, 32.1, 32.13, 32.23,
+    32.6, 32.61, 32.64, 32.66, 32.7, 32.71, 32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77,
+]
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": llama_config(),
+    "llama-3.2-1b": llama_config(
+        **_META_LLAMA3, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, head_dim=64,
+        intermediate_size=8192, tie_word_embeddings=True, rope_parameters=_llama3_rope(500000.0, 32.0),
+    ),
+    "llama-3.1-8b": llama_config(
+        **_META_LLAMA3, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, head_dim=128,
+        intermediate_size=14336, tie_word_embeddings=False, rope_parameters=_llama3_rope(500000.0, 8.0),
+    ),
+    "llama-3.1-70b": llama_config(
+        **_META_LLAMA3, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, head_dim=128,
+        intermediate_size=28672, tie_word_embeddings=False, rope_parameters=_llama3_rope(500000.0, 8.0),
+    ),
+    "qwen2.5-0.5b": _qwen25(
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        intermediate_size=4864, max_position_embeddings=32768, vocab_size=151936, tie_word_embeddings=True,
+    ),
+    "qwen2.5-7b": _qwen25(
+        hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        intermediate_size=18944, max_position_embeddings=131072, vocab_size=152064, tie_word_embeddings=False,
+    ),
+    "qwen3-0.6b": _qwen3(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=3072,
+                         tie_word_embeddings=True),
+    "qwen3-8b": _qwen3(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, intermediate_size=12288,
+                       tie_word_embeddings=False),
+    "mistral-7b": family_config(  # v0.3: the 32768-token vocabulary, no sliding window
+        "mistral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, intermediate_size=14336, vocab_size=32768, max_position_embeddings=32768,
+        rms_norm_eps=1e-5, initializer_range=0.02, sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "phi-3-mini": family_config(  # Phi-3-mini-4k-instruct
+        "phi3", hidden_size=3072, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+        intermediate_size=8192, vocab_size=32064, max_position_embeddings=4096,
+        original_max_position_embeddings=4096, sliding_window=2047, initializer_range=0.02, bos_token_id=1,
+        eos_token_id=32000, pad_token_id=32000,
+    ),
+    "phi-4-mini": family_config(  # Phi-4-mini-instruct: 3/4 of each head rotates, longrope past 4096 tokens
+        "phi3", hidden_size=3072, num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8,
+        intermediate_size=8192, vocab_size=200064, max_position_embeddings=131072,
+        original_max_position_embeddings=4096, sliding_window=262144, tie_word_embeddings=True,
+        initializer_range=0.02, bos_token_id=199999, eos_token_id=199999, pad_token_id=199999,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         "original_max_position_embeddings": 4096, "long_factor": _PHI4_LONG_FACTOR,
+                         "short_factor": [1.0] * 48},
+    ),
+    "gemma-2-2b": _gemma2(hidden_size=2304, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                          intermediate_size=9216),
+    "gemma-2-9b": _gemma2(hidden_size=3584, num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
+                          intermediate_size=14336),
+    "gemma-3-270m": _gemma3(
+        hidden_size=640, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+        intermediate_size=2048, vocab_size=262144, max_position_embeddings=32768, sliding_window=512,
+        full_rope={"rope_type": "default"},
+    ),
+    "gemma-3-1b": _gemma3(
+        hidden_size=1152, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+        intermediate_size=6912, vocab_size=262144, max_position_embeddings=32768, sliding_window=512,
+        full_rope={"rope_type": "default"},
+    ),
+    "gemma-3-4b": _gemma3(  # the language model of Gemma-3-4B (a gemma3 multimodal checkpoint)
+        hidden_size=2560, num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4,
+        intermediate_size=10240, vocab_size=262208, max_position_embeddings=131072, sliding_window=1024,
+        full_rope={"rope_type": "linear", "factor": 8.0},
+    ),
+}  # fmt: skip
+
+
+def preset(name: str, **overrides: Any) -> dict[str, Any]:
+    """A fresh copy of ``SHAPES[name]`` with ``overrides`` applied."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape preset {name!r}; choose one of {', '.join(SHAPES)}")
+    config = copy.deepcopy(SHAPES[name])
+    config.update(copy.deepcopy(overrides))
+    return config
