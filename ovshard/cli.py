@@ -123,6 +123,24 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wire-f32", action="store_true", help="send activations as f32 (default f16)")
     p.add_argument("--threads", type=int, help="CPU threads for this stage (default: all); give stages "
                    "that share a machine a share each")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="stop when stdin closes: used by `ovshard run --local` so its workers die with it")
+    _add_security(p)
+    limits = p.add_argument_group("limits", "what one worker grants; anything beyond is refused with an Error")
+    limits.add_argument("--max-connections", type=int, default=256, help="open connections (default 256)")
+    limits.add_argument("--max-sessions", type=int, default=64, help="connected heads (default 64)")
+    limits.add_argument("--max-streams", type=int, default=256, help="open streams over all heads (default 256)")
+    limits.add_argument("--max-streams-per-session", type=int, default=32, help="open streams per head (default 32)")
+    limits.add_argument("--frame-timeout", type=float, default=30.0,
+                        help="seconds a frame that has begun may take to arrive, plus 1 s per MiB (default 30)")
+
+
+def _add_security(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--credentials", type=Path, metavar="DIR",
+                   help="this node's folder from `ovshard keygen` (ca.pem, cert.pem, key.pem): mutual TLS on "
+                   "every link; required beyond loopback unless --insecure")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow plain TCP beyond loopback without credentials (a trusted network only)")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -131,6 +149,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                        "generated text to stdout and timings to stderr.")
     p.add_argument("bundle", type=Path, help="the same bundle the workers serve (manifest and tokenizer)")
     p.add_argument("--stages", required=True, help="host0:7000,host1:7001,...")
+    _add_security(p)
     _add_sampling(p)
 
 
@@ -155,6 +174,9 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                    "the measured step cost (default auto)")
     p.add_argument("--compact-share", type=float, default=0.5,
                    help="compact a stream's KV caches when rewound holes reach this share (default 0.5)")
+    p.add_argument("--retry-s", type=float, default=30.0,
+                   help="when a stage goes away mid-generation, reconnect and replay for up to this many "
+                   "seconds before failing with the partial output (default 30)")
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
@@ -232,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_synth(sub)
     _add_bundle(sub)
     _add_cache(sub)
+    _add_keygen(sub)
     return parser
 
 
@@ -250,6 +273,18 @@ def _add_cache(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cache", help="the layer cache of compiled pieces: size report or clear")
     p.add_argument("cache_command", choices=("info", "clear"))
     p.add_argument("--cache-dir", type=Path, help="default: $OVSHARD_CACHE_DIR or ~/.cache/ovshard")
+
+
+def _add_keygen(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("keygen", help="make a cluster CA and a certificate per node (mutual TLS)",
+                       description="Write a cluster CA (ca.pem, ca.key: keep it offline) and one folder per "
+                       "node (ca.pem, cert.pem, key.pem) to pass to that node as --credentials. Needs the "
+                       "cryptography package (ovshard[secure]); serving nodes do not.")
+    p.add_argument("-o", "--output", type=Path, required=True, help="a new or empty folder")
+    p.add_argument("--stages", required=True, metavar="NAME[,NAME...]", help="stage node names, e.g. s0,s1")
+    p.add_argument("--heads", default="head", metavar="NAME[,NAME...]", help="head node names (default head)")
+    p.add_argument("--days", type=int, default=825, help="certificate validity in days (default 825)")
+    p.add_argument("--force", action="store_true", help="replace an earlier keygen folder (its CA too)")
 
 
 def _compile_config(args: argparse.Namespace):
@@ -322,6 +357,10 @@ def _run(args: argparse.Namespace) -> int:
         from ovshard.runtime.wanproxy import main_proxy
 
         return main_proxy(args)
+    if args.command == "keygen":
+        from ovshard.runtime.keygen import main_keygen
+
+        return main_keygen(args)
     if args.command == "synth":
         from ovshard.tools.synth import main_synth
 

@@ -34,7 +34,7 @@ from ovshard.bundle.plan import PartitionPlan
 from ovshard.bundle.stage import StageSpec
 from ovshard.bundle.weights import WeightFormat
 from ovshard.cache import PieceCache, tokenizer_key
-from ovshard.errors import BundleError, PlanError
+from ovshard.errors import BundleError, ConfigError, PlanError
 from ovshard.frontend.checkpoint import Checkpoint
 from ovshard.frontend.source import open_source
 from ovshard.frontend.trace import trace_stage
@@ -91,6 +91,7 @@ class CompileConfig:
     piece_bytes: int = 16 << 20  # streamed: consecutive small layers share a piece up to this many f32 weight bytes
 
     def __post_init__(self) -> None:
+        _check_counts(self)
         if not self.skip_passes:
             return
         known = [p.name for p in pipeline(self.weights)]
@@ -102,6 +103,23 @@ class CompileConfig:
     def passes(self) -> list[GraphPass]:
         """The pipeline this config runs: ``pipeline(weights)`` without ``skip_passes``."""
         return [p for p in pipeline(self.weights) if p.name not in self.skip_passes]
+
+
+def _at_least(option: str, value: int | None, low: int, what: str, fix: str) -> None:
+    """ConfigError naming ``option`` when ``value`` is given and below ``low``."""
+    if value is not None and value < low:
+        raise ConfigError(f"{option} {value}: expected {what}, at least {low}; {fix}")
+
+
+def _check_counts(config: CompileConfig) -> None:
+    """Refuse counts that would be silently replaced (0 stages, 0 positions, 0 jobs) or make no sense."""
+    _at_least("--stages", config.stages, 1, "a number of stages", "pass --stages 1 for one stage")
+    _at_least("--max-positions", config.max_positions, 1, "the longest context served in tokens",
+              "leave it out for the checkpoint's max_position_embeddings")
+    _at_least("--context-tokens", config.context_tokens, 0, "the KV-cache length in tokens the budgets "
+              "must hold", "pass e.g. --context-tokens 4096")
+    _at_least("--jobs", config.jobs, 1, "a number of layers compiled in parallel",
+              "pass --jobs 1 for one at a time")
 
 
 def make_plan(config: CompileConfig, ckpt: Checkpoint) -> PartitionPlan:

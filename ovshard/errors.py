@@ -7,6 +7,13 @@ class OvshardError(Exception):
     """Base of every error ovshard raises on purpose; the CLI prints these without a traceback."""
 
 
+class ConfigError(OvshardError, ValueError):
+    """A setting (a command-line option or the config field it fills) is outside the values it accepts.
+
+    Also a ValueError, so decoders that turn a bad field into a BundleError (bundle/schema.py) keep doing so.
+    """
+
+
 class CheckpointError(OvshardError):
     """The Hugging Face checkpoint is missing, unreadable, or inconsistent."""
 
@@ -37,3 +44,7 @@ class BundleError(OvshardError):
 
 class DiskFullError(BundleError):
     """The file system filled up while a bundle was written; the partial bundle was removed."""
+
+
+class CredentialsError(OvshardError):
+    """TLS credentials are missing, unsafe or inconsistent, or a peer refused (or was refused in) a handshake."""

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import re
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,13 +20,23 @@ from ovshard.errors import OvshardError
 from ovshard.runtime.decode import Stats
 from ovshard.runtime.head import Head
 from ovshard.runtime.kv import CompactionPolicy
-from ovshard.runtime.launch import listening_line, local_workers
+from ovshard.runtime.launch import exit_with_parent, listening_line, local_workers
 from ovshard.runtime.sampler import IncrementalDetokenizer, SamplingConfig
+from ovshard.runtime.security import (
+    Credentials,
+    check_listen_posture,
+    client_context,
+    is_loopback,
+    load_credentials,
+    server_context,
+)
 from ovshard.runtime.session import Session
 from ovshard.runtime.speculative import Speculation, make_speculation
 from ovshard.runtime.stage import EXACT_HINTS
 from ovshard.runtime.transport import parse_address
-from ovshard.runtime.worker import StageWorker
+from ovshard.runtime.worker import Limits, StageWorker
+
+log = logging.getLogger(__name__)
 
 
 def stage_config(exact: bool, threads: int | None) -> dict[str, str] | None:
@@ -38,16 +52,47 @@ def stage_config(exact: bool, threads: int | None) -> dict[str, str] | None:
     return config or None
 
 
+def _credentials(args: argparse.Namespace) -> Credentials | None:
+    folder = getattr(args, "credentials", None)
+    return load_credentials(folder) if folder is not None else None
+
+
+def worker_limits(args: argparse.Namespace) -> Limits:
+    return Limits(max_connections=args.max_connections, max_sessions=args.max_sessions,
+                  max_streams=args.max_streams, max_streams_per_session=args.max_streams_per_session,
+                  frame_timeout_s=args.frame_timeout)
+
+
 def serve(args: argparse.Namespace) -> int:
     host, port = parse_address(args.listen)
+    creds = _credentials(args)
+    check_listen_posture(host, creds, args.insecure)
+    if creds is None and not is_loopback(host):
+        log.warning("serving %s WITHOUT authentication or encryption (--insecure): anyone who reaches this port "
+                    "can use this stage and read what flows through it", args.listen)
     worker = StageWorker(args.bundle, args.stage, args.device, stage_config(args.exact, args.threads),
-                         wire_dtype="f32" if args.wire_f32 else "f16")
+                         wire_dtype="f32" if args.wire_f32 else "f16", limits=worker_limits(args),
+                         server_tls=server_context(creds) if creds else None,
+                         client_tls=client_context(creds) if creds else None)
     address = worker.listen(host, port)
     print(listening_line(args.stage, address), flush=True)  # how a launcher learns a port 0 address
+    if getattr(args, "exit_with_parent", False):
+        exit_with_parent(worker.stop)
+    terminated = threading.Event()
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        terminated.set()
+        worker.stop()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         worker.serve_forever()
     except KeyboardInterrupt:
         worker.stop()
+    left = worker.drain()
+    if terminated.is_set():
+        log.info("stage %d: SIGTERM: stopped accepting, %s; exiting", args.stage,
+                 f"{left} steps still running after {worker.limits.drain_s:.0f} s" if left else "in-flight steps finished")
     return 0
 
 
@@ -56,6 +101,7 @@ class Text:
 
     def __init__(self, bundle: Path, m: Manifest) -> None:
         self.tok = self.detok = None
+        self.vocab_size = m.architecture.vocab_size  # token ids given as numbers must be below it
         if m.tokenizer:
             import openvino_tokenizers  # noqa: F401  (registers the tokenizer ops)
 
@@ -63,9 +109,11 @@ class Text:
             self.tok = core.compile_model(str(bundle / m.tokenizer.tokenizer), "CPU")
             self.detok = core.compile_model(str(bundle / m.tokenizer.detokenizer), "CPU")
 
-    def encode(self, prompt: str, prompt_ids: str | None) -> list[int]:
-        if prompt_ids:
-            return [int(t) for t in prompt_ids.split(",")]
+    def encode(self, prompt: str, prompt_ids: str | None, where: str = "--prompt-ids") -> list[int]:
+        """``prompt_ids`` parsed and checked against the vocabulary (errors name ``where``), else ``prompt``
+        tokenized."""
+        if prompt_ids is not None:
+            return parse_token_ids(prompt_ids, self.vocab_size, where)
         if self.tok is None:
             raise OvshardError("this bundle has no tokenizer: pass --prompt-ids 1,5,17")
         return [int(t) for t in self.tok([prompt])["input_ids"][0]]
@@ -74,6 +122,31 @@ class Text:
         if self.detok is None:
             return " ".join(map(str, ids)) + " "
         return str(self.detok(np.array([ids], dtype=np.int64))["string_output"][0])
+
+
+TOKEN_ID = re.compile(r"-?[0-9]+")  # a sign is let through so that a negative id gets the range message
+
+
+def parse_token_ids(text: str, vocab_size: int, where: str = "--prompt-ids") -> list[int]:
+    """The comma-separated token ids in ``text``, each in ``[0, vocab_size)``; OvshardError naming ``where``."""
+    parts = [part.strip() for part in text.split(",")]
+    shown = text if len(text) <= 60 else text[:57] + "..."
+    if not all(TOKEN_ID.fullmatch(part) for part in parts):
+        raise OvshardError(f"{where} {shown!r}: expected comma-separated token ids, e.g. 1,403,407")
+    ids = [int(part) for part in parts]
+    outside = [t for t in ids if not 0 <= t < vocab_size]
+    if outside:
+        raise OvshardError(f"{where} {shown!r}: token id {outside[0]} is outside this bundle's vocabulary; "
+                           f"expected ids in [0, {vocab_size}), i.e. 0 to {vocab_size - 1}")
+    return ids
+
+
+def encode_prompts(text: Text, prompts: list[str], path: Path) -> list[list[int]]:
+    """The token ids of each prompt of ``--prompts-file path``: tokenized, or without a tokenizer read as ids
+    (errors name the file and the prompt, counting non-empty lines from 1)."""
+    if text.tok is not None:
+        return [text.encode(prompt, None) for prompt in prompts]
+    return [text.encode("", line, f"--prompts-file {path}, prompt {n}") for n, line in enumerate(prompts, 1)]
 
 
 def _sampling(args: argparse.Namespace, m: Manifest) -> SamplingConfig:
@@ -94,6 +167,16 @@ def _speculation(args: argparse.Namespace, m: Manifest) -> Speculation | None:
                             policy=policy)
 
 
+def _head(args: argparse.Namespace, addresses: list[str]) -> Head:
+    creds = _credentials(args)
+    remote = [a for a in addresses if not is_loopback(parse_address(a)[0])]
+    if creds is None and remote and not args.insecure:
+        raise OvshardError(f"--stages {remote[0]}: expected --credentials DIR (made by `ovshard keygen`) to talk "
+                           "to a stage beyond this machine, found none; pass --credentials, or --insecure on a "
+                           "trusted network")
+    return Head(args.bundle, addresses, retry_s=args.retry_s, tls=client_context(creds) if creds else None)
+
+
 def _generate(args: argparse.Namespace, addresses: list[str]) -> int:
     m = read_manifest(args.bundle)
     text = Text(args.bundle, m)
@@ -101,17 +184,17 @@ def _generate(args: argparse.Namespace, addresses: list[str]) -> int:
     speculation = _speculation(args, m)
     if args.prompts_file:
         prompts = _read_prompts(args.prompts_file)
-        encoded = [text.encode(p, None) for p in prompts] if text.tok else [text.encode("", p) for p in prompts]
-        head = Head(args.bundle, addresses)
+        encoded = encode_prompts(text, prompts, args.prompts_file)
+        head = _head(args, addresses)
         try:
             return _generate_many(args, head, text, prompts, encoded, config, speculation)
         finally:
             head.close()
     prompt = text.encode(args.prompt, args.prompt_ids)
-    head = Head(args.bundle, addresses)
+    head = _head(args, addresses)
     stats = Stats()
     detok = IncrementalDetokenizer(text.decode)
-    if text.tok is not None and not args.prompt_ids:
+    if text.tok is not None and args.prompt_ids is None:
         sys.stdout.write(args.prompt)
         for token in prompt:  # the first word's leading space depends on what precedes it
             detok.push(token)
@@ -120,6 +203,11 @@ def _generate(args: argparse.Namespace, addresses: list[str]) -> int:
             sys.stdout.write(detok.push(token))
             sys.stdout.flush()
         sys.stdout.write(detok.flush() + "\n")
+    except OvshardError as e:
+        sys.stdout.write(detok.flush() + "\n")
+        sys.stdout.flush()
+        _print_stats(args, {**stats.to_dict(), "finish_reason": "error"})
+        raise OvshardError(f"generation failed after {stats.new_tokens} tokens (printed above): {e}") from e
     finally:
         head.close()
     _print_stats(args, stats.to_dict())
@@ -136,9 +224,14 @@ def _print_stats(args: argparse.Namespace, report: dict) -> None:
 def _read_prompts(path: Path) -> list[str]:
     """One prompt per non-empty line (without a tokenizer: comma-separated token ids per line)."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        data = Path(path).read_bytes()
     except OSError as e:
         raise OvshardError(f"--prompts-file {path}: {e.strerror or e}") from e
+    try:
+        lines = data.decode("utf-8-sig").splitlines()  # a byte-order mark is not part of the first prompt
+    except UnicodeDecodeError as e:
+        raise OvshardError(f"--prompts-file {path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                           f"{e.start}); save it as UTF-8") from e
     prompts = [line for line in lines if line.strip()]
     if not prompts:
         raise OvshardError(f"--prompts-file {path} has no prompts: write one prompt per line")
@@ -158,11 +251,11 @@ def _generate_many(args: argparse.Namespace, head: Head, text: Text, prompts: li
     failed = 0
     for prompt, request in zip(prompts, requests, strict=True):
         print(f"=== [{request.index}] " + (prompt if text.tok else ""))
+        tokens = request.partial  # all of them, or those generated before a failure
+        print(text.decode(encoded[request.index] + tokens) if text.tok else text.decode(tokens))
         if request.error is not None:
             failed += 1
-            print(f"error: {request.error}")
-            continue
-        print(text.decode(encoded[request.index] + request.result()) if text.tok else text.decode(request.result()))
+            print(f"error after {len(tokens)} tokens: {request.error}")
     total = sum(r.stats.new_tokens for r in requests)
     summary = {"prompts": len(requests), "streams": args.streams, "new_tokens": total, "wall_s": round(wall, 3),
                "tokens_per_s": round(total / wall, 2), "failed": failed}
@@ -176,4 +269,5 @@ def generate(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     with local_workers(args.bundle, args.exact, threads=args.threads) as addresses:
+        args.credentials, args.insecure = None, False  # loopback workers of this process
         return _generate(args, addresses)

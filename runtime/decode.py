@@ -20,6 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ovshard.errors import OvshardError
 from ovshard.runtime.kv import CacheMask, CompactionPolicy
 from ovshard.runtime.sampler import SamplingConfig, make_rng, should_stop
 from ovshard.runtime.scores import Scores
@@ -61,6 +62,8 @@ class Stats:
     rewinds: int = 0  # these three are the stream's CacheMask counters, copied after each step
     rewound_positions: int = 0
     compactions: int = 0
+    finish_reason: str = ""  # "stop" (an eos id), "length" (max_tokens or the context is full); "" while running
+    replays: int = 0  # times the stream was replayed into fresh streams after a stage failure
 
     def to_dict(self) -> dict:
         """Decode-phase figures (the first step, the prefill, is in time_to_first_token_s).
@@ -70,7 +73,9 @@ class Stats:
         """
         decode, stages = self.step_s[1:], self.stage_s[1:]
         report: dict = {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
-                        "time_to_first_token_s": round(self.first_token_s, 4)}
+                        "finish_reason": self.finish_reason, "time_to_first_token_s": round(self.first_token_s, 4)}
+        if self.replays:
+            report["replays"] = self.replays
         if decode:
             compute = [sum(s.values()) for s in stages]
             hops = len(stages[0]) + 1
@@ -120,6 +125,12 @@ def _loop(target: Target, prompt: list[int], config: SamplingConfig, stats: Stat
     history, pending, rewind = list(prompt), list(prompt), 0
     tokens: list[int] = []
     while True:
+        if book.visible + len(pending) > target.max_positions:
+            if not tokens:
+                raise OvshardError(f"the prompt has {len(prompt)} tokens; this bundle serves at most "
+                                   f"{target.max_positions} positions (compile with a larger --max-positions)")
+            stats.finish_reason = "length"  # the context is full
+            return
         room = min(config.max_tokens - len(tokens) - 1, target.max_positions - book.visible - len(pending))
         drafts: list[int] = []
         q: list[np.ndarray] | None = None
@@ -136,6 +147,7 @@ def _loop(target: Target, prompt: list[int], config: SamplingConfig, stats: Stat
         t0 = time.perf_counter()
         scores = target.step(feed, book.visible, want_for(config, len(drafts) + 1), rewind, compact)
         elapsed = time.perf_counter() - t0
+        stats.replays = getattr(target, "replays", 0)
         if compact:
             book.compact()
         book.append([1] * len(feed))
@@ -159,6 +171,7 @@ def _loop(target: Target, prompt: list[int], config: SamplingConfig, stats: Stat
             yield token
             if should_stop(tokens, config):
                 stats.step_tokens.append(produced)
+                stats.finish_reason = "stop" if token in config.eos_token_ids else "length"
                 return
         stats.step_tokens.append(produced)
         history += new

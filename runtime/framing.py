@@ -4,45 +4,47 @@ Every message is one frame. All integers are little-endian.
 
     offset  size  field
     0       4     magic            b"OVSH"
-    4       2     version     u16  PROTOCOL_VERSION (2); any other version is refused
+    4       2     version     u16  PROTOCOL_VERSION (3); any other version is refused
     6       1     kind        u8   message kind (the table in protocol.py)
     7       1     flags       u8   reserved, must be 0
     8       4     header_len  u32  bytes of JSON header that follow
     12      4     body_len    u32  bytes of raw body that follow the header
-    16      header_len             UTF-8 JSON object: the message's fields, keys sorted
+    16      header_len             UTF-8 JSON object: the message's fields and its "kind" tag
     ...     body_len               the message's tensors' bytes, C order, little-endian, in field order
 
-The 16-byte prefix keeps this layout in every future version, so a node can always read a peer's version
-and refuse it clearly. A reader checks magic, version, kind and both lengths *before* reading the payload:
-the header may hold at most ``MAX_HEADER_BYTES`` and header + body at most ``max_frame_bytes``
-(``DEFAULT_MAX_FRAME``, 256 MiB), so a hostile length cannot make a node allocate.
+The 16-byte prefix keeps this layout in every version, so a node can always read a peer's version and
+refuse it clearly. A reader checks magic, version, kind and both lengths *before* reading the payload:
+the header may hold at most ``MAX_HEADER_BYTES`` and header + body at most the reader's
+``max_frame_bytes`` (a few KiB before a connection's handshake is done, ``DEFAULT_MAX_FRAME`` after), so
+a hostile length cannot make a node allocate. A frame that has begun must arrive whole before its
+deadline (``deadline_s``), so a peer cannot hold a reader with a frame left one byte short.
 
 A tensor field appears in the header as ``{"dtype": "f16"|"f32"|"i64"|"i32", "shape": [...]}`` and its
 data in the body; the body is exactly the concatenation of the tensors, nothing more.
 
-Decoding is strict: unknown, missing or repeated fields, wrong types, unknown dtypes and shape/body
-mismatches are refused with a ``ProtocolError``; a peer that stops sending raises ``ConnectionClosed``.
+Decoding is strict (msgspec): unknown or missing fields, wrong types, out-of-range integers, unknown
+dtypes and shape/body mismatches are refused with a ``ProtocolError``; a peer that stops sending raises
+``ConnectionClosed``.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import socket
 import struct
-from dataclasses import fields
-from typing import Any, BinaryIO, cast
+import time
+from typing import BinaryIO, cast
+
+import msgspec
 
 from ovshard.runtime.protocol import (
-    DTYPES,
     KINDS,
     PROTOCOL_VERSION,
+    TENSOR_FIELDS,
     ConnectionClosed,
     Message,
     MessageBase,
     ProtocolError,
     Tensor,
-    show,
 )
 
 MAGIC = b"OVSH"
@@ -50,30 +52,32 @@ PREFIX = struct.Struct("<4sHBBII")  # magic, version, kind, flags, header_len, b
 PREFIX_SIZE = PREFIX.size  # 16
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_FRAME = 256 * 1024 * 1024  # header + body
+MIN_RATE = 1 << 20  # bytes/s a frame's deadline allows on top of deadline_s
 _READ_CHUNK = 1 << 20
+_ENCODER = msgspec.json.Encoder()
+_DECODERS = {cls: msgspec.json.Decoder(cls) for cls in KINDS.values()}
 
 Stream = socket.socket | BinaryIO  # what frames are read from and written to
 
 
 def encode(msg: Message) -> bytes:
     """One frame holding ``msg``."""
-    if type(msg) not in KINDS.values():
-        raise TypeError(f"expected a wire message, found {type(msg).__name__}")
-    header: dict[str, Any] = {}
+    cls = type(msg)
+    if cls not in TENSOR_FIELDS:
+        raise TypeError(f"expected a wire message, found {cls.__name__}")
     data: list[bytes] = []
-    for f in fields(msg):
-        value = getattr(msg, f.name)
-        if isinstance(value, Tensor):
-            header[f.name] = {"dtype": value.dtype, "shape": list(value.shape)}
-            data.append(value.data)
-        else:
-            header[f.name] = value
-    text = json.dumps(header, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    bare: dict[str, Tensor] = {}
+    for name in TENSOR_FIELDS[cls]:
+        tensor = getattr(msg, name)
+        if tensor is not None:
+            data.append(tensor.check().data)
+            bare[name] = Tensor(tensor.dtype, tensor.shape)  # the header holds dtype and shape only
+    text = _ENCODER.encode(msgspec.structs.replace(msg, **bare) if bare else msg)
     body_len = sum(len(d) for d in data)
     if len(text) > MAX_HEADER_BYTES or body_len > 0xFFFFFFFF:
-        raise ProtocolError("oversized", f"{type(msg).__name__} needs a {len(text)}-byte header and a "
+        raise ProtocolError("oversized", f"{cls.__name__} needs a {len(text)}-byte header and a "
                                          f"{body_len}-byte body; limits {MAX_HEADER_BYTES} and 2**32-1")
-    return b"".join([PREFIX.pack(MAGIC, PROTOCOL_VERSION, msg.KIND, 0, len(text), body_len), text, *data])
+    return b"".join([PREFIX.pack(MAGIC, PROTOCOL_VERSION, cls.kind(), 0, len(text), body_len), text, *data])
 
 
 def parse_prefix(prefix: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME) -> tuple[type[MessageBase], int, int]:
@@ -98,99 +102,108 @@ def parse_prefix(prefix: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME) -> tup
     return KINDS[kind], header_len, body_len
 
 
-def _reject_constant(name: str) -> Any:
-    raise ProtocolError("bad_header", f"expected finite JSON numbers, found {name}")
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:
-            raise ProtocolError("bad_header", f"header repeats the key {key!r}")
-        obj[key] = value
-    return obj
-
-
-def _parse_header(cls: type[MessageBase], header: bytes) -> dict[str, Any]:
-    try:
-        obj = json.loads(header.decode("utf-8"), object_pairs_hook=_unique_keys,
-                         parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as e:
-        raise ProtocolError("bad_header", f"{cls.__name__} header is not UTF-8 JSON: {e}") from e
-    if type(obj) is not dict:
-        raise ProtocolError("bad_header", f"{cls.__name__} header: expected a JSON object, found {show(obj)}")
-    expected = {f.name for f in fields(cls)}
-    if obj.keys() != expected:
-        raise ProtocolError("bad_header", f"{cls.__name__} header: expected fields {sorted(expected)}, "
-                                          f"missing {sorted(expected - obj.keys())}, "
-                                          f"unknown {sorted(obj.keys() - expected)}")
-    return obj
-
-
-def _take_tensor(where: str, spec: Any, body: bytes, offset: int) -> Tensor:
-    if type(spec) is not dict or spec.keys() != {"dtype", "shape"}:
-        raise ProtocolError("bad_tensor", f"{where}: expected {{dtype, shape}}, found {show(spec)}")
-    dtype, shape = spec["dtype"], spec["shape"]
-    if dtype not in DTYPES:
-        raise ProtocolError("bad_tensor", f"{where}: expected a dtype in {sorted(DTYPES)}, found {show(dtype)}")
-    if type(shape) is not list:
-        raise ProtocolError("bad_tensor", f"{where}: expected a shape list, found {show(shape)}")
-    end = offset + math.prod(d if type(d) is int and d >= 0 else 0 for d in shape) * DTYPES[dtype].itemsize
-    if end > len(body):
-        raise ProtocolError("bad_tensor", f"{where}: {dtype}{shape} needs bytes {offset}..{end} of the body, "
-                                          f"which has {len(body)}")
-    return Tensor(dtype, tuple(shape), body[offset:end])
-
-
 def decode(prefix: bytes, header: bytes, body: bytes, *, max_frame_bytes: int = DEFAULT_MAX_FRAME) -> Message:
     """The message in one frame, given as its prefix, JSON header and body."""
     cls, header_len, body_len = parse_prefix(prefix, max_frame_bytes)
     if len(header) != header_len or len(body) != body_len:
         raise ProtocolError("truncated", f"prefix announces a {header_len}-byte header and a {body_len}-byte "
                                          f"body, found {len(header)} and {len(body)} bytes")
-    values = _parse_header(cls, header)
-    offset = 0
-    for f in fields(cls):
-        value = values[f.name]
-        if str(f.type).startswith("Tensor") and value is not None:
-            values[f.name] = _take_tensor(f"{cls.__name__}.{f.name}", value, body, offset)
-            offset += len(values[f.name].data)
-        elif type(value) is list and f.type == "tuple[int, ...]":
-            values[f.name] = tuple(value)
+    try:
+        msg = _DECODERS[cls].decode(header)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ProtocolError("bad_header", f"{cls.__name__} header: {e}") from e
+    except (ValueError, RecursionError) as e:  # a check in __post_init__ that msgspec did not wrap
+        raise ProtocolError("bad_header", f"{cls.__name__} header: {e}") from e
+    offset, filled = 0, {}
+    for name in TENSOR_FIELDS[cls]:
+        spec = getattr(msg, name)
+        if spec is None:
+            continue
+        if spec.data:
+            raise ProtocolError("bad_tensor", f"{cls.__name__}.{name}: tensor bytes travel in the body, "
+                                              "not in the header")
+        end = offset + spec.nbytes
+        if end > len(body):
+            raise ProtocolError("bad_tensor", f"{cls.__name__}.{name}: {spec.dtype}{list(spec.shape)} needs "
+                                              f"bytes {offset}..{end} of the body, which has {len(body)}")
+        filled[name] = Tensor(spec.dtype, spec.shape, body[offset:end])
+        offset = end
     if offset != len(body):
         raise ProtocolError("bad_tensor", f"{cls.__name__}: the header describes {offset} bytes of tensors, "
                                           f"the body has {len(body)}")
-    return cast(Message, cls(**values))
+    return cast(Message, msgspec.structs.replace(msg, **filled) if filled else msg)
 
 
-def _read_exactly(stream: Stream, n: int, what: str, *, frame_start: bool = False) -> bytes:
-    """``n`` bytes from a socket (recv) or binary file (read); ConnectionClosed if the peer stops first."""
-    read = stream.recv if isinstance(stream, socket.socket) else stream.read
-    chunks: list[bytes] = []
-    got = 0
-    while got < n:
-        try:
-            chunk = read(min(n - got, _READ_CHUNK))
-        except ConnectionResetError as e:
-            raise ConnectionClosed(f"connection reset after {got} of {n} bytes of {what}", clean=False) from e
-        if not chunk:
-            clean = frame_start and got == 0
-            where = "between frames" if clean else f"after {got} of {n} bytes of {what}"
-            raise ConnectionClosed(f"peer closed the connection {where}", clean=clean)
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+class _Reader:
+    """Exact reads from a socket (recv) or binary file (read) against one frame's deadline."""
+
+    def __init__(self, stream: Stream, deadline_s: float | None) -> None:
+        self.stream, self.deadline_s = stream, deadline_s
+        self.read = stream.recv if isinstance(stream, socket.socket) else stream.read
+        self.deadline: float | None = None
+        self.begun: float | None = None
+
+    def start(self, extra_bytes: int = 0) -> None:
+        """The frame has begun (its first byte came): it must be whole within deadline_s of that byte,
+        plus extra_bytes at MIN_RATE once the prefix has announced its size."""
+        if self.deadline_s is not None and isinstance(self.stream, socket.socket):
+            self.begun = self.begun or time.monotonic()
+            self.deadline = self.begun + self.deadline_s + extra_bytes / MIN_RATE
+            self.stream.settimeout(self.deadline_s)
+
+    def exactly(self, n: int, what: str, *, frame_start: bool = False) -> bytes:
+        """``n`` bytes; ConnectionClosed if the peer stops first, ProtocolError past the deadline."""
+        chunks: list[bytes] = []
+        got = 0
+        while got < n:
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                raise ProtocolError("timeout", f"{what} not complete within {self.deadline_s} s "
+                                               f"({got} of {n} bytes)")
+            try:
+                chunk = self.read(min(n - got, _READ_CHUNK))
+            except ConnectionResetError as e:
+                raise ConnectionClosed(f"connection reset after {got} of {n} bytes of {what}", clean=False) from e
+            except TimeoutError:
+                if frame_start and got == 0 and self.deadline is None:
+                    raise  # idle between frames: the caller decides
+                raise ProtocolError("timeout", f"{what} stalled for {self.deadline_s} s "
+                                               f"({got} of {n} bytes)") from None
+            if not chunk:
+                clean = frame_start and got == 0
+                where = "between frames" if clean else f"after {got} of {n} bytes of {what}"
+                raise ConnectionClosed(f"peer closed the connection {where}", clean=clean)
+            if frame_start and got == 0 and self.deadline is None:
+                self.start()
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
 
 
-def read_message(stream: Stream, max_frame_bytes: int = DEFAULT_MAX_FRAME) -> Message:
+def read_message(stream: Stream, max_frame_bytes: int = DEFAULT_MAX_FRAME, *, deadline_s: float | None = None,
+                 idle_s: float | None = None) -> Message:
     """Read one frame from a socket or binary file; lengths are checked before the payload is read.
 
-    A socket timeout propagates as TimeoutError: the caller knows which peer and stage it was waiting on.
+    ``idle_s``: how long to wait for a frame to begin (None: forever); a socket timeout then propagates
+    as TimeoutError, the caller knows which peer it was waiting on. ``deadline_s``: once a frame has
+    begun, it must be whole within this many seconds (plus its size at MIN_RATE), else ProtocolError
+    "timeout". The socket's timeout is left as ``idle_s`` after the frame.
     """
-    prefix = _read_exactly(stream, PREFIX_SIZE, "a frame prefix", frame_start=True)
-    cls, header_len, body_len = parse_prefix(prefix, max_frame_bytes)
-    header = _read_exactly(stream, header_len, f"a {cls.__name__} header")
-    body = _read_exactly(stream, body_len, f"a {cls.__name__} body")
+    reader = _Reader(stream, deadline_s)
+    if isinstance(stream, socket.socket):
+        stream.settimeout(idle_s)
+    try:
+        prefix = reader.exactly(PREFIX_SIZE, "a frame prefix", frame_start=True)
+        cls, header_len, body_len = parse_prefix(prefix, max_frame_bytes)
+        if reader.deadline is not None:
+            reader.start(header_len + body_len)
+        header = reader.exactly(header_len, f"a {cls.__name__} header")
+        body = reader.exactly(body_len, f"a {cls.__name__} body")
+    finally:
+        if isinstance(stream, socket.socket) and reader.deadline is not None:
+            try:
+                stream.settimeout(idle_s)
+            except OSError:
+                pass  # closed meanwhile
     return decode(prefix, header, body, max_frame_bytes=max_frame_bytes)
 
 

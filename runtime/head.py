@@ -1,22 +1,28 @@
 """The head: drives one or more streams through a chain of stage workers and samples tokens.
 
-It connects to every stage (handshake: protocol, bundle fingerprint, stage index), tells each stage
-where the next one listens, then for every step sends the new tokens to stage 0 and waits for the
-last stage's Result. Only the mask *delta* travels; the stages keep the mask.
+It connects to every stage under one fresh session (128 random bits), from the last stage back, and
+tells each stage where the next one listens, then for every step sends the new tokens to stage 0 and
+waits for the last stage's Result. An Open is acknowledged by every stage before the stream's first Step.
 
-Streams: each stream has its own InferRequest (KV cache) at every stage, all from the stage's one
-compiled model. Any number of threads may call :meth:`Head.step` / :meth:`Head.generate` at once,
-one stream each: a reader thread per connection hands each Result to the step waiting for its
-``seq``, and no lock is held while waiting. A stream has at most one step in flight and every stage
-serves steps in arrival order, so the streams share each stage round-robin; while stage 1 computes
-stream A's step, stage 0 already computes stream B's.
+Streams: each stream has its own InferRequest (KV cache) at every stage. Any number of threads may run
+streams at once: a reader thread per connection hands each Result to the step waiting for its ``seq``.
+
+Faults: when a stage goes away (connection lost, or a stage reports it lost the stream or its link),
+:class:`StreamTarget` reconnects the whole chain under a new session (retrying with backoff for
+``retry_s``), reopens its stream and replays the stream's visible tokens as one prefill, then repeats
+the step. The replayed cache holds the same tokens at the same positions, so a greedy stream finishes
+with the tokens of an uninterrupted run.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
+import secrets
+import ssl
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,125 +36,247 @@ from ovshard.runtime.decode import Stats
 from ovshard.runtime.sampler import SamplingConfig
 from ovshard.runtime.scores import Scores
 from ovshard.runtime.speculative import Speculation
-from ovshard.runtime.transport import Connection, bundle_fingerprint, connect
+from ovshard.runtime.transport import Connection, StageUnreachable, bundle_fingerprint, connect
 
-Answer = p.Result | OvshardError  # what a waiting step is handed: its Result, or why it will not come
+log = logging.getLogger(__name__)
+
+RETRY_S = 30.0
+_BACKOFF_S = (0.1, 2.0)
 
 
-class Head:
-    """Connections to every stage of one bundle, and the per-stream bookkeeping."""
+class StageFailure(OvshardError):
+    """A stage reported an error, or its connection failed; ``recoverable``: reconnect and replay."""
 
-    def __init__(self, bundle: Path, addresses: list[str], timeout: float = 60.0) -> None:
-        self.manifest = read_manifest(bundle)
-        if len(addresses) != self.manifest.num_stages:
-            raise OvshardError(f"--stages names {len(addresses)} addresses; the bundle has "
-                               f"{self.manifest.num_stages} stages: give one host:port per stage, in order")
+    def __init__(self, message: str, recoverable: bool) -> None:
+        super().__init__(message)
+        self.recoverable = recoverable
+
+
+Answer = p.Result | p.OpenOk | StageFailure  # what a waiting step or open is handed
+
+
+class Chain:
+    """One session's connections to every stage, and the routing of their answers."""
+
+    def __init__(self, addresses: list[str], fingerprint: str, timeout: float, tls: ssl.SSLContext | None) -> None:
         self.addresses, self.timeout = addresses, timeout
-        fingerprint = bundle_fingerprint(bundle)
-        # connect from the last stage back, so each stage's next hop already listens when it is named
+        self.session = secrets.token_hex(16)
         self.conns: list[Connection] = []
         try:
             for i in reversed(range(len(addresses))):
                 nxt = addresses[i + 1] if i + 1 < len(addresses) else None
-                self.conns.insert(0, connect(addresses[i], i, fingerprint, "head", nxt, timeout))
+                self.conns.insert(0, connect(addresses[i], i, fingerprint, "head", self.session, nxt, tls=tls))
         except OvshardError:
             self.close()
             raise
         self.lock = threading.Lock()  # guards waiting and broken
-        # seq -> (stream, where its answer goes)
-        self.waiting: dict[int, tuple[int, queue.Queue[Answer]]] = {}
-        self.broken: OvshardError | None = None
+        self.waiting: dict[tuple[str, int], tuple[int, queue.Queue[Answer]]] = {}  # (what, seq|stream) -> ...
+        self.broken: StageFailure | None = None
         for i, conn in enumerate(self.conns):
             threading.Thread(target=self._read, args=(i, conn), daemon=True).start()
-        self.streams = itertools.count()
-        self.seq = itertools.count()
+
+    def _targets(self, msg: p.Message) -> list[queue.Queue[Answer]]:
+        if isinstance(msg, p.Result):
+            found = self.waiting.get(("step", msg.seq))
+        elif isinstance(msg, p.OpenOk):
+            found = self.waiting.get(("open", msg.stream))
+        elif isinstance(msg, p.Error):
+            found = self.waiting.get(("step", msg.seq)) if msg.seq is not None else None
+            if found is None:
+                return [q for stream, q in self.waiting.values() if msg.stream in (None, stream)]
+        else:
+            return []
+        return [found[1]] if found else []
 
     def _read(self, stage: int, conn: Connection) -> None:
-        """Route each answer to the step waiting for it; a failed connection fails every waiting step."""
+        """Route each answer to whoever waits for it; a failed connection fails everyone waiting."""
         where = f"stage {stage} at {self.addresses[stage]}"
         try:
             while True:
                 msg = conn.receive()
-                answer: Answer
+                answer: Answer = msg  # type: ignore[assignment]
+                if isinstance(msg, p.Error):
+                    answer = StageFailure(f"{where} reported {msg.code}: {msg.message}",
+                                          msg.code in p.RECOVERABLE_CODES)
                 with self.lock:
-                    if isinstance(msg, p.Result):
-                        answer = msg
-                        targets = [self.waiting[msg.seq][1]] if msg.seq in self.waiting else []
-                    elif isinstance(msg, p.Error):
-                        answer = OvshardError(f"{where} reported {msg.code}: {msg.message}")
-                        targets = [q for s, q in self.waiting.values() if msg.stream in (None, s)]
-                    else:
-                        continue  # nothing else is addressed to the head
+                    targets = self._targets(msg)
                 for target in targets:
                     target.put(answer)
         except (p.ConnectionClosed, p.ProtocolError, OSError) as e:
             with self.lock:
-                self.broken = OvshardError(f"{where} closed the connection: {e}")
+                self.broken = StageFailure(f"{where} closed the connection: {e}", recoverable=True)
                 for _, target in self.waiting.values():
                     target.put(self.broken)
+
+    def ask(self, key: tuple[str, int], stream: int, sends: list[tuple[int, p.Message]],
+            answers: int) -> list[p.Result | p.OpenOk]:
+        """Send each (stage, message), then wait for ``answers`` answers to ``key``."""
+        box: queue.Queue[Answer] = queue.Queue()
+        with self.lock:
+            if self.broken is not None:
+                raise self.broken
+            self.waiting[key] = (stream, box)
+        try:
+            for stage, msg in sends:
+                try:
+                    self.conns[stage].send(msg)
+                except OSError as e:
+                    raise StageFailure(f"stage {stage} at {self.addresses[stage]}: send failed: {e}", True) from e
+            got: list[p.Result | p.OpenOk] = []
+            for _ in range(answers):
+                try:
+                    answer = box.get(timeout=self.timeout)
+                except queue.Empty:
+                    raise OvshardError(f"no answer to {key[0]} {key[1]} of stream {stream} within "
+                                       f"{self.timeout:.0f} s (stages {', '.join(self.addresses)})") from None
+                if isinstance(answer, StageFailure):
+                    raise answer
+                got.append(answer)
+            return got
+        finally:
+            with self.lock:
+                self.waiting.pop(key, None)
 
     def close(self) -> None:
         for conn in self.conns:
             conn.close()
 
-    def _broadcast(self, msg: p.Message) -> None:
-        for conn in self.conns:
-            conn.send(msg)
 
-    def open_stream(self) -> int:
+class Head:
+    """A chain to every stage of one bundle, reconnected on demand; per-stream bookkeeping."""
+
+    def __init__(self, bundle: Path, addresses: list[str], timeout: float = 60.0, retry_s: float = RETRY_S,
+                 tls: ssl.SSLContext | None = None) -> None:
+        self.manifest = read_manifest(bundle)
+        if len(addresses) != self.manifest.num_stages:
+            raise OvshardError(f"--stages names {len(addresses)} addresses; the bundle has "
+                               f"{self.manifest.num_stages} stages: give one host:port per stage, in order")
+        if retry_s < 0:
+            raise OvshardError(f"--retry-s {retry_s}: expected seconds >= 0")
+        self.addresses, self.timeout, self.retry_s, self.tls = addresses, timeout, retry_s, tls
+        self.fingerprint = bundle_fingerprint(bundle)
+        self.chain = Chain(addresses, self.fingerprint, timeout, tls)
+        self.reconnects = 0
+        self._reconnect_lock = threading.Lock()
+        self.streams = itertools.count()
+        self.seq = itertools.count()
+
+    def close(self) -> None:
+        self.chain.close()
+
+    def reconnect(self, stale: Chain, deadline: float, cause: OvshardError) -> Chain:
+        """A new chain in place of ``stale`` (once, however many streams ask), retrying until ``deadline``."""
+        with self._reconnect_lock:
+            if self.chain is not stale:
+                return self.chain
+            stale.close()
+            pause = _BACKOFF_S[0]
+            while True:
+                try:
+                    self.chain = Chain(self.addresses, self.fingerprint, self.timeout, self.tls)
+                    self.reconnects += 1
+                    log.warning("reconnected to every stage after: %s", cause)
+                    return self.chain
+                except StageUnreachable as e:
+                    if time.monotonic() + pause > deadline:
+                        raise OvshardError(f"{cause}; gave up after {self.retry_s:.0f} s of retries "
+                                           f"(--retry-s): {e}") from e
+                    log.info("stages not reachable yet (%s); retrying in %.1f s", e, pause)
+                    time.sleep(pause)
+                    pause = min(2 * pause, _BACKOFF_S[1])
+
+    def open_stream(self, chain: Chain | None = None) -> tuple[int, Chain]:
+        """A new stream, acknowledged by every stage of ``chain`` (default: the current one)."""
+        chain = chain or self.chain
         stream = next(self.streams)
-        self._broadcast(p.Open(stream))
-        return stream
+        stages = range(len(chain.conns))
+        chain.ask(("open", stream), stream, [(i, p.Open(stream)) for i in stages], len(chain.conns))
+        return stream, chain
 
-    def close_stream(self, stream: int) -> None:
-        try:
-            self._broadcast(p.Close(stream))
-        except OSError:
-            pass  # the connection is gone; so is the stream
+    def close_stream(self, stream: int, chain: Chain) -> None:
+        for conn in chain.conns:
+            try:
+                conn.send(p.Close(stream))
+            except OSError:
+                pass  # the connection is gone; so is the stream
 
-    def step(self, stream: int, position: int, tokens: list[int], want: str, rewind: int = 0,
+    def step(self, chain: Chain, stream: int, position: int, tokens: list[int], want: str, rewind: int = 0,
              compact: bool = False) -> p.Result:
         """Send new tokens through the chain; return the last stage's Result. Thread-safe."""
         seq = next(self.seq)
-        answer: queue.Queue[Answer] = queue.Queue()
-        with self.lock:
-            if self.broken is not None:
-                raise self.broken
-            self.waiting[seq] = (stream, answer)
-        try:
-            ids = p.Tensor.from_array(np.array([tokens], dtype=np.int64))
-            self.conns[0].send(p.Step(stream, seq, position, (1,) * len(tokens), want, ids, {}, rewind, compact))
-            try:
-                msg = answer.get(timeout=self.timeout)
-            except queue.Empty:
-                raise OvshardError(f"no result for step {seq} of stream {stream} within {self.timeout:.0f} s "
-                                   f"(stages {', '.join(self.addresses)})") from None
-        finally:
-            with self.lock:
-                self.waiting.pop(seq, None)
-        if isinstance(msg, Exception):
-            raise msg
-        return msg
+        ids = p.Tensor.from_array(np.array([tokens], dtype=np.int64))  # [1, T]
+        step = p.Step(stream, seq, position, want, ids, {}, rewind, compact)
+        (answer,) = chain.ask(("step", seq), stream, [(0, step)], 1)
+        assert isinstance(answer, p.Result)
+        return answer
 
     def generate(self, prompt: list[int], config: SamplingConfig, stats: Stats | None = None,
                  speculation: Speculation | None = None) -> Iterator[int]:
         """Yield sampled tokens one by one until an eos id or max_tokens, on a stream of its own."""
-        stream = self.open_stream()
+        target = StreamTarget(self)
         try:
-            yield from decode.generate(StreamTarget(self, stream), prompt, config, stats, speculation)
+            yield from decode.generate(target, prompt, config, stats, speculation)
         finally:
-            self.close_stream(stream)
+            target.close()
 
 
 class StreamTarget:
-    """One stream of a Head as a decode target."""
+    """One stream of a Head as a decode target, which survives a stage restart by replaying its tokens."""
 
-    def __init__(self, head: Head, stream: int) -> None:
-        self.head, self.stream = head, stream
+    def __init__(self, head: Head) -> None:
+        self.head = head
         self.max_positions = head.manifest.runtime_hints.max_positions
         self.vocab_size = head.manifest.architecture.vocab_size
+        self.visible: list[int] = []  # the tokens every stage holds as visible, in position order
+        self.replays = 0
+        self.stream, self.chain = self._open(time.monotonic() + head.retry_s)
+
+    def _open(self, deadline: float) -> tuple[int, Chain]:
+        stale = self.head.chain
+        while True:
+            try:
+                return self.head.open_stream(stale)
+            except StageFailure as e:
+                if not e.recoverable or time.monotonic() > deadline:
+                    raise
+                time.sleep(_BACKOFF_S[0])
+                stale = self.head.reconnect(stale, deadline, e)
 
     def step(self, tokens: list[int], position: int, want: str, rewind: int, compact: bool) -> Scores:
-        result = self.head.step(self.stream, position, tokens, want, rewind, compact)
+        if rewind:
+            del self.visible[len(self.visible) - rewind:]
+        deadline: float | None = None
+        while True:
+            try:
+                result = self.head.step(self.chain, self.stream, position, tokens, want, rewind, compact)
+                break
+            except StageFailure as e:
+                if not e.recoverable:
+                    raise
+                deadline = deadline or time.monotonic() + self.head.retry_s
+                self._recover(deadline, e)
+                rewind, compact = 0, False  # the replayed cache is exactly self.visible
+        self.visible += tokens
         indices = None if result.indices is None else result.indices.to_array()[0]
         return Scores(result.tensor.to_array()[0], indices, dict(result.timings))
+
+    def _recover(self, deadline: float, cause: StageFailure) -> None:
+        """Reconnect (if no other stream did yet), reopen this stream, and replay its visible tokens."""
+        log.warning("stream %d: %s; reconnecting and replaying %d tokens", self.stream, cause, len(self.visible))
+        stale = self.chain
+        while True:
+            chain = self.head.reconnect(stale, deadline, cause)
+            try:
+                self.stream, self.chain = self.head.open_stream(chain)
+                if self.visible:
+                    self.head.step(self.chain, self.stream, 0, self.visible, "argmax@1")
+                self.replays += 1
+                return
+            except StageFailure as e:
+                if not e.recoverable or time.monotonic() > deadline:
+                    raise OvshardError(f"{cause}; recovery failed: {e}") from e
+                cause, stale = e, chain
+                time.sleep(_BACKOFF_S[0])
+
+    def close(self) -> None:
+        self.head.close_stream(self.stream, self.chain)

@@ -4,16 +4,22 @@ A worker started with ``--listen HOST:0`` binds a free port, then writes one JSO
 ``{"event": "listening", "stage": S, "address": "HOST:PORT"}`` (:func:`listening_line`). The launcher
 reads that line to learn the address, so no port is chosen before it is bound and no other process
 can take it in between. ``ovshard run --local``, the demo and the benchmarks start workers this way.
+
+Each worker's stdin is a pipe only the launcher holds. Started with ``--exit-with-parent``, the worker
+watches it (:func:`exit_with_parent`): when the launcher dies, even by SIGKILL, the kernel closes the
+pipe, the worker reads end-of-file and stops, so no worker outlives the launcher.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
@@ -26,6 +32,7 @@ log = logging.getLogger(__name__)
 
 LISTENING = "listening"
 STOP_WAIT_S = 30.0  # how long a terminated worker may take to exit before it is killed
+EXIT_GRACE_S = 5.0  # how long a worker whose launcher died may take to stop before it exits at once
 
 
 def listening_line(stage: int, address: str) -> str:
@@ -45,22 +52,60 @@ def read_listening(line: str, stage: int) -> str | None:
     return address if isinstance(address, str) else None
 
 
-def serve_command(bundle: Path, stage: int, listen: str = "127.0.0.1:0", options: Sequence[str] = ()) -> list[str]:
-    """``ovshard -q serve BUNDLE --stage S --listen ADDRESS [options]`` with this interpreter."""
+def serve_command(bundle: Path, stage: int, listen: str = "127.0.0.1:0", options: Sequence[str] = (),
+                  exit_with_parent: bool = False) -> list[str]:
+    """``ovshard -q serve BUNDLE --stage S --listen ADDRESS [options]`` with this interpreter.
+
+    ``exit_with_parent`` adds ``--exit-with-parent``: only for a :class:`WorkerProcess`, whose stdin pipe
+    the worker then watches (with an inherited stdin it would stop as soon as that reads end-of-file).
+    """
     return [sys.executable, "-m", "ovshard.cli", "-q", "serve", str(bundle), "--stage", str(stage),
-            "--listen", listen, *options]
+            "--listen", listen, *options, *(["--exit-with-parent"] if exit_with_parent else [])]
+
+
+def exit_with_parent(stop: Callable[[], None], grace_s: float = EXIT_GRACE_S) -> None:
+    """In a worker: call ``stop`` once stdin reaches end-of-file, i.e. the launcher closed it or died.
+
+    A daemon thread reads stdin (its file descriptor) to its end; then ``stop()``, and if the process is still alive
+    ``grace_s`` seconds later (``stop`` could not end its main loop), ``os._exit(0)``.
+    """
+    threading.Thread(target=_watch_stdin, args=(stop, grace_s), name="exit-with-parent", daemon=True).start()
+
+
+def _watch_stdin(stop: Callable[[], None], grace_s: float) -> None:
+    """The body of :func:`exit_with_parent`'s thread."""
+    # the file descriptor, not sys.stdin.buffer: a thread blocked in a buffered read holds the buffer's lock,
+    # and the interpreter, flushing sys.stdin at exit, aborts on it ("could not acquire lock ... <stdin>")
+    try:
+        fd = sys.stdin.fileno() if sys.stdin is not None else -1  # None: fd 0 was closed before we started
+        while fd >= 0 and os.read(fd, 4096):
+            pass  # the launcher never writes; anything it did is ignored
+    except (OSError, ValueError):
+        pass  # a broken or closed stdin means the same: nobody holds our end any more
+    log.warning("parent process gone; stopping stage worker")
+    try:
+        stop()
+    except Exception as e:  # exiting is what matters now; say why the clean way failed
+        log.warning("stopping the stage worker failed (%s); exiting", e)
+        os._exit(1)
+    time.sleep(grace_s)
+    log.warning("the stage worker did not stop within %.0f s of its parent going; exiting", grace_s)
+    os._exit(0)
 
 
 class WorkerProcess:
     """One ``ovshard serve`` child process, and the address it reports once it listens.
 
     Its stdout is read to the end by a thread of its own (the listening line, then nothing); its
-    stderr goes where ``stderr`` says (default: this process's stderr).
+    stderr goes where ``stderr`` says (default: this process's stderr). Its stdin is a pipe nobody
+    writes to and only this process holds: a worker started with ``--exit-with-parent`` stops when it
+    closes, which :meth:`stop` does, and which the kernel does when this process dies.
     """
 
     def __init__(self, command: Sequence[str], stage: int, stderr: IO[str] | int | None = None) -> None:
         self.stage = stage
-        self.process = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=stderr, text=True)
+        self.process = subprocess.Popen(list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=stderr, text=True)
         self.address: str | None = None
         self._reported = threading.Event()  # set on the listening line or at the end of stdout
         stdout = self.process.stdout
@@ -92,7 +137,8 @@ class WorkerProcess:
         return self.address
 
     def stop(self) -> None:
-        """Terminate the worker and wait for it; kill it if it does not exit within STOP_WAIT_S."""
+        """Terminate the worker and wait for it; kill it if it does not exit within STOP_WAIT_S. Then close
+        its stdin (after the wait: closed first, a worker would log that its parent went away)."""
         if self.process.poll() is None:
             self.process.terminate()
         try:
@@ -101,6 +147,9 @@ class WorkerProcess:
             log.warning("stage %d worker (pid %d) ignored SIGTERM; killing it", self.stage, self.process.pid)
             self.process.kill()
             self.process.wait()
+        finally:
+            if self.process.stdin is not None:
+                self.process.stdin.close()
 
 
 class LocalWorkers:
@@ -123,8 +172,8 @@ class LocalWorkers:
         """Start every stage's worker at once, then wait for each to report its address."""
         stages = read_manifest(self.bundle).num_stages
         try:
-            self.workers = [WorkerProcess(serve_command(self.bundle, i, options=self.options), i)
-                            for i in range(stages)]
+            self.workers = [WorkerProcess(serve_command(self.bundle, i, options=self.options, exit_with_parent=True),
+                                          i) for i in range(stages)]
             self.addresses = [w.wait_listening(self.timeout) for w in self.workers]  # they start side by side
         except BaseException:
             self.stop()

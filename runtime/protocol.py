@@ -1,73 +1,85 @@
-"""The wire messages between ovshard nodes: one tagged union of frozen dataclasses, strictly checked.
+"""The wire messages between ovshard nodes (protocol v3): one tagged union of frozen msgspec Structs.
 
-How a message becomes bytes (the 16-byte prefix, the JSON header, the body) is framing.py's part;
-this module declares what may travel. Integers are in [0, 2**63). Activations travel as f16 by
-default (``ACTIVATION_WIRE_DTYPE``; f32 on request), token ids as i64.
+How a message becomes bytes (the 16-byte prefix, the JSON header, the body) is framing.py's part; this
+module declares what may travel. msgspec checks every field on receipt: types, integer ranges, string
+lengths, and unknown fields are refused. Activations travel as f16 by default (``ACTIVATION_WIRE_DTYPE``;
+f32 on request), token ids as i64. Counts and ranges travel, never lists that grow with the prompt.
 
     kind  message   fields                                         meaning
     1     Hello     role ("head"|"upstream"), protocol,            first frame on a connection: who calls,
-                    bundle_fingerprint, stage, auth (object|null), which bundle and stage it expects; from
-                    next_hop (str|null)                            the head, next_hop is the next stage's
-                                                                   host:port (auth: reserved)
+                    bundle_fingerprint, stage, session,            which bundle, stage and session; from the
+                    next_hop (str|null)                            head, next_hop is the next stage's
+                                                                   host:port (the stage links to it for
+                                                                   this session only)
     2     HelloOk   stage, bundle_fingerprint, num_stages          the handshake is accepted
-    3     Open      stream                                         start a stream (empty KV cache and mask)
-    4     Reset     stream                                         empty a stream's KV cache and mask
-    5     Close     stream                                         forget a stream
-    6     Step      stream, seq, position, mask_delta, want,       run the new tokens: tensor is input_ids
-                    tensor, timings, rewind, compact               i64 [B,T] or hidden_states [B,T,H];
-                                                                   position = first new position id;
-                                                                   mask_delta = the mask entries appended
-                                                                   for the new tokens (never the whole
-                                                                   mask); want = what the last stage
-                                                                   returns: "argmax" (every row) |
-                                                                   "topk:K" | "logits" (the last row),
-                                                                   "@R" appended = the last R rows;
-                                                                   timings: name -> seconds spent by the
-                                                                   stages it passed (per-hop accounting);
+    3     Open      stream                                         start a stream of the session (empty KV
+                                                                   cache); answered by OpenOk or an Error
+    4     Reset     stream                                         empty a stream's KV cache
+    5     Close     stream                                         forget a stream of the session
+    6     Step      stream, seq, position, want, tensor,           run T new tokens (all visible): tensor is
+                    timings, rewind, compact                       input_ids i64 [1,T] or hidden_states
+                                                                   [1,T,H]; position = first new position
+                                                                   id, which must equal the stage's visible
+                                                                   count after the rewind; want = what the
+                                                                   last stage returns: "argmax" (every
+                                                                   row) | "topk:K" | "logits" (the last
+                                                                   row), "@R" appended = the last R rows;
                                                                    before running, every stage hides its
-                                                                   newest `rewind` visible cached positions
-                                                                   (mask zeroing) and, if `compact`, drops
-                                                                   hidden positions from its cache
-    7     (retired: v1's Rewind; rewinds ride on Step so they stay ordered with it along the chain)
+                                                                   newest `rewind` visible positions (mask
+                                                                   zeroing) and, if `compact`, drops hidden
+                                                                   positions from its cache
     8     Result    stream, seq, tensor, timings, indices          the last stage's answer to Step `seq`:
-                                                                   argmax ids i64 [B,T]; top-k values
-                                                                   [B,T,K] with their ids in `indices`
-                                                                   (i64, same shape); or logits [B,T,V].
-                                                                   timings: name -> seconds
-    9     Error     code, message, stream (int|null)               a refusal or failure; the sender may
-                                                                   close the connection after it
+                                                                   argmax ids i64 [1,T]; top-k values
+                                                                   [1,T,K] with their ids in `indices`; or
+                                                                   logits [1,T,V]. timings: name -> seconds
+    9     Error     code, message, stream, seq (int|null)          a refusal or failure (ERROR_CODES); after
+                                                                   a protocol error the sender closes
     10    Ping      nonce                                          liveness check
     11    Pong      nonce                                          answer to Ping with the same nonce
+    12    OpenOk    stream                                         the stream is open at this stage
 
-A message checks every field's type (and the facts in its ``_check``) whenever it is built, sent or
-received, so a wrong value is a ``ProtocolError`` whose ``code`` is one of ``PROTOCOL_ERROR_CODES``.
-A peer that closes the connection raises ``ConnectionClosed`` (``clean`` is true when it closed
-between frames).
+Kind 7 was v1's Rewind (retired: rewinds ride on Step so they stay ordered along the chain). A stream id
+is the session's own (the head numbers its streams); streams are keyed by (session, stream), so one
+session can neither see nor touch another's. A session id is 128 random bits in hex, chosen by the head.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, Union
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from ovshard.errors import OvshardError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_NDIM = 8
 ACTIVATION_WIRE_DTYPE = "f16"
-DTYPES: dict[str, np.dtype[Any]] = {"f16": np.dtype("<f2"), "f32": np.dtype("<f4"), "i64": np.dtype("<i8"), "i32": np.dtype("<i4")}
+DTYPES: dict[str, np.dtype[Any]] = {"f16": np.dtype("<f2"), "f32": np.dtype("<f4"), "i64": np.dtype("<i8"),
+                                    "i32": np.dtype("<i4")}
 ROLES = ("head", "upstream")
 PROTOCOL_ERROR_CODES = ("bad_magic", "bad_version", "unknown_kind", "oversized", "bad_header", "bad_tensor",
-                        "truncated")
-_INT_LIMIT = 2**63
+                        "truncated", "timeout")
+# Errors about a request or a connection (the frame itself was well formed)
+REQUEST_ERROR_CODES = ("refused", "unauthorized", "failed", "busy", "no_stream", "unavailable", "position",
+                       "draining", "internal")
+ERROR_CODES = PROTOCOL_ERROR_CODES + REQUEST_ERROR_CODES
+# Codes after which the head may reconnect and replay a stream (a stage restarted or went away)
+RECOVERABLE_CODES = ("no_stream", "unavailable", "draining")
+SESSION_PATTERN = "^[0-9a-f]{32}$"
 _WANT = re.compile(r"(argmax|logits|topk:([1-9][0-9]{0,8}))(?:@([1-9][0-9]{0,8}))?")
+
+UInt = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Dim = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+Session = Annotated[str, msgspec.Meta(pattern=SESSION_PATTERN)]
+Seconds = Annotated[float, msgspec.Meta(ge=0)]
+Timings = Annotated[dict[Name, Seconds], msgspec.Meta(max_length=64)]
 
 
 class ProtocolError(OvshardError):
@@ -94,30 +106,26 @@ def show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-@dataclass(frozen=True)
-class Tensor:
-    """One tensor on the wire: dtype name, shape, and its bytes (C order, little-endian)."""
+class Tensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """One tensor: dtype name, shape, and its bytes (C order, little-endian).
 
-    dtype: str
-    shape: tuple[int, ...]
-    data: bytes = field(repr=False)
+    In a frame's header a tensor is ``{"dtype", "shape"}`` only; its bytes are in the body (framing.py
+    fills ``data`` from there). Build one with :meth:`from_array`; :meth:`check` verifies the bytes.
+    """
 
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ProtocolError("bad_tensor", f"expected a dtype in {sorted(DTYPES)}, found {show(self.dtype)}")
-        if (type(self.shape) is not tuple or len(self.shape) > MAX_NDIM
-                or any(type(d) is not int or d < 0 for d in self.shape)):
-            raise ProtocolError("bad_tensor", f"expected a shape of at most {MAX_NDIM} non-negative ints, "
-                                              f"found {show(self.shape)}")
-        if type(self.data) is not bytes:
-            raise ProtocolError("bad_tensor", f"expected bytes of data, found {type(self.data).__name__}")
-        if len(self.data) != self.nbytes:
-            raise ProtocolError("bad_tensor", f"{self.dtype}{list(self.shape)} needs {self.nbytes} bytes, "
-                                              f"found {len(self.data)}")
+    dtype: Literal["f16", "f32", "i64", "i32"]
+    shape: Annotated[tuple[Dim, ...], msgspec.Meta(max_length=MAX_NDIM)]
+    data: bytes = b""
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    def check(self) -> Tensor:
+        if len(self.data) != self.nbytes:
+            raise ProtocolError("bad_tensor", f"{self.dtype}{list(self.shape)} needs {self.nbytes} bytes, "
+                                              f"found {len(self.data)}")
+        return self
 
     @classmethod
     def from_array(cls, array: np.ndarray, wire_dtype: str | None = None) -> Tensor:
@@ -129,6 +137,8 @@ class Tensor:
                 raise ProtocolError("bad_tensor", f"no default wire dtype for {array.dtype}; pass wire_dtype")
         if wire_dtype not in DTYPES:
             raise ProtocolError("bad_tensor", f"expected a wire dtype in {sorted(DTYPES)}, found {wire_dtype!r}")
+        if array.ndim > MAX_NDIM:
+            raise ProtocolError("bad_tensor", f"expected at most {MAX_NDIM} dimensions, found {array.ndim}")
         target = DTYPES[wire_dtype]
         if not _castable(array, target):
             raise ProtocolError("bad_tensor", f"cannot send {array.dtype} values as {wire_dtype}")
@@ -137,11 +147,11 @@ class Tensor:
         if target.kind == "f" and np.count_nonzero(~np.isfinite(out)) != np.count_nonzero(~np.isfinite(array)):
             raise ProtocolError("bad_tensor", f"values overflow {wire_dtype} (max {np.finfo(target).max}); "
                                               "send them as f32")
-        return cls(wire_dtype, tuple(int(d) for d in out.shape), out.tobytes())
+        return cls(wire_dtype, tuple(int(d) for d in out.shape), out.tobytes())  # type: ignore[arg-type]
 
     def to_array(self, dtype: npt.DTypeLike | None = None) -> np.ndarray:
         """The tensor as an array: a read-only view of the data, or a copy cast to ``dtype``."""
-        array = np.frombuffer(self.data, dtype=DTYPES[self.dtype]).reshape(self.shape)
+        array = np.frombuffer(self.check().data, dtype=DTYPES[self.dtype]).reshape(self.shape)
         if dtype is not None:
             return array.astype(dtype)
         return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
@@ -157,225 +167,110 @@ def _castable(array: np.ndarray, target: np.dtype[Any]) -> bool:
     return array.size == 0 or (int(array.min()) >= info.min and int(array.max()) <= info.max)
 
 
-# Field checks, keyed by the annotation string of each message field.
+class MessageBase(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind"):
+    """Base of every wire message; the tag (``kind`` in the header) is the message's wire kind."""
 
-def _fail(where: str, expected: str, value: Any) -> ProtocolError:
-    return ProtocolError("bad_header", f"{where}: expected {expected}, found {show(value)}")
-
-
-def _check_int(where: str, value: Any) -> None:
-    if type(value) is not int or not 0 <= value < _INT_LIMIT:
-        raise _fail(where, "an int in [0, 2**63)", value)
+    @classmethod
+    def kind(cls) -> int:
+        return int(cls.__struct_config__.tag)  # type: ignore[arg-type]
 
 
-def _check_str(where: str, value: Any) -> None:
-    if type(value) is not str:
-        raise _fail(where, "a string", value)
+class Hello(MessageBase, frozen=True, tag=1):
+    role: Literal["head", "upstream"]
+    protocol: UInt
+    bundle_fingerprint: Name
+    stage: UInt  # the stage the caller expects this node to serve
+    session: Session  # the head's session; an upstream link serves exactly this session
+    next_hop: Name | None = None  # from the head: "host:port" of the next stage (None for the last)
 
 
-def _check_bool(where: str, value: Any) -> None:
-    if type(value) is not bool:
-        raise _fail(where, "true or false", value)
-
-
-def _check_opt_str(where: str, value: Any) -> None:
-    if value is not None:
-        _check_str(where, value)
-
-
-def _check_opt_int(where: str, value: Any) -> None:
-    if value is not None:
-        _check_int(where, value)
-
-
-def _check_tensor(where: str, value: Any) -> None:
-    if type(value) is not Tensor:
-        raise _fail(where, "a Tensor", value)
-
-
-def _check_opt_tensor(where: str, value: Any) -> None:
-    if value is not None:
-        _check_tensor(where, value)
-
-
-def _check_int_tuple(where: str, value: Any) -> None:
-    if type(value) is not tuple:
-        raise _fail(where, "a list of ints", value)
-    for i, item in enumerate(value):
-        _check_int(f"{where}[{i}]", item)
-
-
-def _check_timings(where: str, value: Any) -> None:
-    if type(value) is not dict:
-        raise _fail(where, "an object of name -> seconds", value)
-    for key, item in value.items():
-        if type(key) is not str or type(item) not in (int, float) or not math.isfinite(item):
-            raise _fail(f"{where}[{key!r}]", "a finite number under a string key", item)
-
-
-def _check_opt_object(where: str, value: Any) -> None:
-    if value is None:
-        return
-    try:
-        same = type(value) is dict and json.loads(json.dumps(value, allow_nan=False)) == value
-    except (TypeError, ValueError, RecursionError):
-        same = False
-    if not same:
-        raise _fail(where, "null or a JSON object that round-trips exactly", value)
-
-
-_CHECKS = {
-    "int": _check_int,
-    "str": _check_str,
-    "bool": _check_bool,
-    "int | None": _check_opt_int,
-    "str | None": _check_opt_str,
-    "Tensor": _check_tensor,
-    "Tensor | None": _check_opt_tensor,
-    "tuple[int, ...]": _check_int_tuple,
-    "dict[str, float]": _check_timings,
-    "dict[str, Any] | None": _check_opt_object,
-}
-_KINDS: dict[int, type[MessageBase]] = {}
-KINDS: Mapping[int, type[MessageBase]] = _KINDS  # wire kind -> message class, read-only
-
-
-@dataclass(frozen=True)
-class MessageBase:
-    """Base of every wire message: checks each field's type when built (sent or received)."""
-
-    KIND: ClassVar[int] = 0
+class HelloOk(MessageBase, frozen=True, tag=2):
+    stage: UInt
+    bundle_fingerprint: Name
+    num_stages: UInt
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            _CHECKS[str(f.type)](f"{type(self).__name__}.{f.name}", getattr(self, f.name))
-        self._check()
-
-    def _check(self) -> None:
-        """Facts beyond field types; overridden where a message has some."""
-
-
-_M = TypeVar("_M", bound=MessageBase)
-
-
-def _message(kind: int) -> Callable[[type[_M]], type[_M]]:
-    """Register a message class under its wire kind, checking that every field has a wire type."""
-
-    def register(cls: type[_M]) -> type[_M]:
-        unknown = [f"{f.name}: {f.type}" for f in fields(cls) if str(f.type) not in _CHECKS]
-        if unknown or kind in _KINDS:
-            raise TypeError(f"{cls.__name__}: kind {kind} taken or fields of unknown wire type {unknown}")
-        cls.KIND = kind
-        _KINDS[kind] = cls
-        return cls
-    return register
-
-
-@_message(1)
-@dataclass(frozen=True)
-class Hello(MessageBase):
-    role: str  # "head" | "upstream"
-    protocol: int
-    bundle_fingerprint: str
-    stage: int  # the stage the caller expects this node to serve
-    auth: dict[str, Any] | None = None  # reserved for authentication (a later issue)
-    next_hop: str | None = None  # from the head: "host:port" of the next stage (None for the last)
-
-    def _check(self) -> None:
-        if self.role not in ROLES:
-            raise _fail("Hello.role", f"one of {ROLES}", self.role)
-
-
-@_message(2)
-@dataclass(frozen=True)
-class HelloOk(MessageBase):
-    stage: int
-    bundle_fingerprint: str
-    num_stages: int
-
-    def _check(self) -> None:
         if not self.stage < self.num_stages:
-            raise _fail("HelloOk.stage", f"less than num_stages={self.num_stages}", self.stage)
+            raise ValueError(f"HelloOk.stage {self.stage} must be less than num_stages={self.num_stages}")
 
 
-@_message(3)
-@dataclass(frozen=True)
-class Open(MessageBase):
-    stream: int
+class Open(MessageBase, frozen=True, tag=3):
+    stream: UInt
 
 
-@_message(4)
-@dataclass(frozen=True)
-class Reset(MessageBase):
-    stream: int
+class Reset(MessageBase, frozen=True, tag=4):
+    stream: UInt
 
 
-@_message(5)
-@dataclass(frozen=True)
-class Close(MessageBase):
-    stream: int
+class Close(MessageBase, frozen=True, tag=5):
+    stream: UInt
 
 
-@_message(6)
-@dataclass(frozen=True)
-class Step(MessageBase):
-    stream: int
-    seq: int
-    position: int  # first position id of the new tokens
-    mask_delta: tuple[int, ...]  # mask entries appended for the new tokens (never the whole mask)
-    want: str  # "argmax" | "topk:K" | "logits", optionally "@R" (the last R rows)
-    tensor: Tensor  # input_ids i64 [B,T] or hidden_states [B,T,H]
-    timings: dict[str, float] = field(default_factory=dict)  # seconds each earlier stage spent on it
-    rewind: int = 0  # newest visible cached positions to hide before running (rejected drafts)
+class Step(MessageBase, frozen=True, tag=6):
+    stream: UInt
+    seq: UInt
+    position: UInt  # first position id of the new tokens (= the stage's visible count after the rewind)
+    want: Annotated[str, msgspec.Meta(max_length=32)]  # "argmax" | "topk:K" | "logits", optionally "@R"
+    tensor: Tensor  # input_ids i64 [1,T] or hidden_states [1,T,H]
+    timings: Timings = {}  # seconds each earlier stage spent on it
+    rewind: UInt = 0  # newest visible cached positions to hide before running (rejected drafts)
     compact: bool = False  # drop hidden positions from the cache before running
 
-    def _check(self) -> None:
-        if any(entry not in (0, 1) for entry in self.mask_delta):
-            raise _fail("Step.mask_delta", "entries 0 or 1", self.mask_delta)
+    def __post_init__(self) -> None:
         parse_want(self.want)
+        shape = self.tensor.shape
+        if len(shape) not in (2, 3) or shape[0] != 1 or shape[1] < 1:
+            raise ValueError(f"Step.tensor: expected ids [1, T] or activations [1, T, H] with T >= 1 "
+                             f"(batch 1), found shape {list(shape)}")
 
 
-@_message(8)
-@dataclass(frozen=True)
-class Result(MessageBase):
-    stream: int
-    seq: int
-    tensor: Tensor  # argmax ids i64 [B,T] | top-k values [B,T,K] | logits [B,T,V]
-    timings: dict[str, float]
+class Result(MessageBase, frozen=True, tag=8):
+    stream: UInt
+    seq: UInt
+    tensor: Tensor  # argmax ids i64 [1,T] | top-k values [1,T,K] | logits [1,T,V]
+    timings: Timings
     indices: Tensor | None = None  # the top-k ids (i64 or i32), same shape as tensor; else None
 
-    def _check(self) -> None:
+    def __post_init__(self) -> None:
         if self.indices is not None and (self.indices.dtype not in ("i64", "i32")
                                          or self.indices.shape != self.tensor.shape):
-            raise ProtocolError("bad_tensor", f"Result.indices: expected integer ids of shape "
-                                              f"{list(self.tensor.shape)}, found {self.indices}")
+            raise ValueError(f"Result.indices: expected integer ids of shape {list(self.tensor.shape)}, "
+                             f"found {self.indices.dtype}{list(self.indices.shape)}")
 
 
-@_message(9)
-@dataclass(frozen=True)
-class Error(MessageBase):
-    code: str
-    message: str
-    stream: int | None = None
-
-    def _check(self) -> None:
-        if not self.code:
-            raise _fail("Error.code", "a non-empty string", self.code)
+class Error(MessageBase, frozen=True, tag=9):
+    code: Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+    message: Text
+    stream: UInt | None = None
+    seq: UInt | None = None
 
 
-@_message(10)
-@dataclass(frozen=True)
-class Ping(MessageBase):
-    nonce: int
+class Ping(MessageBase, frozen=True, tag=10):
+    nonce: UInt
 
 
-@_message(11)
-@dataclass(frozen=True)
-class Pong(MessageBase):
-    nonce: int
+class Pong(MessageBase, frozen=True, tag=11):
+    nonce: UInt
 
 
-Message = Hello | HelloOk | Open | Reset | Close | Step | Result | Error | Ping | Pong
+class OpenOk(MessageBase, frozen=True, tag=12):
+    stream: UInt
+
+
+Message = Union[Hello, HelloOk, Open, Reset, Close, Step, Result, Error, Ping, Pong, OpenOk]  # noqa: UP007
+KINDS: Mapping[int, type[MessageBase]] = {cls.kind(): cls for cls in Message.__args__}  # type: ignore[attr-defined]
+TENSOR_FIELDS: Mapping[type[MessageBase], tuple[str, ...]] = {
+    cls: tuple(f for f, t in zip(cls.__struct_fields__, msgspec.structs.fields(cls), strict=True)
+               if "Tensor" in repr(t.type))
+    for cls in KINDS.values()
+}
+
+
+def error(code: str, message: str, stream: int | None = None, seq: int | None = None) -> Error:
+    """An Error frame; the message is cut to what the wire allows."""
+    if code not in ERROR_CODES:
+        raise ValueError(f"unknown error code {code!r}")
+    return Error(code, message if len(message) <= 4096 else message[:4093] + "...", stream, seq)
 
 
 def parse_want(want: str) -> tuple[str, int | None, int | None]:
@@ -383,6 +278,7 @@ def parse_want(want: str) -> tuple[str, int | None, int | None]:
     rows = the last R rows asked for, None for the default (every row for argmax, the last for others)."""
     match = _WANT.fullmatch(want)
     if match is None:
-        raise _fail("Step.want", '"argmax", "logits" or "topk:K" with K >= 1, optionally "@R" with R >= 1', want)
+        raise ProtocolError("bad_header", f'Step.want: expected "argmax", "logits" or "topk:K" with K >= 1, '
+                                          f'optionally "@R" with R >= 1, found {show(want)}')
     mode, k, rows = match.groups()
     return ("topk" if k else mode), (int(k) if k else None), (int(rows) if rows else None)

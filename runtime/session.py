@@ -28,7 +28,8 @@ _DONE = object()
 
 @dataclass
 class Request:
-    """One submitted generation: its tokens as they come, its stats, and its error if it failed."""
+    """One submitted generation: its tokens as they come, its stats, and its error if it failed (the
+    tokens generated before the failure stay in ``partial``)."""
 
     index: int
     prompt: list[int]
@@ -47,6 +48,16 @@ class Request:
             yield item
         if self.error is not None:
             raise self.error
+
+    @property
+    def partial(self) -> list[int]:
+        """The tokens generated so far (all of them once finished, also when it failed)."""
+        return list(self._tokens)
+
+    @property
+    def finish_reason(self) -> str:
+        """"stop" (an eos id), "length" (max_tokens or a full context), "error", or "" while running."""
+        return "error" if self.error is not None else self.stats.finish_reason
 
     def result(self, timeout: float | None = None) -> list[int]:
         """Wait for the whole generation."""
@@ -92,6 +103,8 @@ class Session:
                     request._feed.put(token)
             except OvshardError as e:
                 request.error = e
+            except Exception as e:  # never let a slot thread die: the request carries what went wrong
+                request.error = OvshardError(f"request {request.index} failed: {type(e).__name__}: {e}")
             finally:
                 request.finished = time.perf_counter()
                 request._feed.put(_DONE)

@@ -1,12 +1,13 @@
 """What both ends of a connection share: addresses, the bundle fingerprint, a locked socket, the handshake.
 
 The head (client, head.py) and the stage worker (server, worker.py) import this module and never each
-other. It knows frames and the Hello handshake, nothing about models.
+other. It knows frames, TLS and the Hello handshake, nothing about models.
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 from pathlib import Path
 
@@ -14,7 +15,10 @@ from ovshard.bundle import names
 from ovshard.bundle.manifest import sha256_file
 from ovshard.errors import OvshardError
 from ovshard.runtime import protocol as p
-from ovshard.runtime.framing import read_message, write_message
+from ovshard.runtime import security
+from ovshard.runtime.framing import DEFAULT_MAX_FRAME, read_message, write_message
+
+HANDSHAKE_TIMEOUT_S = 10.0  # TCP connect, TLS handshake and Hello/HelloOk, each
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -22,52 +26,94 @@ def parse_address(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     if not host or not port.isdigit() or int(port) > 65535:
         raise OvshardError(f"address {text!r}: expected host:port, e.g. 127.0.0.1:7001")
-    return host, int(port)
+    return host.strip("[]"), int(port)
 
 
 def bundle_fingerprint(bundle: Path) -> str:
-    """What both ends of a connection must agree on: the manifest's sha256."""
+    """What both ends of a connection must agree on: the manifest's sha256 (public: not a secret)."""
     return "sha256:" + sha256_file(Path(bundle) / names.MANIFEST_FILE)
 
 
 class Connection:
-    """A socket with a write lock (several threads may send on it; one thread reads)."""
+    """A socket (plain or TLS) with a write lock: several threads may send on it; one thread reads.
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
-        self.sock, self.peer, self.lock = sock, peer, threading.Lock()
+    ``identity`` is the peer's (role, name) from its verified certificate, or None without TLS.
+    """
+
+    def __init__(self, sock: socket.socket, peer: str, identity: tuple[str, str] | None = None) -> None:
+        self.sock, self.peer, self.identity = sock, peer, identity
+        self.lock = threading.Lock()
+        self.closed = False
 
     def send(self, msg: p.Message) -> None:
         with self.lock:
             write_message(self.sock, msg)
 
-    def receive(self) -> p.Message:
-        return read_message(self.sock)
+    def receive(self, max_frame_bytes: int = DEFAULT_MAX_FRAME, deadline_s: float | None = None,
+                idle_s: float | None = None) -> p.Message:
+        return read_message(self.sock, max_frame_bytes, deadline_s=deadline_s, idle_s=idle_s)
 
     def close(self) -> None:
+        """Close once; a reader blocked on this socket wakes with ConnectionClosed or OSError."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected any more
         self.sock.close()
 
 
-def connect(address: str, stage: int, fingerprint: str, role: str, next_hop: str | None = None,
-            timeout: float = 30.0) -> Connection:
-    """Open a connection to a stage and complete the handshake; errors name the host:port and stage."""
+def peer_identity(sock: socket.socket) -> tuple[str, str] | None:
+    """(role, name) from a TLS peer's verified certificate (OU and CN of its subject); None without TLS."""
+    return security.peer_identity(sock) if isinstance(sock, ssl.SSLSocket) else None
+
+
+def connect(address: str, stage: int, fingerprint: str, role: str, session: str, next_hop: str | None = None,
+            timeout: float = HANDSHAKE_TIMEOUT_S, tls: ssl.SSLContext | None = None) -> Connection:
+    """Open a connection to a stage and complete the handshake; errors name the host:port and stage.
+
+    With ``tls`` the connection is TLS with the cluster's certificates, both ways (mutual authentication).
+    """
     host, port = parse_address(address)
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as e:
-        raise OvshardError(f"cannot reach stage {stage} at {address}: {e.strerror or e}; is "
-                           f"`ovshard serve BUNDLE --stage {stage}` running there?") from e
+        raise StageUnreachable(f"cannot reach stage {stage} at {address}: {e.strerror or e}; is "
+                               f"`ovshard serve BUNDLE --stage {stage}` running there?") from e
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    identity = None
+    if tls is not None:
+        try:
+            sock = tls.wrap_socket(sock, server_side=False)
+            identity = peer_identity(sock)
+        except OSError as e:
+            sock.close()
+            raise OvshardError(f"stage {stage}: {security.handshake_error(e, address)}") from e
+        if identity is not None and identity[0] != "stage":
+            sock.close()
+            raise OvshardError(f"{address} presents a {identity[0]!r} certificate ({identity[1]}), not a stage's")
     try:
-        write_message(sock, p.Hello(role, p.PROTOCOL_VERSION, fingerprint, stage, None, next_hop))
-        reply = read_message(sock)
+        write_message(sock, p.Hello(role, p.PROTOCOL_VERSION, fingerprint, stage, session, next_hop))  # type: ignore[arg-type]
+        reply = read_message(sock, deadline_s=timeout, idle_s=timeout)
+    except ssl.SSLError as e:  # TLS 1.3: a refused client certificate shows at the first read
+        sock.close()
+        raise OvshardError(f"stage {stage}: {security.handshake_error(e, address)}") from e
     except (OSError, p.ConnectionClosed, p.ProtocolError) as e:
         sock.close()
-        raise OvshardError(f"stage {stage} at {address} closed the handshake: {e}") from e
+        hint = "" if tls is not None else "; if the stage runs with --credentials, pass --credentials here too"
+        raise StageUnreachable(f"stage {stage} at {address} closed the handshake: {e}{hint}") from e
     if isinstance(reply, p.Error):
         sock.close()
-        raise OvshardError(f"stage {stage} at {address} refused: {reply.message}")
+        error = StageUnreachable if reply.code in p.RECOVERABLE_CODES else OvshardError
+        raise error(f"stage {stage} at {address} refused: {reply.message}")
     if not isinstance(reply, p.HelloOk):
         sock.close()
         raise OvshardError(f"stage {stage} at {address} answered {type(reply).__name__} to Hello")
     sock.settimeout(None)
-    return Connection(sock, address)
+    return Connection(sock, address, identity)
+
+
+class StageUnreachable(OvshardError):
+    """A stage could not be reached or is going away: worth retrying (it may be restarting)."""

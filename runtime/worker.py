@@ -1,16 +1,26 @@
 """A stage worker: serves one stage of a bundle over TCP in the chain head -> 0 -> ... -> N-1 -> head.
 
-Connections start with Hello. A *head* connection carries Open/Reset/Close/Ping (and, at stage 0,
-Step); the last stage answers every Step on the head connection that opened the stream. An
-*upstream* connection (from the previous stage) carries Step. A stage before the last connects to
-the ``next_hop`` the head names and forwards each Step, its input replaced by the activations. One
-network traversal per decode step. A malformed frame gets an Error and closes that connection only.
+Connections start with Hello (over TLS when the worker has credentials). A *head* connection opens a
+session (128 random bits the head chose) and carries Open/Reset/Close/Ping for that session's streams
+(and, at stage 0, its Steps); the last stage answers every Step on the head connection of the step's
+session. An *upstream* connection (from the previous stage) is one session's link and carries its Steps.
+A stage before the last links to the ``next_hop`` the head names, for that session only, so a head can
+steer only its own activations. A session's streams live exactly as long as its head connection: a
+client that disconnects (or dies) frees its streams on every stage, since every stage sees its own head
+connection close.
+
+Hostile input is bounded (``Limits``): a few KiB per frame until the handshake is done, a deadline on
+every frame that has begun, a cap on connections, sessions and streams, accept errors (EMFILE) survived.
+A malformed frame is answered with an Error and closes that connection only; a bad request is answered
+with an Error and the connection stays.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -23,26 +33,75 @@ from ovshard.bundle import names
 from ovshard.bundle.manifest import read_manifest, verify_files
 from ovshard.errors import BundleError, OvshardError
 from ovshard.runtime import protocol as p
+from ovshard.runtime.framing import DEFAULT_MAX_FRAME
 from ovshard.runtime.kv import KVCache, StepInputs
 from ovshard.runtime.scores import Scores
-from ovshard.runtime.transport import Connection, bundle_fingerprint, connect
+from ovshard.runtime.transport import (
+    HANDSHAKE_TIMEOUT_S,
+    Connection,
+    StageUnreachable,
+    bundle_fingerprint,
+    connect,
+    peer_identity,
+)
 
 log = logging.getLogger(__name__)
 
-OPEN_WAIT_S = 5.0  # how long a Step waits for its stream's Open to arrive on the head connection
+_ACCEPT_BACKOFF_S = (0.05, 1.0)  # first and longest pause after accept() fails (EMFILE and co.)
+_RESOURCE_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
-@dataclass
-class StreamSlot:
-    """One user stream at this stage: its KV cache (stateful request + mask) and its head."""
+@dataclass(frozen=True)
+class Limits:
+    """What one worker grants: anything beyond is refused with an Error, never allocated."""
 
-    cache: KVCache
-    head: Connection | None  # where the last stage sends this stream's results
+    max_connections: int = 256
+    max_sessions: int = 64
+    max_streams: int = 256  # over all sessions
+    max_streams_per_session: int = 32
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S  # TLS handshake and Hello, from accept
+    frame_timeout_s: float = 30.0  # a frame that has begun must be whole within this (+ 1 s per MiB)
+    pre_auth_frame_bytes: int = 4096  # the Hello's frame
+    max_frame_bytes: int = DEFAULT_MAX_FRAME
+    drain_s: float = 30.0  # how long SIGTERM waits for in-flight steps
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "max_sessions", "max_streams", "max_streams_per_session"):
+            if getattr(self, name) < 1:
+                raise OvshardError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected at least 1")
+        if self.frame_timeout_s <= 0 or self.handshake_timeout_s <= 0:
+            raise OvshardError("--frame-timeout and the handshake timeout must be positive seconds")
+
+
+class RequestError(OvshardError):
+    """A well-formed request this stage cannot serve; answered with Error ``code``, connection kept."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class SessionState:
+    """One head's session at this stage: its head connection, streams, and link to the next stage."""
+
+    def __init__(self, session_id: str, head: Connection) -> None:
+        self.id, self.head = session_id, head
+        self.streams: dict[int, KVCache] = {}
+        self.downstream: Connection | None = None
+        self.next_hop: str | None = None
+        self.upstream: list[Connection] = []
+        self.lock = threading.Lock()
+
+    def links(self) -> list[Connection]:
+        with self.lock:
+            return [c for c in [self.downstream, *self.upstream] if c is not None]
 
 
 class StageWorker:
     def __init__(self, bundle: Path, stage: int, device: str = "CPU", config: dict | None = None,
-                 cache_dir: Path | None = None, wire_dtype: str = p.ACTIVATION_WIRE_DTYPE) -> None:
+                 cache_dir: Path | None = None, wire_dtype: str = p.ACTIVATION_WIRE_DTYPE,
+                 limits: Limits | None = None, server_tls: ssl.SSLContext | None = None,
+                 client_tls: ssl.SSLContext | None = None) -> None:
         self.bundle = Path(bundle)
         self.manifest = read_manifest(self.bundle)
         if not 0 <= stage < self.manifest.num_stages:
@@ -52,176 +111,365 @@ class StageWorker:
         self.last = stage == self.manifest.num_stages - 1
         self.fingerprint = bundle_fingerprint(self.bundle)
         self.max_positions = self.manifest.runtime_hints.max_positions
-        self.wire_dtype = wire_dtype
+        self.wire_dtype, self.limits = wire_dtype, limits or Limits()
+        self.server_tls, self.client_tls = server_tls, client_tls
         core = ov.Core()
         core.set_property({"CACHE_DIR": str(cache_dir or self.bundle / ".ov_cache")})
         log.info("stage %d: compiling %s on %s", stage, self.entry.model_xml, device)
         self.compiled = core.compile_model(str(self.bundle / self.entry.model_xml), device, config or {})
-        self.streams: dict[int, StreamSlot] = {}
-        self.downstream: Connection | None = None
-        self.lock = threading.Lock()
-        self.opened = threading.Condition()
+        self.sessions: dict[str, SessionState] = {}
+        self.connections: set[Connection] = set()
+        self.lock = threading.Lock()  # guards sessions, connections, counters
+        self.in_flight = 0
+        self.idle = threading.Condition(self.lock)  # notified when in_flight drops
+        self.draining = False
         self.server: socket.socket | None = None
+        self._stopping = False
 
     # ----- serving -----
     def listen(self, host: str, port: int) -> str:
         """Bind ``host:port`` (port 0: a free port the system picks); returns the address bound."""
         try:
-            self.server = socket.create_server((host, port))
+            self.server = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         except OSError as e:
             raise OvshardError(f"stage {self.stage} cannot listen on {host}:{port}: {e.strerror or e}; "
                                "choose another --listen port, or port 0 for a free one") from e
         address = self._where()
-        log.info("stage %d: listening on %s", self.stage, address)
+        log.info("stage %d: listening on %s%s", self.stage, address, " (TLS)" if self.server_tls else "")
         return address
 
     def serve_forever(self) -> None:
         """Accept connections until :meth:`stop`, one thread each; call :meth:`listen` first."""
         if self.server is None:
             raise OvshardError(f"stage {self.stage} is not listening: call listen(host, port) first")
-        while True:
+        pause = _ACCEPT_BACKOFF_S[0]
+        while not self._stopping:
             try:
                 sock, addr = self.server.accept()
-            except OSError:
-                return  # closed by stop()
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._handle, args=(Connection(sock, f"{addr[0]}:{addr[1]}"),),
-                             daemon=True).start()
+            except OSError as e:
+                if self._stopping:
+                    return
+                if e.errno in _RESOURCE_ERRNOS:  # out of descriptors or memory: back off, keep serving
+                    log.warning("stage %d: accept failed (%s); pausing %.2f s", self.stage, e.strerror, pause)
+                    time.sleep(pause)
+                    pause = min(2 * pause, _ACCEPT_BACKOFF_S[1])
+                else:
+                    log.warning("stage %d: accept failed: %s", self.stage, e)
+                continue
+            pause = _ACCEPT_BACKOFF_S[0]
+            self._admit(sock, f"{addr[0]}:{addr[1]}")
+
+    def _admit(self, sock: socket.socket, peer: str) -> None:
+        with self.lock:
+            full = len(self.connections) >= self.limits.max_connections
+            if not full:
+                conn = Connection(sock, peer)
+                self.connections.add(conn)
+        if full:
+            log.warning("stage %d: refused %s: %d connections open (--max-connections)", self.stage, peer,
+                        self.limits.max_connections)
+            sock.close()
+            return
+        try:
+            threading.Thread(target=self._handle, args=(conn,), name=f"conn-{peer}", daemon=True).start()
+        except RuntimeError:  # no thread to be had
+            self._forget(conn)
 
     def stop(self) -> None:
+        """Stop accepting; serve_forever returns."""
+        self._stopping = True
         if self.server is not None:
+            try:
+                self.server.shutdown(socket.SHUT_RDWR)  # wakes an accept() blocked in another thread
+            except OSError:
+                pass
             self.server.close()
 
+    def drain(self, timeout: float | None = None) -> int:
+        """Refuse new sessions and streams, stop accepting, wait for in-flight steps (at most ``timeout``,
+        default Limits.drain_s), then close every connection. Returns the steps still running at the end."""
+        with self.lock:
+            self.draining = True
+        self.stop()
+        with self.idle:
+            self.idle.wait_for(lambda: self.in_flight == 0, timeout=self.limits.drain_s if timeout is None else timeout)
+            left = self.in_flight
+            conns = list(self.connections)
+        for conn in conns:
+            conn.close()
+        return left
+
+    # ----- one connection -----
     def _handle(self, conn: Connection) -> None:
+        session: SessionState | None = None
+        role = "?"
         try:
-            role = self._handshake(conn)
-            while True:
-                msg = conn.receive()
-                try:
-                    self._dispatch(conn, role, msg)
-                except p.ProtocolError:
-                    raise
-                except (OvshardError, RuntimeError, ValueError) as e:  # a bad request, not a bad frame
-                    self._report(conn, msg, e)
-        except p.ConnectionClosed:
+            self._secure(conn)
+            role, session = self._handshake(conn)
+            self._serve(conn, role, session)
+        except (p.ConnectionClosed, OSError):
             pass
         except p.ProtocolError as e:
             log.warning("stage %d: malformed frame from %s: %s", self.stage, conn.peer, e)
-            self._try_send(conn, p.Error(e.code, f"stage {self.stage}: {e}"))
-        except OvshardError as e:
-            log.warning("stage %d: %s", self.stage, e)
-            self._try_send(conn, p.Error("failed", f"stage {self.stage}: {e}"))
+            self._try_send(conn, p.error(e.code, f"stage {self.stage}: {e}"))
+        except RequestError as e:
+            log.warning("stage %d: refused %s: %s", self.stage, conn.peer, e)
+            self._try_send(conn, p.error(e.code, f"stage {self.stage} at {self._where()}: {e}"))
+        except Exception as e:  # a bug here must not kill the worker or leak the connection
+            log.error("stage %d: internal error on %s: %s: %s", self.stage, conn.peer, type(e).__name__, e)
+            log.debug("internal error", exc_info=True)
+            self._try_send(conn, p.error("internal", f"stage {self.stage}: internal error: {type(e).__name__}"))
         finally:
-            conn.close()
+            if session is not None:
+                self._end(session, conn, role)
+            self._forget(conn)
 
-    def _report(self, conn: Connection, msg: p.Message, error: Exception) -> None:
-        """Tell the head of the stream (or the sender) that a request failed; keep the connection."""
-        stream = getattr(msg, "stream", None)
-        slot = self.streams.get(stream) if stream is not None else None
-        log.warning("stage %d: %s of stream %s failed: %s", self.stage, type(msg).__name__, stream, error)
-        self._try_send(slot.head if slot and slot.head else conn,
-                       p.Error("failed", f"stage {self.stage}: {error}", stream))
+    def _forget(self, conn: Connection) -> None:
+        conn.close()
+        with self.lock:
+            self.connections.discard(conn)
 
-    def _try_send(self, conn: Connection, msg: p.Message) -> None:
+    def _secure(self, conn: Connection) -> None:
+        """The TLS handshake, within the handshake timeout; the peer's certificate names its role."""
+        if self.server_tls is None:
+            return
+        conn.sock.settimeout(self.limits.handshake_timeout_s)
+        try:
+            conn.sock = self.server_tls.wrap_socket(conn.sock, server_side=True)
+            conn.identity = peer_identity(conn.sock)
+        except (ssl.SSLError, OvshardError) as e:
+            log.warning("stage %d: TLS handshake with %s failed: %s", self.stage, conn.peer, e)
+            raise p.ConnectionClosed(str(e), clean=False) from e
+
+    def _serve(self, conn: Connection, role: str, session: SessionState) -> None:
+        while True:
+            msg = conn.receive(self.limits.max_frame_bytes, deadline_s=self.limits.frame_timeout_s)
+            try:
+                self._dispatch(conn, role, session, msg)
+            except RequestError as e:
+                stream, seq = getattr(msg, "stream", None), getattr(msg, "seq", None)
+                log.warning("stage %d: %s of stream %s refused: %s", self.stage, type(msg).__name__, stream, e)
+                self._try_send(session.head, p.error(e.code, f"stage {self.stage}: {e}", stream, seq))
+
+    def _try_send(self, conn: Connection, msg: p.Message) -> bool:
         try:
             conn.send(msg)
-        except OSError:
-            pass
+            return True
+        except (OSError, p.ProtocolError):
+            return False
 
-    def _handshake(self, conn: Connection) -> str:
-        hello = conn.receive()
+    def _handshake(self, conn: Connection) -> tuple[str, SessionState]:
+        hello = conn.receive(self.limits.pre_auth_frame_bytes, deadline_s=self.limits.handshake_timeout_s,
+                             idle_s=self.limits.handshake_timeout_s)
         if not isinstance(hello, p.Hello):
             raise p.ProtocolError("bad_header", f"expected Hello first, got {type(hello).__name__}")
-        problem = None
-        if hello.stage != self.stage:
-            problem = f"this node serves stage {self.stage}, the peer expected stage {hello.stage}"
-        elif hello.bundle_fingerprint != self.fingerprint:
-            problem = (f"bundle mismatch: this node serves {self.fingerprint[:19]}..., the peer has "
-                       f"{hello.bundle_fingerprint[:19]}...; copy the same bundle to every node")
-        if problem:
-            log.warning("stage %d: refused %s: %s", self.stage, conn.peer, problem)
-            conn.send(p.Error("refused", f"stage {self.stage} at {self._where()}: {problem}"))
-            raise p.ConnectionClosed(problem, clean=True)
-        if hello.role == "head" and hello.next_hop and not self.last:
-            self._connect_downstream(hello.next_hop)
+        self._check_hello(conn, hello)
+        if hello.role == "head":
+            session = self._open_session(conn, hello)
+        else:
+            session = self._attach_upstream(conn, hello)
         conn.send(p.HelloOk(self.stage, self.fingerprint, self.manifest.num_stages))
-        return hello.role
+        conn.sock.settimeout(None)
+        return hello.role, session
+
+    def _check_hello(self, conn: Connection, hello: p.Hello) -> None:
+        if hello.stage != self.stage:
+            raise RequestError("refused", f"this node serves stage {self.stage}, the peer expected stage {hello.stage}")
+        if hello.bundle_fingerprint != self.fingerprint:
+            raise RequestError("refused", f"bundle mismatch: this node serves {self.fingerprint[:19]}..., the peer "
+                                          f"has {hello.bundle_fingerprint[:19]}...; copy the same bundle to every node")
+        if self.draining:
+            raise RequestError("draining", "this worker is shutting down")
+        wanted = {"head": "head", "upstream": "stage"}[hello.role]
+        if conn.identity is not None and conn.identity[0] != wanted:
+            raise RequestError("unauthorized", f"a {hello.role} connection needs a {wanted!r} certificate; "
+                                               f"{conn.identity[1]} holds a {conn.identity[0]!r} one")
+        if hello.role == "upstream" and hello.next_hop is not None:
+            raise RequestError("refused", "only a head names a next_hop")
+
+    def _open_session(self, conn: Connection, hello: p.Hello) -> SessionState:
+        session = SessionState(hello.session, conn)
+        with self.lock:
+            if hello.session in self.sessions:
+                raise RequestError("refused", "session id in use; a head picks a fresh random one per connection")
+            if len(self.sessions) >= self.limits.max_sessions:
+                raise RequestError("busy", f"{self.limits.max_sessions} sessions open (--max-sessions); try later")
+            self.sessions[hello.session] = session
+        if hello.next_hop is not None and not self.last:
+            try:
+                self._link(session, hello.next_hop)
+            except OvshardError as e:
+                self._drop(session)
+                raise RequestError("unavailable", f"cannot link to the next stage: {e}") from e
+        return session
+
+    def _link(self, session: SessionState, address: str) -> None:
+        """This session's link to the next stage (whose head connection for it exists already)."""
+        downstream = connect(address, self.stage + 1, self.fingerprint, "upstream", session.id,
+                             tls=self.client_tls)
+        with session.lock:
+            session.downstream, session.next_hop = downstream, address
+        threading.Thread(target=self._drain_downstream, args=(session, downstream), daemon=True).start()
+
+    def _attach_upstream(self, conn: Connection, hello: p.Hello) -> SessionState:
+        with self.lock:
+            session = self.sessions.get(hello.session)
+        if session is None:
+            raise RequestError("refused", "unknown session: its head must connect to this stage first")
+        with session.lock:
+            session.upstream.append(conn)
+        return session
+
+    def _end(self, session: SessionState, conn: Connection, role: str) -> None:
+        if role == "head":
+            self._drop(session)
+        else:
+            with session.lock:
+                if conn in session.upstream:
+                    session.upstream.remove(conn)
+
+    def _drop(self, session: SessionState) -> None:
+        """The head is gone: free the session's streams and close its links."""
+        with self.lock:
+            if self.sessions.get(session.id) is session:
+                del self.sessions[session.id]
+        with session.lock:
+            freed = len(session.streams)
+            session.streams.clear()
+        for link in session.links():
+            link.close()
+        log.info("stage %d: session %s... ended, %d streams freed", self.stage, session.id[:8], freed)
 
     def _where(self) -> str:
         if self.server is None:
             return "?"
-        host, port = self.server.getsockname()[:2]
+        try:
+            host, port = self.server.getsockname()[:2]
+        except OSError:
+            return "?"
         return f"{host}:{port}"
 
-    def _connect_downstream(self, address: str) -> None:
-        with self.lock:
-            if self.downstream is not None and self.downstream.peer == address:
-                return
-            self.downstream = connect(address, self.stage + 1, self.fingerprint, "upstream")
-            threading.Thread(target=self._drain_downstream, args=(self.downstream,), daemon=True).start()
-
-    def _drain_downstream(self, conn: Connection) -> None:
+    def _drain_downstream(self, session: SessionState, conn: Connection) -> None:
         """Errors the next stage reports about our Steps are logged (the head hears them too)."""
         try:
             while True:
-                msg = conn.receive()
+                msg = conn.receive(self.limits.max_frame_bytes, deadline_s=self.limits.frame_timeout_s)
                 if isinstance(msg, p.Error):
                     log.warning("stage %d: next stage reported: %s", self.stage, msg.message)
         except (p.ConnectionClosed, p.ProtocolError, OSError):
             pass
+        with session.lock:
+            if session.downstream is conn:
+                session.downstream = None
 
     # ----- messages -----
-    def _dispatch(self, conn: Connection, role: str, msg: p.Message) -> None:
+    def _dispatch(self, conn: Connection, role: str, session: SessionState, msg: p.Message) -> None:
         if isinstance(msg, p.Ping):
             conn.send(p.Pong(msg.nonce))
+        elif isinstance(msg, p.Step) and (role == "upstream" or self.stage == 0):
+            self._step(session, msg)
+        elif role != "head":
+            raise p.ProtocolError("unknown_kind", f"an upstream link carries Step and Ping, not {type(msg).__name__}")
         elif isinstance(msg, p.Open):
-            with self.opened:
-                self.streams[msg.stream] = StreamSlot(KVCache(self.compiled.create_infer_request()),
-                                                      conn if role == "head" else None)
-                self.opened.notify_all()
+            self._open(session, msg.stream)
+            conn.send(p.OpenOk(msg.stream))
         elif isinstance(msg, p.Reset):
-            self._slot(msg.stream).cache.reset()
+            self._stream(session, msg.stream).reset()
         elif isinstance(msg, p.Close):
-            self.streams.pop(msg.stream, None)
+            with session.lock:
+                session.streams.pop(msg.stream, None)
         elif isinstance(msg, p.Step):
-            self._step(conn, msg)
+            raise RequestError("refused", f"stage {self.stage} takes Steps from stage {self.stage - 1}, not the head")
         else:
             raise p.ProtocolError("unknown_kind", f"stage {self.stage} does not take {type(msg).__name__}")
 
-    def _slot(self, stream: int) -> StreamSlot:
-        """The open stream; waits briefly, as a Step forwarded by the previous stage can overtake the
-        head's Open to this stage (they travel on different connections)."""
-        with self.opened:
-            self.opened.wait_for(lambda: stream in self.streams, timeout=OPEN_WAIT_S)
-            slot = self.streams.get(stream)
-        if slot is None:
-            raise OvshardError(f"stream {stream} is not open at stage {self.stage}; send Open first")
-        return slot
+    def _open(self, session: SessionState, stream: int) -> None:
+        with self.lock:
+            total = sum(len(s.streams) for s in self.sessions.values())
+            if self.draining:
+                raise RequestError("draining", "this worker is shutting down")
+        with session.lock:
+            if stream in session.streams:
+                raise RequestError("refused", f"stream {stream} is open already")
+            if len(session.streams) >= self.limits.max_streams_per_session:
+                raise RequestError("busy", f"{self.limits.max_streams_per_session} streams open in this session "
+                                           "(--max-streams-per-session)")
+            if total >= self.limits.max_streams:
+                raise RequestError("busy", f"{self.limits.max_streams} streams open on this worker (--max-streams)")
+            session.streams[stream] = KVCache(self.compiled.create_infer_request())
 
-    def _step(self, conn: Connection, msg: p.Step) -> None:
-        slot = self._slot(msg.stream)
-        x = msg.tensor.to_array()
-        seq = x.shape[1]
-        if len(msg.mask_delta) != seq:
-            raise OvshardError(f"Step of stream {msg.stream}: {seq} new tokens but {len(msg.mask_delta)} "
-                               "mask entries")
-        start = time.perf_counter()
-        primary = names.INPUT_IDS if self.stage == 0 else names.HIDDEN_STATES
-        inputs = StepInputs(primary, x if self.stage == 0 else x.astype(np.float32), msg.position,
-                            msg.mask_delta, self.max_positions)
+    def _stream(self, session: SessionState, stream: int) -> KVCache:
+        with session.lock:
+            cache = session.streams.get(stream)
+        if cache is None:
+            raise RequestError("no_stream", f"stream {stream} is not open at stage {self.stage}; send Open first")
+        return cache
+
+    def _begin(self) -> None:
+        with self.lock:
+            self.in_flight += 1
+
+    def _done(self) -> None:
+        with self.idle:
+            self.in_flight -= 1
+            self.idle.notify_all()
+
+    def _step(self, session: SessionState, msg: p.Step) -> None:
+        cache = self._stream(session, msg.stream)
+        x = self._input(msg)
+        if msg.rewind > cache.visible:
+            raise RequestError("position", f"Step of stream {msg.stream}: rewind {msg.rewind} but the cache holds "
+                                           f"{cache.visible} visible positions")
+        if msg.position != cache.visible - msg.rewind:
+            raise RequestError("position", f"Step of stream {msg.stream}: position {msg.position}, but after the "
+                                           f"rewind this stage holds {cache.visible - msg.rewind} visible positions")
+        if msg.position + x.shape[1] > self.max_positions:
+            raise RequestError("position", f"positions up to {msg.position + x.shape[1] - 1} asked; the bundle's "
+                                           f"rotary table has {self.max_positions} (compile with a larger --max-positions)")
+        self._begin()
         try:
-            out = slot.cache.step(inputs, self.compiled.output(0), msg.rewind, msg.compact)
-        except ValueError as e:  # a rewind past the start of the cache
-            raise OvshardError(f"Step of stream {msg.stream}: {e}") from e
-        timings = {**msg.timings, f"stage{self.stage}": time.perf_counter() - start}
+            start = time.perf_counter()
+            primary = names.INPUT_IDS if self.stage == 0 else names.HIDDEN_STATES
+            inputs = StepInputs(primary, x, msg.position, (1,) * x.shape[1], self.max_positions)
+            out = cache.step(inputs, self.compiled.output(0), msg.rewind, msg.compact)
+            timings = {**msg.timings, f"stage{self.stage}": time.perf_counter() - start}
+            self._pass_on(session, msg, out, timings)
+        finally:
+            self._done()
+
+    def _input(self, msg: p.Step) -> np.ndarray:
+        """The Step's tensor as this stage's input, checked against the bundle's dimensions."""
+        t, dims = msg.tensor, self.manifest.architecture
+        if self.stage == 0:
+            if t.dtype not in ("i64", "i32") or len(t.shape) != 2:
+                raise RequestError("failed", f"stage 0 takes token ids i64 [1, T], found {t.dtype}{list(t.shape)}")
+            ids = t.to_array(np.int64)
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= dims.vocab_size):
+                raise RequestError("failed", f"token ids must be in [0, {dims.vocab_size}), found "
+                                             f"{int(ids.min())}..{int(ids.max())}")
+            return ids
+        if t.dtype not in ("f16", "f32") or len(t.shape) != 3 or t.shape[2] != dims.hidden_size:
+            raise RequestError("failed", f"stage {self.stage} takes hidden states [1, T, {dims.hidden_size}] "
+                                         f"(f16 or f32), found {t.dtype}{list(t.shape)}")
+        return t.to_array(np.float32)
+
+    def _pass_on(self, session: SessionState, msg: p.Step, out: np.ndarray, timings: dict[str, float]) -> None:
+        """Forward the activations to the next stage, or answer the session's head from the last."""
         if not self.last:
-            if self.downstream is None:
-                raise OvshardError(f"stage {self.stage} has no next stage: the head did not name one")
-            self.downstream.send(p.Step(msg.stream, msg.seq, msg.position, msg.mask_delta, msg.want,
-                                        p.Tensor.from_array(out, self.wire_dtype), timings, msg.rewind,
-                                        msg.compact))
+            with session.lock:
+                downstream, where = session.downstream, session.next_hop
+            if downstream is None:
+                raise RequestError("unavailable", f"no link to stage {self.stage + 1} ({where or 'not named'}); "
+                                                  "the head reconnects")
+            forward = p.Step(msg.stream, msg.seq, msg.position, msg.want, p.Tensor.from_array(out, self.wire_dtype),
+                             timings, msg.rewind, msg.compact)
+            if not self._try_send(downstream, forward):
+                downstream.close()
+                raise RequestError("unavailable", f"stage {self.stage + 1} at {where} went away")
             return
-        (slot.head or conn).send(self._answer(msg, out, timings))
+        if not self._try_send(session.head, self._answer(msg, out, timings)):
+            log.info("stage %d: the head of session %s... went away", self.stage, session.id[:8])
+            session.head.close()  # its thread ends the session
 
     @staticmethod
     def _answer(msg: p.Step, logits: np.ndarray, timings: dict[str, float]) -> p.Result:
@@ -232,3 +480,5 @@ class StageWorker:
         return p.Result(msg.stream, msg.seq, p.Tensor.from_array(values, None if values.dtype == np.int64 else "f32"),
                         timings, indices)
 
+
+__all__ = ["Limits", "RequestError", "StageUnreachable", "StageWorker"]

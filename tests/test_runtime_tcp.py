@@ -22,6 +22,7 @@ from ovshard.runtime.sampler import SamplingConfig
 from ovshard.runtime.testing import free_port
 from ovshard.runtime.transport import bundle_fingerprint, connect
 
+SESSION = "0123456789abcdef" * 2
 PROMPTS = ([1, 403, 407, 261, 378], [1, 365, 261, 466, 14], [1, 92, 388])
 
 
@@ -65,9 +66,9 @@ def test_handshake_mismatches_are_refused(bundles: dict[int, Path]) -> None:
     with local_workers(bundles[2]) as addresses:
         good = bundle_fingerprint(bundles[2])
         with pytest.raises(OvshardError, match=r"refused: stage 1 at .*serves stage 1, the peer expected stage 0"):
-            connect(addresses[1], 0, good, "head")
+            connect(addresses[1], 0, good, "head", SESSION)
         with pytest.raises(OvshardError, match="bundle mismatch"):
-            connect(addresses[0], 0, bundle_fingerprint(bundles[3]), "head")
+            connect(addresses[0], 0, bundle_fingerprint(bundles[3]), "head", SESSION)
 
 
 def test_malformed_frame_gets_an_error_and_the_worker_keeps_serving(bundles: dict[int, Path]) -> None:
@@ -93,7 +94,7 @@ def test_peer_down_names_the_address_and_stage(bundles: dict[int, Path]) -> None
     """A stage that is not running gives an error naming its host:port and stage index."""
     address = f"127.0.0.1:{free_port()}"
     with pytest.raises(OvshardError, match=rf"cannot reach stage 1 at {address}"):
-        connect(address, 1, bundle_fingerprint(bundles[2]), "head")
+        connect(address, 1, bundle_fingerprint(bundles[2]), "head", SESSION)
 
 
 def test_run_local_streams_text(bundles: dict[int, Path]) -> None:
@@ -122,7 +123,7 @@ def test_llama3_rope_random_checkpoint_over_four_stages(tmp_path: Path) -> None:
 def test_a_stage_dying_mid_stream_is_named(bundles: dict[int, Path]) -> None:
     """When a worker process dies during generation the head raises naming that stage and its address."""
     with LocalWorkers(bundles[2], exact=True) as workers:
-        head = Head(bundles[2], workers.addresses)
+        head = Head(bundles[2], workers.addresses, retry_s=1)
         try:
             tokens = head.generate([1, 403], SamplingConfig(max_tokens=200))
             next(tokens)
@@ -145,7 +146,7 @@ def test_serve_on_port_0_reports_the_port_it_bound(bundles: dict[int, Path]) -> 
         host, _, port = report["address"].rpartition(":")
         assert report == {"event": "listening", "stage": 0, "address": f"127.0.0.1:{port}"}
         assert host == "127.0.0.1" and 0 < int(port) < 65536
-        conn = connect(report["address"], 0, bundle_fingerprint(bundles[1]), "head", timeout=10)
+        conn = connect(report["address"], 0, bundle_fingerprint(bundles[1]), "head", SESSION, timeout=10)
         try:
             conn.send(p.Ping(77))
             assert conn.receive() == p.Pong(77)
@@ -197,7 +198,7 @@ def test_refusal_is_logged_by_the_worker_and_a_busy_port_is_a_clear_error(bundle
         try:
             address = worker.wait_listening(120)
             with pytest.raises(OvshardError, match="the peer expected stage 3"):
-                connect(address, 3, bundle_fingerprint(bundles[1]), "head")
+                connect(address, 3, bundle_fingerprint(bundles[1]), "head", SESSION)
             busy = subprocess.run(serve_command(bundles[1], 0, address), capture_output=True, text=True,
                                   timeout=120)
             assert busy.returncode == 2 and f"cannot listen on {address}" in busy.stderr
@@ -214,7 +215,7 @@ def test_a_bad_request_is_answered_and_the_connection_stays(bundles: dict[int, P
         head = Head(bundles[1], addresses)
         try:
             with pytest.raises(OvshardError, match="stream 99 is not open at stage 0"):
-                head.step(99, 0, [1, 403], "argmax")
+                head.step(head.chain, 99, 0, [1, 403], "argmax")
             assert len(list(head.generate([1, 403], SamplingConfig(max_tokens=3)))) == 3
         finally:
             head.close()

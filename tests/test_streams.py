@@ -97,7 +97,7 @@ def test_session_queues_more_requests_than_streams(bundles: dict[int, Path], alo
 def test_a_dead_stage_fails_every_waiting_stream(bundles: dict[int, Path]) -> None:
     """A worker killed while 4 streams run: every request ends with an error naming the stage; none hangs."""
     with LocalWorkers(bundles[2], exact=True) as workers:
-        head = Head(bundles[2], workers.addresses, timeout=30)
+        head = Head(bundles[2], workers.addresses, timeout=30, retry_s=1)
         session = Session(head, streams=4)
         requests = [session.submit([1, 403], SamplingConfig(max_tokens=400)) for _ in range(4)]
         next(requests[0].tokens())

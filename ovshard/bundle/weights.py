@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ovshard.errors import ConfigError
+
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4_sym", "int4_asym")
 
 
@@ -22,11 +24,15 @@ class WeightFormat:
 
     def __post_init__(self) -> None:
         if self.mode not in WEIGHT_FORMATS:
-            raise ValueError(f"weight format {self.mode!r}; expected one of {', '.join(WEIGHT_FORMATS)}")
+            raise ConfigError(f"--weights {self.mode!r}: expected one of {', '.join(WEIGHT_FORMATS)}")
         if self.group_size < -1 or self.group_size == 0:
-            raise ValueError(f"group size {self.group_size}; expected a positive size, or -1 for per channel")
+            # NNCF (GroupSizeFallbackMode.ADJUST) gives a layer whose input channels the size does not divide
+            # the largest power of two that does divide them, or INT8 when that is below 32
+            raise ConfigError(f"--group-size {self.group_size}: expected a positive INT4 group size, e.g. 128 "
+                              "(ideally one that divides the hidden size: a layer it does not divide gets a "
+                              "smaller power of two, or INT8), or -1 for one scale per output channel")
         if not 0.0 <= self.ratio <= 1.0:
-            raise ValueError(f"ratio {self.ratio}; expected a share between 0 and 1")
+            raise ConfigError(f"--ratio {self.ratio}: expected the share of weights in INT4, from 0 to 1")
 
     @property
     def is_int4(self) -> bool:
