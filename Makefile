@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test lint layout golden bench clean
+.PHONY: setup demo test lint layout golden bench fuzz clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,10 @@ bench: setup
 	$(BIN)/python bench/compile_memory.py --stages 2,4 --monolithic
 	$(BIN)/python bench/compile_memory.py --sweep  # anon memory vs layers per stage; ~30 GB in /tmp/ovshard-sweep
 	CI=true $(BIN)/python bench/suite.py
+
+# a real worker under 1,000,000 hostile frames; --workers (default: one client process per core but one) scales it
+fuzz: setup
+	$(BIN)/python tests/fuzz_worker.py --frames 1000000
 
 clean:
 	rm -rf out bench/results build .pytest_cache .ruff_cache .mypy_cache

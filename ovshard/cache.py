@@ -43,6 +43,8 @@ PIECE_BIN = "piece.bin"
 # the modules whose code decides a piece's bytes: their source is part of every key
 _KEY_MODULES = ("ovshard/frontend/stage_module.py", "ovshard/frontend/pieces.py", "ovshard/frontend/trace.py",
                 "ovshard/ir/splice.py", "passes/compress_weights.py")
+# the modules whose code decides a converted tokenizer's files and chat record (manifest.py: its schema)
+_TOKENIZER_MODULES = ("ovshard/frontend/tokenizer.py", "ovshard/frontend/chat.py", "ovshard/bundle/manifest.py")
 
 
 def default_cache_dir() -> Path:
@@ -54,10 +56,10 @@ def default_cache_dir() -> Path:
     return (Path(base) if base else Path.home() / ".cache") / "ovshard"
 
 
-def _code_version() -> str:
+def _code_version(modules: tuple[str, ...] = _KEY_MODULES) -> str:
     root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
-    for rel in _KEY_MODULES:
+    for rel in modules:
         path = root / rel
         if not path.is_file():  # an installed (non-editable) tree: passes/ lives inside ovshard/
             path = Path(__file__).resolve().parent / rel.removeprefix("ovshard/")
@@ -79,9 +81,10 @@ def piece_key(facts: dict) -> str:
 
 
 def tokenizer_key(source_digest: str) -> str:
-    """The cache key of a converted tokenizer: its source files' digest plus the converter's versions."""
+    """The cache key of a converted tokenizer: its source files' digest, the converter's versions and code."""
     facts = {"source": source_digest, "openvino_tokenizers": _version("openvino-tokenizers"),
-             "transformers": _version("transformers"), "openvino": ov.get_version()}
+             "transformers": _version("transformers"), "openvino": ov.get_version(),
+             "code": _code_version(_TOKENIZER_MODULES)}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
 

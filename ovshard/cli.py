@@ -155,6 +155,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default="Once upon a time")
+    p.add_argument("--chat", action="store_true",
+                   help="apply the bundle's chat template: --prompt (or each line of --prompts-file) is one user "
+                   "message; stop at the end of the turn; print the answer only")
     p.add_argument("--prompt-ids", help="comma-separated token ids (for bundles without a tokenizer)")
     p.add_argument("--prompts-file", type=Path,
                    help="one prompt per line (token ids per line without a tokenizer); all are generated over "
@@ -188,6 +191,27 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--exact", action="store_true", help="f32 inference and KV cache (parity with HF)")
     p.add_argument("--threads", type=int, help="CPU threads per worker process (default: all)")
     _add_sampling(p)
+
+
+def _add_api(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("api", help="serve an OpenAI-compatible HTTP API over stage workers",
+                       description="One head with --streams stream slots behind an OpenAI-compatible HTTP server: "
+                       "/v1/models, /v1/chat/completions, /v1/completions (stream with server-sent events), "
+                       "/health, /metrics. Needs the api extra: pip install 'ovshard[api]'.")
+    p.add_argument("bundle", type=Path)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--stages", help="host0:7000,host1:7001,... (workers started with `ovshard serve`)")
+    where.add_argument("--local", action="store_true", help="start one worker process per stage on loopback")
+    p.add_argument("--listen", default="127.0.0.1:8000", help="host:port of the HTTP server (default 127.0.0.1:8000)")
+    p.add_argument("--streams", type=int, default=4, help="concurrent stream slots (default 4)")
+    p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; beyond it 429 (default 16)")
+    p.add_argument("--max-tokens", type=int, default=256, help="completion tokens when a request names none (default 256)")
+    p.add_argument("--model", help="the model id clients send (default: the bundle folder's name)")
+    p.add_argument("--retry-s", type=float, default=30.0,
+                   help="reconnect and replay for this long when a stage goes away, then answer 503 (default 30)")
+    p.add_argument("--exact", action="store_true", help="with --local: f32 inference and KV cache")
+    p.add_argument("--threads", type=int, help="with --local: CPU threads per worker process")
+    _add_security(p)
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -255,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bundle(sub)
     _add_cache(sub)
     _add_keygen(sub)
+    _add_api(sub)
     return parser
 
 
@@ -357,6 +382,10 @@ def _run(args: argparse.Namespace) -> int:
         from ovshard.runtime.wanproxy import main_proxy
 
         return main_proxy(args)
+    if args.command == "api":
+        from ovshard.runtime.api import main_api
+
+        return main_api(args)
     if args.command == "keygen":
         from ovshard.runtime.keygen import main_keygen
 

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import openvino as ov
 
-from ovshard.bundle import names, staging
+from ovshard.bundle import names, schema, staging
 from ovshard.bundle.manifest import (
+    Chat,
     Generation,
     Manifest,
     PassRecord,
@@ -57,6 +58,7 @@ from ovshard.verify.predict import PredictFusionInstrument
 log = logging.getLogger(__name__)
 
 PREDICTED_DEVICES = ("CPU", "GPU")  # the static fusion predictor runs for these after every stage
+CHAT_RECORD = ".chat.json"  # the chat template's record beside a converted tokenizer, in the cache; never in a bundle
 
 
 @dataclass(frozen=True)
@@ -251,25 +253,36 @@ def _copy_configs(ckpt: Checkpoint, workdir: Path) -> dict[str, str]:
     return copied
 
 
-def _tokenizer(ckpt: Checkpoint, workdir: Path, cache: PieceCache | None) -> TokenizerFiles | None:
+def _tokenizer(ckpt: Checkpoint, workdir: Path, cache: PieceCache | None) -> tuple[TokenizerFiles | None, Chat | None]:
+    """Convert the tokenizer (or take it from the cache) into ``workdir``: its files and chat template record.
+
+    The chat record travels through the cache as one more file, ``CHAT_RECORD``, read back and removed here.
+    """
     from ovshard.frontend.tokenizer import convert_tokenizer
 
     if not ckpt.has_tokenizer:
         log.warning("%s has no tokenizer; the bundle will take and return token ids only", ckpt.path)
-        return None
+        return None, None
 
     def convert(into: Path) -> list[str]:
         log.info("converting the tokenizer with openvino-tokenizers")
         scratch = workdir / ".pieces" / "tokenizer"
-        written = convert_tokenizer(ckpt.tokenizer_folder(scratch), into)
+        written, chat = convert_tokenizer(ckpt.tokenizer_folder(scratch), into)
         shutil.rmtree(scratch, ignore_errors=True)
-        return written
+        if not written:
+            return written
+        (into / CHAT_RECORD).write_text(json.dumps(schema.encode(chat)))
+        return [*written, CHAT_RECORD]
 
     files = convert(workdir) if cache is None else cache.files(tokenizer_key(ckpt.tokenizer_digest()), workdir, convert)
     if not files:
-        return None
+        return None, None
+    record = workdir / CHAT_RECORD
+    chat = schema.decode(Chat | None, json.loads(record.read_text()), CHAT_RECORD)
+    record.unlink()
+    files = [f for f in files if f != CHAT_RECORD and not (chat and f in chat.sha256)]
     return TokenizerFiles(tokenizer=names.TOKENIZER_XML, detokenizer=names.DETOKENIZER_XML,
-                          sha256={f: sha256_file(workdir / f) for f in files})
+                          sha256={f: sha256_file(workdir / f) for f in files}), chat
 
 
 def _workdir(output: Path, needed: int = 0) -> Path:
@@ -322,6 +335,7 @@ def compile_bundle(config: CompileConfig) -> Manifest:
             log.info("%s", stage_done(figures, chosen))
             entries.append(entry)
             log_records += records
+        tokenizer, chat = _tokenizer(ckpt, workdir, _piece_cache(config, workdir) if config.cache_dir else None)
         manifest = Manifest(
             source=Source(path=str(ckpt.path), fingerprint=ckpt.fingerprint(), model_type=ckpt.dims.model_type,
                           frontend=config.frontend, quantization=ckpt.quantization),
@@ -330,11 +344,12 @@ def compile_bundle(config: CompileConfig) -> Manifest:
             plan=plan,
             stages=tuple(entries),
             pass_log=tuple(log_records),
-            tokenizer=_tokenizer(ckpt, workdir, _piece_cache(config, workdir) if config.cache_dir else None),
+            tokenizer=tokenizer,
             generation=_generation(ckpt),
             runtime_hints=RuntimeHints(max_positions=max_positions),
             extra_files=_copy_configs(ckpt, workdir),
             dumps=str(config.dumps.dump_dir.resolve()) if config.dumps.dump_dir and _dumping(config) else None,
+            chat=chat,
         )
         (workdir / names.MANIFEST_FILE).write_text(manifest.to_json())
         _publish(workdir, config.output)

@@ -2,10 +2,10 @@
 
 Each node compiles its own stage from its own copy of the checkpoint. The merge checks that the parts
 belong together (one format version, checkpoint fingerprint, front end, weight format, plan, runtime
-hints, generation ids, config files and tokenizer), that together they hold every stage of the plan
-exactly once, and that every file of every part matches its sha256; then it writes one complete bundle
-the way a compile does (a locked partial folder renamed into place), hard-linking the parts' files where
-they share the file system with the output and copying them where they do not.
+hints, generation ids, config files, tokenizer and chat template), that together they hold every stage
+of the plan exactly once, and that every file of every part matches its sha256; then it writes one
+complete bundle the way a compile does (a locked partial folder renamed into place), hard-linking the
+parts' files where they share the file system with the output and copying them where they do not.
 
 The merged manifest is the one a one-shot compile writes, except for what differs by nature between
 runs: the pass log's seconds, and ``source.path``, which is the path stage 0's node read (each node may
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from ovshard.bundle import names, staging
-from ovshard.bundle.manifest import Manifest, StageEntry, read_part_manifest, verify_files
+from ovshard.bundle.manifest import Manifest, StageEntry, read_part_manifest, shared_files, verify_files
 from ovshard.bundle.plan import PartitionPlan, format_bytes, format_range
 from ovshard.bundle.weights import WeightFormat
 from ovshard.errors import BundleError
@@ -48,6 +48,7 @@ _AGREE: tuple[tuple[str, Callable[[Manifest], object], str], ...] = (
     ("config files", lambda m: m.extra_files, f"{_SAME_CHECKPOINT}, config.json and generation_config.json included"),
     ("tokenizer", lambda m: m.tokenizer,
      f"{_SAME_CHECKPOINT}, tokenizer files included, with the same openvino-tokenizers version"),
+    ("chat template", lambda m: m.chat, f"{_SAME_CHECKPOINT}, tokenizer_config.json and chat template included"),
 )
 
 
@@ -125,10 +126,7 @@ def _merged(read: list[tuple[Path, Manifest]], owners: dict[int, tuple[Path, Sta
 def _sources(manifest: Manifest, owners: dict[int, tuple[Path, StageEntry, Manifest]]) -> dict[str, Path]:
     """Bundle file name -> the part's file it comes from: each stage from its part, the rest from stage 0's."""
     first_path = owners[0][0]
-    shared = dict(manifest.extra_files)
-    if manifest.tokenizer is not None:
-        shared.update(manifest.tokenizer.sha256)
-    files = {name: first_path / name for name in shared}
+    files = {name: first_path / name for name in shared_files(manifest)}
     for path, entry, _ in owners.values():
         files.update({name: path / name for name in entry.sha256})
     return files

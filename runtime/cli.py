@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import re
@@ -17,6 +18,7 @@ import openvino as ov
 
 from ovshard.bundle.manifest import Manifest, read_manifest
 from ovshard.errors import OvshardError
+from ovshard.runtime.chat import ChatTemplate, compile_plain_tokenizer, stop_ids
 from ovshard.runtime.decode import Stats
 from ovshard.runtime.head import Head
 from ovshard.runtime.kv import CompactionPolicy
@@ -63,7 +65,18 @@ def worker_limits(args: argparse.Namespace) -> Limits:
                   frame_timeout_s=args.frame_timeout)
 
 
+def limit_malloc_arenas(arenas: int = 2) -> None:
+    """Cap glibc's malloc arenas. glibc gives threads that allocate arenas of their own (up to 8 per core)
+    and keeps what is freed in each, so a worker with a thread per connection grows its RSS with every
+    new thread on a many-core machine; a few shared arenas keep it flat. No-op off glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-8, arenas)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
+
+
 def serve(args: argparse.Namespace) -> int:
+    limit_malloc_arenas()
     host, port = parse_address(args.listen)
     creds = _credentials(args)
     check_listen_posture(host, creds, args.insecure)
@@ -97,31 +110,59 @@ def serve(args: argparse.Namespace) -> int:
 
 
 class Text:
-    """Tokenizer and detokenizer from the bundle, or plain ids when it has none."""
+    """Tokenizer and detokenizer from the bundle, or plain ids when it has none; with ``chat``, the chat
+    template too: prompts become one user message, and answers stop at the end of the turn."""
 
-    def __init__(self, bundle: Path, m: Manifest) -> None:
-        self.tok = self.detok = None
+    def __init__(self, bundle: Path, m: Manifest, chat: bool = False) -> None:
+        self.tok = self.detok = self.plain_tok = None
+        self.chat: ChatTemplate | None = None
         self.vocab_size = m.architecture.vocab_size  # token ids given as numbers must be below it
+        self.stops = m.generation.eos_token_ids  # what generation stops at
         if m.tokenizer:
             import openvino_tokenizers  # noqa: F401  (registers the tokenizer ops)
 
             core = ov.Core()
             self.tok = core.compile_model(str(bundle / m.tokenizer.tokenizer), "CPU")
             self.detok = core.compile_model(str(bundle / m.tokenizer.detokenizer), "CPU")
+            if chat:  # the rendered template holds every special token: the tokenizer adds none (no double BOS)
+                self.chat = ChatTemplate.from_manifest(bundle, m)
+                self.plain_tok = compile_plain_tokenizer(core, bundle / m.tokenizer.tokenizer)
+                self.stops = stop_ids(m)
+        elif chat:
+            raise OvshardError(f"--chat needs the bundle's tokenizer, and {bundle} has none (its checkpoint had no "
+                               "tokenizer the compile could convert): leave out --chat and pass --prompt-ids")
 
     def encode(self, prompt: str, prompt_ids: str | None, where: str = "--prompt-ids") -> list[int]:
         """``prompt_ids`` parsed and checked against the vocabulary (errors name ``where``), else ``prompt``
-        tokenized."""
+        tokenized (with --chat: rendered by the chat template as one user message first)."""
         if prompt_ids is not None:
+            if self.chat is not None:
+                raise OvshardError(f"{where} with --chat: the chat template takes text; pass --prompt TEXT, or "
+                                   "leave out --chat to feed token ids as they are")
             return parse_token_ids(prompt_ids, self.vocab_size, where)
         if self.tok is None:
             raise OvshardError("this bundle has no tokenizer: pass --prompt-ids 1,5,17")
+        if self.chat is not None and self.plain_tok is not None:
+            rendered = self.chat.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            return [int(t) for t in self.plain_tok([rendered])["input_ids"][0]]
         return [int(t) for t in self.tok([prompt])["input_ids"][0]]
 
     def decode(self, ids: list[int]) -> str:
         if self.detok is None:
             return " ".join(map(str, ids)) + " "
         return str(self.detok(np.array([ids], dtype=np.int64))["string_output"][0])
+
+    def answer(self, ids: list[int]) -> str:
+        """A chat answer's text: the stop ids left out, and no special token in it."""
+        return self.shown(self.decode([t for t in ids if t not in self.stops]))
+
+    def push(self, detok: IncrementalDetokenizer, token: int) -> str:
+        """The text ``token`` adds to a streamed completion (an end-of-turn token adds none)."""
+        return "" if self.chat is not None and token in self.stops else self.shown(detok.push(token))
+
+    def shown(self, text: str) -> str:
+        """``text`` as printed: with --chat, without special tokens (the detokenizer skips those it knows)."""
+        return self.chat.clean(text) if self.chat is not None else text
 
 
 TOKEN_ID = re.compile(r"-?[0-9]+")  # a sign is let through so that a negative id gets the range message
@@ -149,11 +190,10 @@ def encode_prompts(text: Text, prompts: list[str], path: Path) -> list[list[int]
     return [text.encode("", line, f"--prompts-file {path}, prompt {n}") for n, line in enumerate(prompts, 1)]
 
 
-def _sampling(args: argparse.Namespace, m: Manifest) -> SamplingConfig:
+def _sampling(args: argparse.Namespace, stops: tuple[int, ...]) -> SamplingConfig:
     try:
         return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                              max_tokens=args.max_tokens,
-                              eos_token_ids=m.generation.eos_token_ids)
+                              max_tokens=args.max_tokens, eos_token_ids=stops)
     except ValueError as e:
         raise OvshardError(str(e)) from e
 
@@ -179,8 +219,8 @@ def _head(args: argparse.Namespace, addresses: list[str]) -> Head:
 
 def _generate(args: argparse.Namespace, addresses: list[str]) -> int:
     m = read_manifest(args.bundle)
-    text = Text(args.bundle, m)
-    config = _sampling(args, m)
+    text = Text(args.bundle, m, chat=args.chat)
+    config = _sampling(args, text.stops)
     speculation = _speculation(args, m)
     if args.prompts_file:
         prompts = _read_prompts(args.prompts_file)
@@ -194,17 +234,17 @@ def _generate(args: argparse.Namespace, addresses: list[str]) -> int:
     head = _head(args, addresses)
     stats = Stats()
     detok = IncrementalDetokenizer(text.decode)
-    if text.tok is not None and args.prompt_ids is None:
+    if text.tok is not None and args.prompt_ids is None and text.chat is None:  # a chat prints the answer only
         sys.stdout.write(args.prompt)
         for token in prompt:  # the first word's leading space depends on what precedes it
             detok.push(token)
     try:
         for token in head.generate(prompt, config, stats, speculation):
-            sys.stdout.write(detok.push(token))
+            sys.stdout.write(text.push(detok, token))
             sys.stdout.flush()
-        sys.stdout.write(detok.flush() + "\n")
+        sys.stdout.write(text.shown(detok.flush()) + "\n")
     except OvshardError as e:
-        sys.stdout.write(detok.flush() + "\n")
+        sys.stdout.write(text.shown(detok.flush()) + "\n")
         sys.stdout.flush()
         _print_stats(args, {**stats.to_dict(), "finish_reason": "error"})
         raise OvshardError(f"generation failed after {stats.new_tokens} tokens (printed above): {e}") from e
@@ -252,7 +292,10 @@ def _generate_many(args: argparse.Namespace, head: Head, text: Text, prompts: li
     for prompt, request in zip(prompts, requests, strict=True):
         print(f"=== [{request.index}] " + (prompt if text.tok else ""))
         tokens = request.partial  # all of them, or those generated before a failure
-        print(text.decode(encoded[request.index] + tokens) if text.tok else text.decode(tokens))
+        if text.chat is not None:
+            print(text.answer(tokens))
+        else:
+            print(text.decode(encoded[request.index] + tokens) if text.tok else text.decode(tokens))
         if request.error is not None:
             failed += 1
             print(f"error after {len(tokens)} tokens: {request.error}")
@@ -271,3 +314,13 @@ def run(args: argparse.Namespace) -> int:
     with local_workers(args.bundle, args.exact, threads=args.threads) as addresses:
         args.credentials, args.insecure = None, False  # loopback workers of this process
         return _generate(args, addresses)
+
+
+def stage_addresses(text: str) -> list[str]:
+    """The host:port list of --stages."""
+    return [a.strip() for a in text.split(",") if a.strip()]
+
+
+def make_head(args: argparse.Namespace, addresses: list[str]) -> Head:
+    """A head as `generate` makes one (credentials, --insecure, --retry-s); the API server uses it too."""
+    return _head(args, addresses)

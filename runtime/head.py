@@ -23,7 +23,7 @@ import secrets
 import ssl
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +80,8 @@ class Chain:
             found = self.waiting.get(("step", msg.seq))
         elif isinstance(msg, p.OpenOk):
             found = self.waiting.get(("open", msg.stream))
+        elif isinstance(msg, p.Pong):
+            found = self.waiting.get(("ping", msg.nonce))
         elif isinstance(msg, p.Error):
             found = self.waiting.get(("step", msg.seq)) if msg.seq is not None else None
             if found is None:
@@ -95,6 +97,8 @@ class Chain:
             while True:
                 msg = conn.receive()
                 answer: Answer = msg  # type: ignore[assignment]
+                if isinstance(msg, p.Pong):
+                    answer = p.OpenOk(msg.nonce)  # any acknowledgement will do for the one waiting
                 if isinstance(msg, p.Error):
                     answer = StageFailure(f"{where} reported {msg.code}: {msg.message}",
                                           msg.code in p.RECOVERABLE_CODES)
@@ -109,8 +113,8 @@ class Chain:
                     target.put(self.broken)
 
     def ask(self, key: tuple[str, int], stream: int, sends: list[tuple[int, p.Message]],
-            answers: int) -> list[p.Result | p.OpenOk]:
-        """Send each (stage, message), then wait for ``answers`` answers to ``key``."""
+            answers: int, timeout: float | None = None) -> list[p.Result | p.OpenOk]:
+        """Send each (stage, message), then wait for ``answers`` answers to ``key`` (``timeout`` each)."""
         box: queue.Queue[Answer] = queue.Queue()
         with self.lock:
             if self.broken is not None:
@@ -125,7 +129,7 @@ class Chain:
             got: list[p.Result | p.OpenOk] = []
             for _ in range(answers):
                 try:
-                    answer = box.get(timeout=self.timeout)
+                    answer = box.get(timeout=timeout or self.timeout)
                 except queue.Empty:
                     raise OvshardError(f"no answer to {key[0]} {key[1]} of stream {stream} within "
                                        f"{self.timeout:.0f} s (stages {', '.join(self.addresses)})") from None
@@ -185,6 +189,26 @@ class Head:
                     time.sleep(pause)
                     pause = min(2 * pause, _BACKOFF_S[1])
 
+    def health(self, timeout: float = 2.0) -> list[dict[str, object]]:
+        """Each stage's state: "up" with its round-trip ms (a Ping), or "down" with the reason."""
+        chain = self.chain
+        report: list[dict[str, object]] = []
+        for stage, address in enumerate(self.addresses):
+            entry: dict[str, object] = {"stage": stage, "address": address}
+            nonce = next(self.seq)
+            start = time.perf_counter()
+            try:
+                if chain.broken is None:
+                    chain.ask(("ping", nonce), -1, [(stage, p.Ping(nonce))], 1, timeout)
+                else:  # the chain is down: probe the stage on its own
+                    connect(address, stage, self.fingerprint, "head", secrets.token_hex(16), timeout=timeout,
+                            tls=self.tls).close()
+                entry.update(state="up", rtt_ms=round(1000 * (time.perf_counter() - start), 3))
+            except OvshardError as e:
+                entry.update(state="down", error=str(e))
+            report.append(entry)
+        return report
+
     def open_stream(self, chain: Chain | None = None) -> tuple[int, Chain]:
         """A new stream, acknowledged by every stage of ``chain`` (default: the current one)."""
         chain = chain or self.chain
@@ -211,7 +235,7 @@ class Head:
         return answer
 
     def generate(self, prompt: list[int], config: SamplingConfig, stats: Stats | None = None,
-                 speculation: Speculation | None = None) -> Iterator[int]:
+                 speculation: Speculation | None = None) -> Generator[int, None, None]:
         """Yield sampled tokens one by one until an eos id or max_tokens, on a stream of its own."""
         target = StreamTarget(self)
         try:

@@ -70,7 +70,7 @@ REQUEST_ERROR_CODES = ("refused", "unauthorized", "failed", "busy", "no_stream",
 ERROR_CODES = PROTOCOL_ERROR_CODES + REQUEST_ERROR_CODES
 # Codes after which the head may reconnect and replay a stream (a stage restarted or went away)
 RECOVERABLE_CODES = ("no_stream", "unavailable", "draining")
-SESSION_PATTERN = "^[0-9a-f]{32}$"
+SESSION_PATTERN = r"^[0-9a-f]{32}\Z"  # \Z: "$" would let a trailing newline through
 _WANT = re.compile(r"(argmax|logits|topk:([1-9][0-9]{0,8}))(?:@([1-9][0-9]{0,8}))?")
 
 UInt = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]

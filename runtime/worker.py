@@ -23,7 +23,6 @@ import socket
 import ssl
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,11 +32,11 @@ from ovshard.bundle import names
 from ovshard.bundle.manifest import read_manifest, verify_files
 from ovshard.errors import BundleError, OvshardError
 from ovshard.runtime import protocol as p
-from ovshard.runtime.framing import DEFAULT_MAX_FRAME
+from ovshard.runtime.framing import MAX_HEADER_BYTES
 from ovshard.runtime.kv import KVCache, StepInputs
 from ovshard.runtime.scores import Scores
+from ovshard.runtime.sessions import Limits, RequestError, SessionState
 from ovshard.runtime.transport import (
-    HANDSHAKE_TIMEOUT_S,
     Connection,
     StageUnreachable,
     bundle_fingerprint,
@@ -49,52 +48,6 @@ log = logging.getLogger(__name__)
 
 _ACCEPT_BACKOFF_S = (0.05, 1.0)  # first and longest pause after accept() fails (EMFILE and co.)
 _RESOURCE_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one worker grants: anything beyond is refused with an Error, never allocated."""
-
-    max_connections: int = 256
-    max_sessions: int = 64
-    max_streams: int = 256  # over all sessions
-    max_streams_per_session: int = 32
-    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S  # TLS handshake and Hello, from accept
-    frame_timeout_s: float = 30.0  # a frame that has begun must be whole within this (+ 1 s per MiB)
-    pre_auth_frame_bytes: int = 4096  # the Hello's frame
-    max_frame_bytes: int = DEFAULT_MAX_FRAME
-    drain_s: float = 30.0  # how long SIGTERM waits for in-flight steps
-
-    def __post_init__(self) -> None:
-        for name in ("max_connections", "max_sessions", "max_streams", "max_streams_per_session"):
-            if getattr(self, name) < 1:
-                raise OvshardError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected at least 1")
-        if self.frame_timeout_s <= 0 or self.handshake_timeout_s <= 0:
-            raise OvshardError("--frame-timeout and the handshake timeout must be positive seconds")
-
-
-class RequestError(OvshardError):
-    """A well-formed request this stage cannot serve; answered with Error ``code``, connection kept."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class SessionState:
-    """One head's session at this stage: its head connection, streams, and link to the next stage."""
-
-    def __init__(self, session_id: str, head: Connection) -> None:
-        self.id, self.head = session_id, head
-        self.streams: dict[int, KVCache] = {}
-        self.downstream: Connection | None = None
-        self.next_hop: str | None = None
-        self.upstream: list[Connection] = []
-        self.lock = threading.Lock()
-
-    def links(self) -> list[Connection]:
-        with self.lock:
-            return [c for c in [self.downstream, *self.upstream] if c is not None]
 
 
 class StageWorker:
@@ -112,6 +65,9 @@ class StageWorker:
         self.fingerprint = bundle_fingerprint(self.bundle)
         self.max_positions = self.manifest.runtime_hints.max_positions
         self.wire_dtype, self.limits = wire_dtype, limits or Limits()
+        # the largest frame this stage can need: a Step of every position, ids (stage 0) or f32 activations
+        per_token = 8 if stage == 0 else 4 * self.manifest.architecture.hidden_size
+        self.max_frame = min(self.limits.max_frame_bytes, MAX_HEADER_BYTES + self.max_positions * per_token)
         self.server_tls, self.client_tls = server_tls, client_tls
         core = ov.Core()
         core.set_property({"CACHE_DIR": str(cache_dir or self.bundle / ".ov_cache")})
@@ -160,6 +116,10 @@ class StageWorker:
             self._admit(sock, f"{addr[0]}:{addr[1]}")
 
     def _admit(self, sock: socket.socket, peer: str) -> None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # replies go out at once, not after an ACK
+        except OSError:
+            pass  # the peer is gone already; the handshake will find out
         with self.lock:
             full = len(self.connections) >= self.limits.max_connections
             if not full:
@@ -243,7 +203,7 @@ class StageWorker:
 
     def _serve(self, conn: Connection, role: str, session: SessionState) -> None:
         while True:
-            msg = conn.receive(self.limits.max_frame_bytes, deadline_s=self.limits.frame_timeout_s)
+            msg = conn.receive(self.max_frame, deadline_s=self.limits.frame_timeout_s)
             try:
                 self._dispatch(conn, role, session, msg)
             except RequestError as e:
@@ -273,6 +233,11 @@ class StageWorker:
         return hello.role, session
 
     def _check_hello(self, conn: Connection, hello: p.Hello) -> None:
+        if hello.protocol != p.PROTOCOL_VERSION:
+            raise RequestError("refused", f"the peer's Hello names protocol {hello.protocol}, this node speaks "
+                                          f"{p.PROTOCOL_VERSION}: run the same ovshard on every node")
+        if hello.role == "upstream" and self.stage == 0:
+            raise RequestError("refused", "stage 0 takes Steps from the head only; no stage comes before it")
         if hello.stage != self.stage:
             raise RequestError("refused", f"this node serves stage {self.stage}, the peer expected stage {hello.stage}")
         if hello.bundle_fingerprint != self.fingerprint:
@@ -317,6 +282,8 @@ class StageWorker:
         if session is None:
             raise RequestError("refused", "unknown session: its head must connect to this stage first")
         with session.lock:
+            if session.upstream:
+                raise RequestError("refused", "this session has its upstream link already")
             session.upstream.append(conn)
         return session
 
@@ -353,7 +320,7 @@ class StageWorker:
         """Errors the next stage reports about our Steps are logged (the head hears them too)."""
         try:
             while True:
-                msg = conn.receive(self.limits.max_frame_bytes, deadline_s=self.limits.frame_timeout_s)
+                msg = conn.receive(MAX_HEADER_BYTES, deadline_s=self.limits.frame_timeout_s)
                 if isinstance(msg, p.Error):
                     log.warning("stage %d: next stage reported: %s", self.stage, msg.message)
         except (p.ConnectionClosed, p.ProtocolError, OSError):
@@ -417,6 +384,9 @@ class StageWorker:
     def _step(self, session: SessionState, msg: p.Step) -> None:
         cache = self._stream(session, msg.stream)
         x = self._input(msg)
+        if len(msg.timings) > self.stage:
+            raise RequestError("failed", f"Step of stream {msg.stream}: {len(msg.timings)} timings, but only "
+                                         f"{self.stage} stages come before stage {self.stage}")
         if msg.rewind > cache.visible:
             raise RequestError("position", f"Step of stream {msg.stream}: rewind {msg.rewind} but the cache holds "
                                            f"{cache.visible} visible positions")
@@ -426,6 +396,11 @@ class StageWorker:
         if msg.position + x.shape[1] > self.max_positions:
             raise RequestError("position", f"positions up to {msg.position + x.shape[1] - 1} asked; the bundle's "
                                            f"rotary table has {self.max_positions} (compile with a larger --max-positions)")
+        physical = msg.position if msg.compact else cache.physical  # the cache's length once the step is in
+        if physical + x.shape[1] > self.max_positions:
+            raise RequestError("position", f"Step of stream {msg.stream}: the cache holds {cache.physical} positions "
+                                           f"({cache.holes} hidden); {x.shape[1]} more pass the bundle's "
+                                           f"{self.max_positions}: send compact=true")
         self._begin()
         try:
             start = time.perf_counter()

@@ -312,17 +312,24 @@ def test_gemma_rope_scaling_and_generation_ids(tmp_path: Path) -> None:
     assert ckpt.generation_config == {"eos_token_id": [2, 106], "bos_token_id": 1}
 
 
+CHATML_GGUF = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+
+
+def chatml_gguf(path: Path) -> Path:
+    """A tiny qwen3 GGUF with a BPE vocabulary whose last three tokens are control tokens, and a ChatML template."""
+    tokens = [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["Ġ", "Ġt", "th", "<|endoftext|>", "<|im_start|>",
+                                                               "<|im_end|>"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.chat_template": CHATML_GGUF,
+            "tokenizer.ggml.eot_token_id": 31}
+    return write_gguf(path, "qwen3", hf_weights("qwen3"), meta=meta, tokenizer=(tokens, ["Ġ t", "t h"], [1] * 29 + [3] * 3))
+
+
 def test_tokenizer_export_with_chat_template(tmp_path: Path) -> None:
     """A BPE tokenizer and chat template export as transformers reads them; a file without one is refused."""
     from transformers import AutoTokenizer
 
-    tokens = [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["Ġ", "Ġt", "th", "<|endoftext|>", "<|im_start|>",
-                                                               "<|im_end|>"]
-    template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.chat_template": template,
-            "tokenizer.ggml.eot_token_id": 31}
-    path = write_gguf(tmp_path / "q.gguf", "qwen3", hf_weights("qwen3"), meta=meta,
-                      tokenizer=(tokens, ["Ġ t", "t h"], [1] * 29 + [3] * 3))
+    template = CHATML_GGUF
+    path = chatml_gguf(tmp_path / "q.gguf")
     ckpt = open_gguf(path)
     assert ckpt.has_tokenizer and "chat_template.jinja" in ckpt.export_tokenizer(tmp_path / "out")
     exported = AutoTokenizer.from_pretrained(tmp_path / "out")
@@ -333,6 +340,18 @@ def test_tokenizer_export_with_chat_template(tmp_path: Path) -> None:
     bare = open_gguf(write_gguf(tmp_path / "bare.gguf", "qwen3", hf_weights("qwen3")))
     with pytest.raises(CheckpointError, match="no tokenizer"):
         bare.export_tokenizer(tmp_path / "bare")
+
+
+def test_gguf_chat_template_reaches_the_chat_record(tmp_path: Path) -> None:
+    """The file's tokenizer.chat_template becomes the bundle's chat_template.jinja, and <|im_end|> (a control
+    token written after each message) the end of a turn."""
+    from ovshard.frontend.tokenizer import convert_tokenizer
+
+    ckpt = open_gguf(chatml_gguf(tmp_path / "q.gguf"))
+    (tmp_path / "out").mkdir()
+    files, chat = convert_tokenizer(ckpt.tokenizer_folder(tmp_path / "scratch"), tmp_path / "out")
+    assert chat is not None and chat.end_of_turn_ids == (31,) and chat.template in files
+    assert (tmp_path / "out" / chat.template).read_text() == CHATML_GGUF
 
 
 def test_open_source_tells_gguf_from_folders(tmp_path: Path) -> None:

@@ -199,14 +199,14 @@ def test_a_client_killed_under_four_streams_frees_them_and_the_next_client_works
     """SIGKILL a `generate --streams 4` client mid-generation: its 4 streams are freed on every stage (a worker
     that grants 4 streams grants 4 again) and the next client gets the right tokens."""
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(",".join(map(str, q)) for q in (PROMPT_A, PROMPT_B, PROMPT_A, PROMPT_B)) + "\n")
+    prompts.write_text("\n".join(",".join(map(str, q)) for q in (PROMPT_A, PROMPT_B) * 40) + "\n")  # busy a while
     expected = reference(bundles[2], PROMPT_B, 40)
     with workers(bundles[2], "--max-streams", "4") as w:
         client = subprocess.Popen([*CLI, "-q", "generate", str(bundles[2]), "--stages", ",".join(w.addresses),
                                    "--prompts-file", str(prompts), "--streams", "4", "--max-tokens", "480",
                                    "--speculative", "off"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         probe = raw_head(w.addresses[1], bundles[2], stage=1)
-        time.sleep(3)  # the client starts up and opens its 4 streams
+        time.sleep(2)  # the client starts up and opens its 4 streams
         deadline = time.monotonic() + 60
         while not isinstance(reply := ask(probe, p.Open(99)), p.Error):  # until the client holds all 4
             probe.sendall(encode(p.Close(99)))
@@ -215,11 +215,19 @@ def test_a_client_killed_under_four_streams_frees_them_and_the_next_client_works
         assert reply.code == "busy"
         client.kill()
         client.wait()
-        deadline = time.monotonic() + 10
-        while isinstance(ask(probe, p.Open(100)), p.Error):
-            assert time.monotonic() < deadline, "the dead client's streams were not freed"
-            time.sleep(0.05)
         probe.close()
+        for stage, address in enumerate(w.addresses):  # every stage frees the dead client's 4 streams
+            probe = raw_head(address, bundles[2], stage=stage)
+            deadline = time.monotonic() + 10
+            while not all(ask(probe, p.Open(i)) == p.OpenOk(i) for i in range(4)):
+                assert time.monotonic() < deadline, f"stage {stage} did not free the dead client's streams"
+                for i in range(4):
+                    probe.sendall(encode(p.Close(i)))
+                time.sleep(0.05)
+            for i in range(4):
+                probe.sendall(encode(p.Close(i)))
+            assert ask(probe, p.Ping(1)) == p.Pong(1)  # the Closes before it are done: the 4 are free again
+            probe.close()
         head = Head(bundles[2], w.addresses)
         try:
             assert list(head.generate(PROMPT_B, SamplingConfig(max_tokens=40))) == expected

@@ -425,8 +425,6 @@ def test_a_v2_step_with_a_mask_list_is_refused() -> None:
     assert "unknown field `mask_delta`" in str(refused)
 
 
-@pytest.mark.xfail(strict=True, reason="SESSION_PATTERN '^[0-9a-f]{32}$' lets a trailing newline through: "
-                                       "Python's $ matches before a final newline (see the report on protocol v3)")
 def test_a_session_with_a_trailing_newline_is_refused() -> None:
     """A session is exactly 32 hex characters: one followed by a newline (33 characters) is bad_header."""
     assert_refused(frame(1, {**header_of(EXAMPLES[0]), "session": SESSION + "\n"}), "bad_header")

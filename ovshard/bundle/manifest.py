@@ -85,6 +85,23 @@ class Generation:
 
 
 @dataclass(frozen=True)
+class Chat:
+    """The checkpoint's chat template, the special tokens it reads, and the tokens that end a turn.
+
+    The templates are files of the bundle (``chat_template.jinja`` and ``chat_template.<name>.jinja``);
+    the tokenizer IR carries the default one too, as rt_info ``chat_template``, where openvino-genai reads it.
+    """
+
+    template: str  # file of the default template: chat_template.jinja
+    named: dict[str, str]  # the checkpoint's other templates: name -> file, e.g. "tool_use" -> chat_template.tool_use.jinja
+    sha256: dict[str, str]  # every template file -> hex digest
+    special_tokens: dict[str, str]  # the variables the template reads: "bos_token" -> "<bos>", "eos_token" ...
+    # The special token the template writes right after an assistant message ("<|im_end|>", "<end_of_turn>"):
+    # generation stops there as on generation.eos_token_ids. Empty when it writes none (or only an eos).
+    end_of_turn_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class RuntimeHints:
     max_positions: int  # rotary table length: the longest context any stage can serve
 
@@ -104,6 +121,8 @@ class Manifest:
     version: int = FORMAT_VERSION
     extra_files: dict[str, str] = field(default_factory=dict)  # other files -> sha256
     dumps: str | None = None  # folder of the compile's graph dumps, if it made any
+    # the chat template; None when the checkpoint has none (or no tokenizer), or the manifest predates the field
+    chat: Chat | None = None
 
     def __post_init__(self) -> None:
         planned = list(self.plan.specs)
@@ -191,6 +210,16 @@ def read_part_manifest(bundle: str | Path) -> Manifest:
     return Manifest.from_dict(data, where=str(path))
 
 
+def shared_files(manifest: Manifest) -> dict[str, str]:
+    """The files of the bundle that belong to no stage (configs, tokenizer, chat templates) -> sha256."""
+    files = dict(manifest.extra_files)
+    if manifest.tokenizer:
+        files.update(manifest.tokenizer.sha256)
+    if manifest.chat:
+        files.update(manifest.chat.sha256)
+    return files
+
+
 def verify_files(bundle: str | Path, manifest: Manifest, stages: list[int] | None = None) -> None:
     """Check the sha256 of every file the manifest names (or only the given stages' files)."""
     root = Path(bundle)
@@ -199,9 +228,7 @@ def verify_files(bundle: str | Path, manifest: Manifest, stages: list[int] | Non
         if stages is None or entry.index in stages:
             files.update(entry.sha256)
     if stages is None:
-        files.update(manifest.extra_files)
-        if manifest.tokenizer:
-            files.update(manifest.tokenizer.sha256)
+        files.update(shared_files(manifest))
     for name, expected in files.items():
         path = root / name
         if not path.is_file():

@@ -80,9 +80,16 @@ def piece_hidden(layer: int) -> str:
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_XML = "openvino_tokenizer.xml"
 DETOKENIZER_XML = "openvino_detokenizer.xml"
+CHAT_TEMPLATE = "chat_template.jinja"  # the default chat template, as transformers 5 saves it
+CHAT_TEMPLATE_RT_INFO = "chat_template"  # the tokenizer IR's rt_info key that openvino-genai reads
 # A one-stage bundle names its model as openvino_genai.LLMPipeline expects.
 SINGLE_STAGE_XML = "openvino_model.xml"
 
 
 def stage_xml(index: int, num_stages: int) -> str:
     return SINGLE_STAGE_XML if num_stages == 1 else f"stage_{index}.xml"
+
+
+def named_chat_template(name: str) -> str:
+    """File of the checkpoint's chat template ``name`` (other than the default), e.g. ``chat_template.tool_use.jinja``."""
+    return f"chat_template.{name}.jinja"

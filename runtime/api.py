@@ -1,0 +1,342 @@
+"""``ovshard api``: an OpenAI-compatible HTTP server (Starlette on uvicorn) over one head and its streams.
+
+    GET  /v1/models             the bundle, as one model
+    POST /v1/chat/completions   messages -> the bundle's chat template -> tokens (stream: server-sent events)
+    POST /v1/completions        prompt text (or token ids) -> tokens
+    GET  /health                each stage's state (a Ping, or a probe when the chain is down)
+    GET  /metrics               Prometheus text (runtime/metrics.py)
+
+Requests run on the head's :class:`Session` (``--streams`` slots, ``--queue`` waiting; beyond that 429). A
+client that disconnects cancels its request, which frees its stream on every stage. A stage that is down
+past ``--retry-s`` answers 503 naming the stage. The HTTP stack lives in the ``api`` extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from ovshard.bundle.manifest import Manifest
+from ovshard.errors import OvshardError
+from ovshard.runtime.api_shapes import Answer, ApiError, Params, parse_messages, parse_params
+from ovshard.runtime.head import Head
+from ovshard.runtime.metrics import Metrics
+from ovshard.runtime.sampler import IncrementalDetokenizer, SamplingConfig
+from ovshard.runtime.session import Busy, Request, Session
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """What the routes need, without HTTP: prompts to ids, a request's run with stop strings, its text."""
+
+    def __init__(self, bundle: Path, manifest: Manifest, head: Head, session: Session, text: Any,
+                 model: str, default_max_tokens: int = 256) -> None:
+        self.bundle, self.manifest, self.head, self.session, self.text = bundle, manifest, head, session, text
+        self.model, self.default_max_tokens = model, default_max_tokens
+        self.metrics = Metrics(lambda: session.waiting, lambda: session.active)
+        self.text_lock = threading.Lock()  # the compiled tokenizer models run one call at a time
+        self.eos_ids = tuple(manifest.generation.eos_token_ids)
+        self.chat_stop_ids = tuple(text.stops) if text.chat is not None else self.eos_ids
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The conversation rendered by the bundle's chat template with the generation prompt, tokenized with
+        no special tokens added (the template wrote them); without a template, the contents one per line."""
+        if self.text.chat is None or self.text.plain_tok is None:
+            return self.encode_text("\n".join(m["content"] for m in messages))
+        with self.text_lock:
+            rendered = self.text.chat.render(messages, add_generation_prompt=True)
+            return [int(t) for t in self.text.plain_tok([rendered])["input_ids"][0]]
+
+    def encode_text(self, prompt: str) -> list[int]:
+        if self.text.tok is None:
+            raise ApiError(400, "this bundle has no tokenizer: send the prompt as a list of token ids",
+                           param="prompt")
+        with self.text_lock:
+            return [int(t) for t in self.text.tok([prompt])["input_ids"][0]]
+
+    def decode(self, ids: list[int]) -> str:
+        with self.text_lock:
+            return str(self.text.decode(ids))
+
+    def prompt_ids(self, prompt: Any) -> list[int]:
+        vocab = self.manifest.architecture.vocab_size
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str) and prompt:
+            return self.encode_text(prompt)
+        if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < vocab for t in prompt):
+            return list(prompt)
+        raise ApiError(400, f"prompt: expected one non-empty string or a list of token ids in [0, {vocab}), "
+                            f"found {prompt!r:.80}", param="prompt")
+
+    def start(self, ids: list[int], params: Params, events: Events, chat: bool) -> Run:
+        limit = self.manifest.runtime_hints.max_positions
+        if len(ids) >= limit:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; this bundle serves {limit} positions in all",
+                           param="messages", code="context_length_exceeded")
+        config = SamplingConfig(temperature=params.temperature, top_p=params.top_p, seed=params.seed,
+                                max_tokens=params.max_tokens,
+                                eos_token_ids=self.chat_stop_ids if chat else self.eos_ids)
+        run = Run(self, ids, params, events, config.eos_token_ids)
+        try:
+            run.request = self.session.submit(ids, config, run.on_token)
+        except Busy as e:
+            raise ApiError(429, str(e), kind="rate_limit_error", code="busy") from e
+        return run
+
+
+class Events:
+    """Thread-safe delivery of a run's events (text deltas, the end) into the event loop's queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.queue = loop, asyncio.Queue[tuple[str, Any]]()
+
+    def put(self, kind: str, value: Any = None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+        except RuntimeError:  # the server is shutting down: nobody listens any more
+            pass
+
+
+class Run:
+    """One request in flight: detokenizes on the slot's thread, cuts at stop strings, reports events."""
+
+    def __init__(self, engine: Engine, ids: list[int], params: Params, events: Events,
+                 stop_ids: tuple[int, ...]) -> None:
+        self.engine, self.ids, self.params, self.events, self.stop_ids = engine, ids, params, events, stop_ids
+        self.request: Request | None = None
+        self.detok = IncrementalDetokenizer(engine.decode)
+        for token in ids[-8:]:  # the first word's leading space depends on what precedes it
+            self.detok.push(token)
+        self.held = ""  # text not sent yet: it may be the start of a stop string
+        self.stopped = False
+        self.received = time.perf_counter()
+        self.last: float | None = None
+        self.completion_tokens = 0
+
+    def on_token(self, token: int | None) -> None:
+        """Called by the slot thread with each token, then None at the end."""
+        if token is None:
+            self._finish()
+            return
+        now = time.perf_counter()
+        metrics = self.engine.metrics
+        (metrics.ttft.observe(now - self.received) if self.last is None else metrics.itl.observe(now - self.last))
+        self.last = now
+        if self.stopped:
+            return
+        self.completion_tokens += 1
+        if token in self.stop_ids:  # an end of turn or eos: never part of the text
+            return
+        self.held += self.detok.push(token)
+        self._emit()
+
+    def _emit(self, final: bool = False) -> None:
+        for stop in self.params.stop:
+            at = self.held.find(stop)
+            if at >= 0:
+                self.held, self.stopped = self.held[:at], True
+                assert self.request is not None
+                self.request.cancel()
+                final = True
+        keep = 0 if final else max((len(s) - 1 for s in self.params.stop), default=0)
+        cut = len(self.held) - keep
+        if cut > 0:
+            self.events.put("text", self.held[:cut])
+            self.held = self.held[cut:]
+
+    def _finish(self) -> None:
+        request = self.request
+        assert request is not None
+        if not self.stopped:
+            self.held += self.detok.flush()
+        self._emit(final=True)
+        self.engine.metrics.observe(request.stats)
+        usage = Answer.usage(len(self.ids), self.completion_tokens)
+        if request.error is not None:
+            self.events.put("error", ApiError(503, f"the pipeline failed: {request.error}", kind="server_error",
+                                              code="stage_unavailable"))
+        finish = "stop" if self.stopped or request.stats.finish_reason == "stop" else "length"
+        self.events.put("end", (finish, usage))
+
+
+async def _body(request: Any) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def _check_model(engine: Engine, body: dict) -> None:
+    model = body.get("model")
+    if model is not None and model != engine.model:
+        raise ApiError(404, f"model {model!r} does not exist; this server serves {engine.model!r} (GET /v1/models)",
+                       param="model", code="model_not_found")
+
+
+def _sse(obj: dict | str) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+
+
+async def _stream(run: Run, answer: Answer) -> AsyncIterator[bytes]:
+    """Server-sent events of one run; a client that goes away cancels it (the stream is freed)."""
+    try:
+        yield _sse(answer.chunk(None, None, first=True))
+        while True:
+            kind, value = await run.events.queue.get()
+            if kind == "text":
+                yield _sse(answer.chunk(value, None))
+            elif kind == "error":
+                yield _sse(value.body())
+                yield _sse("[DONE]")
+                return
+            else:
+                finish, usage = value
+                yield _sse(answer.chunk(None, finish))
+                if run.params.include_usage:
+                    yield _sse(answer.usage_chunk(usage))
+                yield _sse("[DONE]")
+                return
+    finally:
+        if run.request is not None and not run.request.done:
+            run.request.cancel()
+
+
+async def _whole(run: Run, answer: Answer, http: Any) -> dict:
+    parts: list[str] = []
+    while True:
+        try:
+            kind, value = await asyncio.wait_for(run.events.queue.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if await http.is_disconnected():
+                assert run.request is not None
+                run.request.cancel()
+                raise ApiError(499, "the client went away") from None
+            continue
+        if kind == "text":
+            parts.append(value)
+        elif kind == "error":
+            raise value
+        else:
+            finish, usage = value
+            return answer.whole("".join(parts), finish, usage)
+
+
+def make_app(engine: Engine) -> Any:
+    """The Starlette application serving ``engine``."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request as HttpRequest
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    def failed(endpoint: str, error: ApiError) -> JSONResponse:
+        engine.metrics.requests.labels(endpoint, str(error.status)).inc()
+        return JSONResponse(error.body(), status_code=error.status)
+
+    async def generate(http: HttpRequest, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        try:
+            body = await _body(http)
+            _check_model(engine, body)
+            params = parse_params(body, engine.default_max_tokens)
+            if chat:
+                messages = parse_messages(body)
+                ids = await asyncio.to_thread(engine.encode_chat, messages)
+            else:
+                ids = await asyncio.to_thread(engine.prompt_ids, body.get("prompt"))
+            run = engine.start(ids, params, Events(asyncio.get_running_loop()), chat)
+            answer = Answer(engine.model, chat)
+            if params.stream:
+                engine.metrics.requests.labels(endpoint, "200").inc()
+                return StreamingResponse(_stream(run, answer), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            result = await _whole(run, answer, http)
+        except ApiError as e:
+            return failed(endpoint, e)
+        engine.metrics.requests.labels(endpoint, "200").inc()
+        return JSONResponse(result)
+
+    async def chat(http: HttpRequest) -> Response:
+        return await generate(http, True)
+
+    async def completions(http: HttpRequest) -> Response:
+        return await generate(http, False)
+
+    async def models(http: HttpRequest) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": engine.model, "object": "model", "created": 0,
+                                                         "owned_by": "ovshard"}]})
+
+    async def health(http: HttpRequest) -> Response:
+        stages = await asyncio.to_thread(engine.head.health)
+        up = all(s["state"] == "up" for s in stages)
+        return JSONResponse({"status": "ok" if up else "degraded", "stages": stages}, status_code=200 if up else 503)
+
+    async def metrics(http: HttpRequest) -> Response:
+        data, content_type = engine.metrics.render()
+        return Response(data, media_type=content_type)
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                             Route("/v1/completions", completions, methods=["POST"]),
+                             Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics)])
+
+
+def serve_api(engine: Engine, host: str, port: int, announce: Any = None) -> None:
+    """Serve until interrupted; ``announce(address)`` is called once the socket listens (port 0: a free one)."""
+    import socket
+
+    import uvicorn
+
+    try:
+        sock = socket.create_server((host, port))
+    except OSError as e:
+        raise OvshardError(f"--listen {host}:{port}: {e.strerror or e}; choose another port, or 0 for a free one") from e
+    address = "{}:{}".format(*sock.getsockname()[:2])
+    if announce is not None:
+        announce(address)
+    server = uvicorn.Server(uvicorn.Config(make_app(engine), log_level="warning", lifespan="off"))
+    server.run(sockets=[sock])
+
+
+def main_api(args: Any) -> int:
+    """``ovshard api``: a head over ``--stages`` (or local workers) and the HTTP server in front of it."""
+    from contextlib import ExitStack
+
+    from ovshard.bundle.manifest import read_manifest
+    from ovshard.runtime.cli import Text, make_head, stage_addresses
+    from ovshard.runtime.launch import local_workers
+    from ovshard.runtime.transport import parse_address
+
+    host, port = parse_address(args.listen)
+    manifest = read_manifest(args.bundle)
+    with ExitStack() as stack:
+        if args.local:
+            addresses = stack.enter_context(local_workers(args.bundle, args.exact, threads=args.threads))
+            args.credentials, args.insecure = None, False
+        elif args.stages:
+            addresses = stage_addresses(args.stages)
+        else:
+            raise OvshardError("ovshard api: expected --stages host:port,... or --local")
+        head = make_head(args, addresses)
+        stack.callback(head.close)
+        session = Session(head, args.streams, max_queue=args.queue)
+        stack.callback(session.close)
+        text = Text(args.bundle, manifest, chat=manifest.chat is not None and manifest.tokenizer is not None)
+        engine = Engine(args.bundle, manifest, head, session, text,
+                        model=args.model or Path(args.bundle).resolve().name, default_max_tokens=args.max_tokens)
+
+        def announce(address: str) -> None:
+            print(json.dumps({"event": "listening", "api": address}), flush=True)
+            log.info("OpenAI-compatible API on http://%s/v1 (model %r)", address, engine.model)
+
+        serve_api(engine, host, port, announce)
+    return 0
