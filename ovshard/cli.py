@@ -207,6 +207,8 @@ def _add_api(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; beyond it 429 (default 16)")
     p.add_argument("--max-tokens", type=int, default=256, help="completion tokens when a request names none (default 256)")
     p.add_argument("--model", help="the model id clients send (default: the bundle folder's name)")
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` (default $OVSHARD_API_KEY); needed to "
+                   "listen beyond loopback unless --insecure")
     p.add_argument("--retry-s", type=float, default=30.0,
                    help="reconnect and replay for this long when a stage goes away, then answer 503 (default 30)")
     p.add_argument("--exact", action="store_true", help="with --local: f32 inference and KV cache")

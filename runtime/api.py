@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -232,9 +233,14 @@ async def _whole(run: Run, answer: Answer, http: Any) -> dict:
             return answer.whole("".join(parts), finish, usage)
 
 
-def make_app(engine: Engine) -> Any:
-    """The Starlette application serving ``engine``."""
+def make_app(engine: Engine, api_key: str | None = None) -> Any:
+    """The Starlette application serving ``engine``; with ``api_key``, every request but /health needs
+    ``Authorization: Bearer <api_key>`` (what OpenAI clients send)."""
+    import hmac
+
     from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.middleware.base import BaseHTTPMiddleware
     from starlette.requests import Request as HttpRequest
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
@@ -285,12 +291,20 @@ def make_app(engine: Engine) -> Any:
         data, content_type = engine.metrics.render()
         return Response(data, media_type=content_type)
 
+    async def authorize(http: HttpRequest, call_next: Any) -> Response:
+        given = http.headers.get("authorization", "")
+        if api_key is None or http.url.path == "/health" or hmac.compare_digest(given, f"Bearer {api_key}"):
+            return await call_next(http)
+        return JSONResponse(ApiError(401, "expected Authorization: Bearer <the server's --api-key>",
+                                     code="invalid_api_key").body(), status_code=401)
+
     return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
                              Route("/v1/completions", completions, methods=["POST"]),
-                             Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics)])
+                             Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics)],
+                     middleware=[Middleware(BaseHTTPMiddleware, dispatch=authorize)])
 
 
-def serve_api(engine: Engine, host: str, port: int, announce: Any = None) -> None:
+def serve_api(engine: Engine, host: str, port: int, announce: Any = None, api_key: str | None = None) -> None:
     """Serve until interrupted; ``announce(address)`` is called once the socket listens (port 0: a free one)."""
     import socket
 
@@ -303,7 +317,7 @@ def serve_api(engine: Engine, host: str, port: int, announce: Any = None) -> Non
     address = "{}:{}".format(*sock.getsockname()[:2])
     if announce is not None:
         announce(address)
-    server = uvicorn.Server(uvicorn.Config(make_app(engine), log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(make_app(engine, api_key), log_level="warning", lifespan="off"))
     server.run(sockets=[sock])
 
 
@@ -314,9 +328,14 @@ def main_api(args: Any) -> int:
     from ovshard.bundle.manifest import read_manifest
     from ovshard.runtime.cli import Text, make_head, stage_addresses
     from ovshard.runtime.launch import local_workers
+    from ovshard.runtime.security import is_loopback
     from ovshard.runtime.transport import parse_address
 
     host, port = parse_address(args.listen)
+    api_key = args.api_key or os.environ.get("OVSHARD_API_KEY") or None
+    if api_key is None and not is_loopback(host) and not args.insecure:
+        raise OvshardError(f"--listen {args.listen}: expected --api-key KEY (or $OVSHARD_API_KEY) to serve the API "
+                           "beyond this machine, found none; pass one, listen on 127.0.0.1, or pass --insecure")
     manifest = read_manifest(args.bundle)
     with ExitStack() as stack:
         if args.local:
@@ -338,5 +357,5 @@ def main_api(args: Any) -> int:
             print(json.dumps({"event": "listening", "api": address}), flush=True)
             log.info("OpenAI-compatible API on http://%s/v1 (model %r)", address, engine.model)
 
-        serve_api(engine, host, port, announce)
+        serve_api(engine, host, port, announce, api_key)
     return 0

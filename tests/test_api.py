@@ -223,3 +223,22 @@ def test_busy_is_429_and_a_dead_stage_is_503(bundle: Path) -> None:
             urllib.request.urlopen(f"{one.url}/health", timeout=30)
         health = json.loads(e.value.read())
         assert e.value.code == 503 and [s["state"] for s in health["stages"]] == ["up", "down"]
+
+
+def test_an_api_key_is_required_when_given(bundle: Path) -> None:
+    """With --api-key, a client without it (or with another) gets 401; with it, an answer; /health stays open."""
+    with api(bundle, "--api-key", "s3cret") as keyed:
+        with pytest.raises(openai.AuthenticationError, match="api-key"):
+            keyed.client.models.list()
+        good = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="s3cret", max_retries=0, timeout=60)
+        assert good.completions.create(model="stories", prompt=PROMPT, max_tokens=5, temperature=0).choices[0].text \
+            == ", there was a little"
+        assert json.loads(urllib.request.urlopen(f"{keyed.url}/health", timeout=30).read())["status"] == "ok"
+
+
+def test_listening_beyond_loopback_needs_an_api_key(bundle: Path) -> None:
+    """`ovshard api --listen 0.0.0.0:0` without --api-key refuses to start, naming --api-key and --insecure."""
+    out = subprocess.run([*CLI, "api", str(bundle), "--stages", "127.0.0.1:1,127.0.0.1:2", "--listen", "0.0.0.0:0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--api-key" in out.stderr and "--insecure" in out.stderr
+    assert "Traceback" not in out.stderr
