@@ -149,6 +149,17 @@ class Tensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
                                               "send them as f32")
         return cls(wire_dtype, tuple(int(d) for d in out.shape), out.tobytes())  # type: ignore[arg-type]
 
+    @classmethod
+    def activations(cls, array: np.ndarray, wire_dtype: str = ACTIVATION_WIRE_DTYPE) -> Tensor:
+        """Activations as ``wire_dtype``, or as f32 when their values overflow it (Gemma's hidden states can
+        pass f16's 65504): the next stage reads either."""
+        try:
+            return cls.from_array(array, wire_dtype)
+        except ProtocolError:
+            if wire_dtype == "f32":
+                raise
+            return cls.from_array(array, "f32")
+
     def to_array(self, dtype: npt.DTypeLike | None = None) -> np.ndarray:
         """The tensor as an array: a read-only view of the data, or a copy cast to ``dtype``."""
         array = np.frombuffer(self.check().data, dtype=DTYPES[self.dtype]).reshape(self.shape)

@@ -436,7 +436,7 @@ class StageWorker:
             if downstream is None:
                 raise RequestError("unavailable", f"no link to stage {self.stage + 1} ({where or 'not named'}); "
                                                   "the head reconnects")
-            forward = p.Step(msg.stream, msg.seq, msg.position, msg.want, p.Tensor.from_array(out, self.wire_dtype),
+            forward = p.Step(msg.stream, msg.seq, msg.position, msg.want, p.Tensor.activations(out, self.wire_dtype),
                              timings, msg.rewind, msg.compact)
             if not self._try_send(downstream, forward):
                 downstream.close()

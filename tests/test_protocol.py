@@ -698,3 +698,13 @@ def test_any_json_in_a_field_is_accepted_only_if_well_typed(msg: Message, value:
     except ProtocolError:
         pass
 
+
+
+def test_activations_that_overflow_f16_travel_as_f32() -> None:
+    """Tensor.activations sends f16 when the values fit and f32 when they pass f16's range (a stage's hidden
+    states of Gemma do), keeping the values."""
+    small = np.full((1, 2, 4), 3.5, np.float32)
+    big = np.array([[[7e4, -1.0, 0.5, 2e5]]], np.float32)
+    assert Tensor.activations(small).dtype == "f16"
+    out = Tensor.activations(big)
+    assert out.dtype == "f32" and np.array_equal(out.to_array(), big)
