@@ -207,7 +207,8 @@ def _speculation(args: argparse.Namespace, m: Manifest) -> Speculation | None:
                             policy=policy)
 
 
-def _head(args: argparse.Namespace, addresses: list[str]) -> Head:
+def make_head(args: argparse.Namespace, addresses: list[str]) -> Head:
+    """A head with --credentials, --insecure and --retry-s applied (generate, run and the API server)."""
     creds = _credentials(args)
     remote = [a for a in addresses if not is_loopback(parse_address(a)[0])]
     if creds is None and remote and not args.insecure:
@@ -225,13 +226,13 @@ def _generate(args: argparse.Namespace, addresses: list[str]) -> int:
     if args.prompts_file:
         prompts = _read_prompts(args.prompts_file)
         encoded = encode_prompts(text, prompts, args.prompts_file)
-        head = _head(args, addresses)
+        head = make_head(args, addresses)
         try:
             return _generate_many(args, head, text, prompts, encoded, config, speculation)
         finally:
             head.close()
     prompt = text.encode(args.prompt, args.prompt_ids)
-    head = _head(args, addresses)
+    head = make_head(args, addresses)
     stats = Stats()
     detok = IncrementalDetokenizer(text.decode)
     if text.tok is not None and args.prompt_ids is None and text.chat is None:  # a chat prints the answer only
@@ -307,7 +308,7 @@ def _generate_many(args: argparse.Namespace, head: Head, text: Text, prompts: li
 
 
 def generate(args: argparse.Namespace) -> int:
-    return _generate(args, [a.strip() for a in args.stages.split(",") if a.strip()])
+    return _generate(args, stage_addresses(args.stages))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -319,8 +320,3 @@ def run(args: argparse.Namespace) -> int:
 def stage_addresses(text: str) -> list[str]:
     """The host:port list of --stages."""
     return [a.strip() for a in text.split(",") if a.strip()]
-
-
-def make_head(args: argparse.Namespace, addresses: list[str]) -> Head:
-    """A head as `generate` makes one (credentials, --insecure, --retry-s); the API server uses it too."""
-    return _head(args, addresses)

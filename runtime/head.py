@@ -52,7 +52,7 @@ class StageFailure(OvshardError):
         self.recoverable = recoverable
 
 
-Answer = p.Result | p.OpenOk | StageFailure  # what a waiting step or open is handed
+Answer = p.Result | p.OpenOk | p.Pong | StageFailure  # what a waiting step or open is handed
 
 
 class Chain:
@@ -97,8 +97,6 @@ class Chain:
             while True:
                 msg = conn.receive()
                 answer: Answer = msg  # type: ignore[assignment]
-                if isinstance(msg, p.Pong):
-                    answer = p.OpenOk(msg.nonce)  # any acknowledgement will do for the one waiting
                 if isinstance(msg, p.Error):
                     answer = StageFailure(f"{where} reported {msg.code}: {msg.message}",
                                           msg.code in p.RECOVERABLE_CODES)
@@ -113,7 +111,7 @@ class Chain:
                     target.put(self.broken)
 
     def ask(self, key: tuple[str, int], stream: int, sends: list[tuple[int, p.Message]],
-            answers: int, timeout: float | None = None) -> list[p.Result | p.OpenOk]:
+            answers: int, timeout: float | None = None) -> list[p.Result | p.OpenOk | p.Pong]:
         """Send each (stage, message), then wait for ``answers`` answers to ``key`` (``timeout`` each)."""
         box: queue.Queue[Answer] = queue.Queue()
         with self.lock:
@@ -126,7 +124,7 @@ class Chain:
                     self.conns[stage].send(msg)
                 except OSError as e:
                     raise StageFailure(f"stage {stage} at {self.addresses[stage]}: send failed: {e}", True) from e
-            got: list[p.Result | p.OpenOk] = []
+            got: list[p.Result | p.OpenOk | p.Pong] = []
             for _ in range(answers):
                 try:
                     answer = box.get(timeout=timeout or self.timeout)
