@@ -5,6 +5,8 @@
     POST /v1/completions        prompt text (or token ids) -> tokens
     GET  /health                each stage's state (a Ping, or a probe when the chain is down)
     GET  /metrics               Prometheus text (runtime/metrics.py)
+    GET  /v1/pipeline           the live view: each stage's host, layers, compute ms; network ms, tokens/s
+    GET  /                      a chat page with that live view (runtime/web/index.html: plain HTML + JS)
 
 Requests run on the head's :class:`Session` (``--streams`` slots, ``--queue`` waiting; beyond that 429). A
 client that disconnects cancels its request, which frees its stream on every stage. A stage that is down
@@ -28,6 +30,7 @@ from ovshard.errors import OvshardError
 from ovshard.runtime.api_shapes import Answer, ApiError, Params, parse_messages, parse_params
 from ovshard.runtime.head import Head
 from ovshard.runtime.metrics import Metrics
+from ovshard.runtime.pipeline_view import PipelineView
 from ovshard.runtime.sampler import IncrementalDetokenizer, SamplingConfig
 from ovshard.runtime.session import Busy, Request, Session
 
@@ -42,6 +45,7 @@ class Engine:
         self.bundle, self.manifest, self.head, self.session, self.text = bundle, manifest, head, session, text
         self.model, self.default_max_tokens = model, default_max_tokens
         self.metrics = Metrics(lambda: session.waiting, lambda: session.active)
+        self.view = PipelineView(manifest, list(head.addresses))
         self.text_lock = threading.Lock()  # the compiled tokenizer models run one call at a time
         self.eos_ids = tuple(manifest.generation.eos_token_ids)
         self.chat_stop_ids = tuple(text.stops) if text.chat is not None else self.eos_ids
@@ -121,6 +125,7 @@ class Run:
         self.received = time.perf_counter()
         self.last: float | None = None
         self.completion_tokens = 0
+        self.steps_seen = 0  # decode steps handed to the engine's PipelineView
 
     def on_token(self, token: int | None) -> None:
         """Called by the slot thread with each token, then None at the end."""
@@ -131,6 +136,8 @@ class Run:
         metrics = self.engine.metrics
         (metrics.ttft.observe(now - self.received) if self.last is None else metrics.itl.observe(now - self.last))
         self.last = now
+        if self.request is not None:
+            self.steps_seen = self.engine.view.record(self.request.stats, self.steps_seen)
         if self.stopped:
             return
         self.completion_tokens += 1
@@ -160,6 +167,8 @@ class Run:
             self.held += self.detok.flush()
         self._emit(final=True)
         self.engine.metrics.observe(request.stats)
+        self.engine.view.record(request.stats, self.steps_seen)
+        self.engine.view.finished(request.stats)
         usage = Answer.usage(len(self.ids), self.completion_tokens)
         if request.error is not None:
             self.events.put("error", ApiError(503, f"the pipeline failed: {request.error}", kind="server_error",
@@ -233,9 +242,12 @@ async def _whole(run: Run, answer: Answer, http: Any) -> dict:
             return answer.whole("".join(parts), finish, usage)
 
 
+_OPEN_PATHS = ("/health", "/")  # no key needed: the state of the stages, and the page (static, no data in it)
+
+
 def make_app(engine: Engine, api_key: str | None = None) -> Any:
-    """The Starlette application serving ``engine``; with ``api_key``, every request but /health needs
-    ``Authorization: Bearer <api_key>`` (what OpenAI clients send)."""
+    """The Starlette application serving ``engine``; with ``api_key``, every request but /health and the page
+    needs ``Authorization: Bearer <api_key>`` (what OpenAI clients send; the page asks for the key)."""
     import hmac
 
     from starlette.applications import Starlette
@@ -291,16 +303,25 @@ def make_app(engine: Engine, api_key: str | None = None) -> Any:
         data, content_type = engine.metrics.render()
         return Response(data, media_type=content_type)
 
+    async def pipeline(http: HttpRequest) -> Response:
+        return JSONResponse(engine.view.snapshot(engine.model, engine.session.active, engine.session.waiting))
+
+    page = (Path(__file__).parent / "web" / "index.html").read_bytes()
+
+    async def index(http: HttpRequest) -> Response:
+        return Response(page, media_type="text/html; charset=utf-8")
+
     async def authorize(http: HttpRequest, call_next: Any) -> Response:
         given = http.headers.get("authorization", "")
-        if api_key is None or http.url.path == "/health" or hmac.compare_digest(given, f"Bearer {api_key}"):
+        if api_key is None or http.url.path in _OPEN_PATHS or hmac.compare_digest(given, f"Bearer {api_key}"):
             return await call_next(http)
         return JSONResponse(ApiError(401, "expected Authorization: Bearer <the server's --api-key>",
                                      code="invalid_api_key").body(), status_code=401)
 
     return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
                              Route("/v1/completions", completions, methods=["POST"]),
-                             Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics)],
+                             Route("/v1/models", models), Route("/v1/pipeline", pipeline), Route("/", index),
+                             Route("/health", health), Route("/metrics", metrics)],
                      middleware=[Middleware(BaseHTTPMiddleware, dispatch=authorize)])
 
 

@@ -226,7 +226,8 @@ def test_busy_is_429_and_a_dead_stage_is_503(bundle: Path) -> None:
 
 
 def test_an_api_key_is_required_when_given(bundle: Path) -> None:
-    """With --api-key, a client without it (or with another) gets 401; with it, an answer; /health stays open."""
+    """With --api-key, a client without it (or with another) gets 401; with it, an answer; /health and the page
+    (static, it asks for the key) stay open, the page's live view /v1/pipeline does not."""
     with api(bundle, "--api-key", "s3cret") as keyed:
         with pytest.raises(openai.AuthenticationError, match="api-key"):
             keyed.client.models.list()
@@ -234,6 +235,10 @@ def test_an_api_key_is_required_when_given(bundle: Path) -> None:
         assert good.completions.create(model="stories", prompt=PROMPT, max_tokens=5, temperature=0).choices[0].text \
             == ", there was a little"
         assert json.loads(urllib.request.urlopen(f"{keyed.url}/health", timeout=30).read())["status"] == "ok"
+        assert b"<title>ovshard</title>" in urllib.request.urlopen(f"{keyed.url}/", timeout=30).read()
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"{keyed.url}/v1/pipeline", timeout=30)
+        assert e.value.code == 401
 
 
 def test_listening_beyond_loopback_needs_an_api_key(bundle: Path) -> None:
@@ -242,3 +247,56 @@ def test_listening_beyond_loopback_needs_an_api_key(bundle: Path) -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--api-key" in out.stderr and "--insecure" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    """Debian's headless chromium through its chromium-driver (installed by .ci/run; never a download)."""
+    if CHROMIUM is None or CHROMEDRIVER is None:
+        pytest.skip("chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def test_the_web_page_streams_a_chat_answer_and_shows_each_stage(server: Api, browser: object) -> None:
+    """The page at / sends a message, streams the greedy answer the openai client gets, and shows one box per
+    stage with its address, layers and a measured compute time."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.remote.webdriver import WebDriver
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver: WebDriver = browser  # type: ignore[assignment]
+    expected = server.client.chat.completions.create(model="stories", messages=[{"role": "user", "content": PROMPT}],
+                                                     max_tokens=40, temperature=0).choices[0].message.content
+    driver.get(f"{server.url}/")
+    WebDriverWait(driver, 30).until(lambda d: "stories" in d.find_element(By.ID, "model").text)
+    for field, value in (("temperature", "0"), ("max-tokens", "40")):
+        box = driver.find_element(By.ID, field)
+        box.clear()
+        box.send_keys(value)
+    driver.find_element(By.ID, "input").send_keys(PROMPT)
+    driver.find_element(By.ID, "send").click()
+    answer = WebDriverWait(driver, 60).until(
+        lambda d: d.find_element(By.CSS_SELECTOR, ".message.assistant[data-state=done]"))
+    assert answer.find_element(By.CLASS_NAME, "text").text == expected
+    WebDriverWait(driver, 30).until(lambda d: "-" not in d.find_element(By.CSS_SELECTOR, ".stage .compute").text)
+    stages = driver.find_elements(By.CLASS_NAME, "stage")
+    assert [s.find_element(By.CLASS_NAME, "host").text for s in stages] == [w.address for w in server.workers]
+    layers = [s.find_element(By.CLASS_NAME, "layers").text for s in stages]
+    assert layers[0].startswith("layers [0, ") and layers[-1].endswith(", 5) of 5"), layers
+    for stage in stages:
+        compute = stage.find_element(By.CLASS_NAME, "compute").text
+        assert float(compute.split()[0]) > 0, compute
