@@ -161,14 +161,19 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-ids", help="comma-separated token ids (for bundles without a tokenizer)")
     p.add_argument("--prompts-file", type=Path,
                    help="one prompt per line (token ids per line without a tokenizer); all are generated over "
-                   "--streams concurrent streams and printed in order")
+                   "--streams concurrent streams, and each is printed as soon as it finishes")
     p.add_argument("--streams", type=int, default=4, help="concurrent streams for --prompts-file (default 4)")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--stats", choices=("text", "json"), default="text", help="timings on stderr")
+    _add_decoding(p)
+
+
+def _add_decoding(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help=f"new tokens per answer at most (default {max_tokens})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int)
-    p.add_argument("--stats", choices=("text", "json"), default="text", help="timings on stderr")
     p.add_argument("--speculative", default="prompt-lookup", metavar="prompt-lookup|draft:PATH|off",
                    help="drafter: n-gram lookup in the prompt and generated text (default), a one-stage draft "
                    "bundle with the same tokenizer run on this node, or off (plain decoding)")
@@ -213,6 +218,25 @@ def _add_api(sub: argparse._SubParsersAction) -> None:
                    help="reconnect and replay for this long when a stage goes away, then answer 503 (default 30)")
     p.add_argument("--exact", action="store_true", help="with --local: f32 inference and KV cache")
     p.add_argument("--threads", type=int, help="with --local: CPU threads per worker process")
+    _add_security(p)
+
+
+def _add_chat(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="chat in the terminal through stage workers (or --local), with history",
+                       description="An interactive chat: each line read is a user message; the conversation so "
+                       "far is rendered by the bundle's chat template (without one: plain text, one message per "
+                       "line) and the answer streams to stdout. /reset forgets the conversation, /stats prints "
+                       "the last answer's figures (tokens/s, speculative acceptance, per-stage compute ms, "
+                       "per-hop network ms), /quit or end-of-file (Ctrl-D) leaves. Ctrl-C stops an answer (the "
+                       "part shown stays in the conversation); at the prompt it leaves.")
+    p.add_argument("bundle", type=Path)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--stages", help="host0:7000,host1:7001,... (workers started with `ovshard serve`)")
+    where.add_argument("--local", action="store_true", help="start one worker process per stage on loopback")
+    p.add_argument("--system", help="a system prompt: the first message of every conversation (kept by /reset)")
+    p.add_argument("--exact", action="store_true", help="with --local: f32 inference and KV cache")
+    p.add_argument("--threads", type=int, help="with --local: CPU threads per worker process")
+    _add_decoding(p, max_tokens=256)
     _add_security(p)
 
 
@@ -275,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_generate(sub)
     _add_run(sub)
+    _add_chat(sub)
     _add_demo(sub)
     _add_proxy(sub)
     _add_synth(sub)
@@ -384,6 +409,10 @@ def _run(args: argparse.Namespace) -> int:
         from ovshard.runtime.wanproxy import main_proxy
 
         return main_proxy(args)
+    if args.command == "chat":
+        from ovshard.runtime.chat_repl import main_chat
+
+        return main_chat(args)
     if args.command == "api":
         from ovshard.runtime.api import main_api
 

@@ -6,11 +6,13 @@ import argparse
 import ctypes
 import json
 import logging
+import queue
 import re
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +34,7 @@ from ovshard.runtime.security import (
     load_credentials,
     server_context,
 )
-from ovshard.runtime.session import Session
+from ovshard.runtime.session import Request, Session
 from ovshard.runtime.speculative import Speculation, make_speculation
 from ovshard.runtime.stage import EXACT_HINTS
 from ovshard.runtime.transport import parse_address
@@ -190,7 +192,8 @@ def encode_prompts(text: Text, prompts: list[str], path: Path) -> list[list[int]
     return [text.encode("", line, f"--prompts-file {path}, prompt {n}") for n, line in enumerate(prompts, 1)]
 
 
-def _sampling(args: argparse.Namespace, stops: tuple[int, ...]) -> SamplingConfig:
+def sampling_config(args: argparse.Namespace, stops: tuple[int, ...]) -> SamplingConfig:
+    """--temperature, --top-k, --top-p, --seed and --max-tokens, stopping at ``stops``."""
     try:
         return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                               max_tokens=args.max_tokens, eos_token_ids=stops)
@@ -198,7 +201,8 @@ def _sampling(args: argparse.Namespace, stops: tuple[int, ...]) -> SamplingConfi
         raise OvshardError(str(e)) from e
 
 
-def _speculation(args: argparse.Namespace, m: Manifest) -> Speculation | None:
+def speculation_config(args: argparse.Namespace, m: Manifest) -> Speculation | None:
+    """--speculative, --draft-k and --compact-share; None for plain decoding."""
     try:
         policy = CompactionPolicy(hole_share=args.compact_share, limit=m.runtime_hints.max_positions)
     except ValueError as e:
@@ -221,8 +225,8 @@ def make_head(args: argparse.Namespace, addresses: list[str]) -> Head:
 def _generate(args: argparse.Namespace, addresses: list[str]) -> int:
     m = read_manifest(args.bundle)
     text = Text(args.bundle, m, chat=args.chat)
-    config = _sampling(args, text.stops)
-    speculation = _speculation(args, m)
+    config = sampling_config(args, text.stops)
+    speculation = speculation_config(args, m)
     if args.prompts_file:
         prompts = _read_prompts(args.prompts_file)
         encoded = encode_prompts(text, prompts, args.prompts_file)
@@ -281,30 +285,52 @@ def _read_prompts(path: Path) -> list[str]:
 
 def _generate_many(args: argparse.Namespace, head: Head, text: Text, prompts: list[str], encoded: list[list[int]],
                    config: SamplingConfig, speculation: Speculation | None) -> int:
-    """Every prompt over --streams concurrent streams; completions printed in prompt order."""
+    """Every prompt over --streams concurrent streams; each completion printed as soon as it finishes."""
     start = time.perf_counter()
+    finished: queue.Queue[int] = queue.Queue()  # indices of the requests, in the order they finish
     session = Session(head, args.streams, speculation)
+    requests: list[Request] = []
     try:
-        requests = session.run_all(encoded, config)
+        for i, ids in enumerate(encoded):
+            requests.append(session.submit(ids, config, _when_finished(finished, i)))
+        for _ in requests:
+            _print_completion(text, prompts, encoded, requests[finished.get()])
+    except BaseException:  # Ctrl-C or a closed stdout: stop what still runs instead of finishing it
+        for request in requests:
+            request.cancel()
+        raise
     finally:
         session.close()
     wall = time.perf_counter() - start
-    failed = 0
-    for prompt, request in zip(prompts, requests, strict=True):
-        print(f"=== [{request.index}] " + (prompt if text.tok else ""))
-        tokens = request.partial  # all of them, or those generated before a failure
-        if text.chat is not None:
-            print(text.answer(tokens))
-        else:
-            print(text.decode(encoded[request.index] + tokens) if text.tok else text.decode(tokens))
-        if request.error is not None:
-            failed += 1
-            print(f"error after {len(tokens)} tokens: {request.error}")
     total = sum(r.stats.new_tokens for r in requests)
+    failed = sum(r.error is not None for r in requests)
     summary = {"prompts": len(requests), "streams": args.streams, "new_tokens": total, "wall_s": round(wall, 3),
                "tokens_per_s": round(total / wall, 2), "failed": failed}
     _print_stats(args, summary)
     return 1 if failed else 0
+
+
+def _when_finished(finished: queue.Queue[int], index: int) -> Callable[[int | None], None]:
+    """A Request listener that puts ``index`` on ``finished`` at the end (the listener's None)."""
+
+    def listener(token: int | None) -> None:
+        if token is None:
+            finished.put(index)
+
+    return listener
+
+
+def _print_completion(text: Text, prompts: list[str], encoded: list[list[int]], request: Request) -> None:
+    """One finished request's block: ``=== [index] prompt``, its text, and its error line if it failed."""
+    print(f"=== [{request.index}] " + (prompts[request.index] if text.tok else ""))
+    tokens = request.partial  # all of them, or those generated before a failure
+    if text.chat is not None:
+        print(text.answer(tokens))
+    else:
+        print(text.decode(encoded[request.index] + tokens) if text.tok else text.decode(tokens))
+    if request.error is not None:
+        print(f"error after {len(tokens)} tokens: {request.error}")
+    sys.stdout.flush()
 
 
 def generate(args: argparse.Namespace) -> int:

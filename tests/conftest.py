@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -18,6 +19,14 @@ os.environ.setdefault("OVSHARD_CACHE_DIR", tempfile.mkdtemp(prefix="ovshard-test
 
 STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+# stories260K as a chat model (tests/test_chat.py explains): a ChatML template, and two tokens renamed and marked
+# special so that it has <|im_start|> and <|im_end|>; the model writes " Lily" in nearly every story
+CHATML = ("{{ bos_token }}{% for message in messages %}"
+          "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+          "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
+          "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] | trim + '<|im_end|>' + '\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+RENAMED = {"<0x00>": "<|im_start|>", "▁Lily": "<|im_end|>"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -67,3 +76,21 @@ def run_greedy(bundle: Path, prompt: list[int], new_tokens: int) -> tuple[list[i
 
     tokens, rows = LocalPipeline(bundle, config=EXACT_HINTS).generate_greedy(prompt, new_tokens)
     return tokens, np.stack(rows)
+
+
+def chatml_checkpoint(source: Path, out: Path, template: object = CHATML) -> Path:
+    """stories260K (weights and configs linked, not copied) with ChatML tokens and ``template``."""
+    out.mkdir(parents=True)
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        (out / name).symlink_to(source / name)
+    tok = json.loads((source / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    for old, new in RENAMED.items():
+        vocab[new] = vocab.pop(old)
+    tok["model"]["merges"] = [m for m in tok["model"]["merges"] if "".join(m) not in RENAMED and not set(m) & set(RENAMED)]
+    tok["added_tokens"] += [{"id": vocab[new], "content": new, "single_word": False, "lstrip": False, "rstrip": False,
+                             "normalized": False, "special": True} for new in RENAMED.values()]
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return out

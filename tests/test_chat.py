@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from conftest import compile_fp32
+from conftest import CHATML, chatml_checkpoint, compile_fp32
 from real_gemma import gemma_hf_reference  # noqa: F401  (a fixture)
 
 from ovshard.bundle import names
@@ -32,12 +32,6 @@ from ovshard.runtime.cli import Text
 
 OVSHARD = [sys.executable, "-m", "ovshard.cli"]
 NOWHERE = "127.0.0.1:1,127.0.0.1:2"  # generate fails on its arguments before it connects to any stage
-CHATML = ("{{ bos_token }}{% for message in messages %}"
-          "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-          "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
-          "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] | trim + '<|im_end|>' + '\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-RENAMED = {"<0x00>": "<|im_start|>", "▁Lily": "<|im_end|>"}
 IM_END = 317  # the id of ▁Lily in stories260K
 CONVERSATIONS = [
     [{"role": "user", "content": "Once upon a time"}],
@@ -67,24 +61,6 @@ GEMMA3 = """{{ bos_token }}
     {{ '<start_of_turn>model\\n' }}
 {%- endif -%}
 """  # Gemma 3's template, its image branches left out (the GGUF in the dev extra carries none)
-
-
-def chatml_checkpoint(source: Path, out: Path, template: object = CHATML) -> Path:
-    """stories260K (weights and configs linked, not copied) with ChatML tokens and ``template``."""
-    out.mkdir(parents=True)
-    for name in ("config.json", "generation_config.json", "model.safetensors"):
-        (out / name).symlink_to(source / name)
-    tok = json.loads((source / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    for old, new in RENAMED.items():
-        vocab[new] = vocab.pop(old)
-    tok["model"]["merges"] = [m for m in tok["model"]["merges"] if "".join(m) not in RENAMED and not set(m) & set(RENAMED)]
-    tok["added_tokens"] += [{"id": vocab[new], "content": new, "single_word": False, "lstrip": False, "rstrip": False,
-                             "normalized": False, "special": True} for new in RENAMED.values()]
-    (out / "tokenizer.json").write_text(json.dumps(tok))
-    config = json.loads((source / "tokenizer_config.json").read_text())
-    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
-    return out
 
 
 @pytest.fixture(scope="module")
