@@ -34,6 +34,7 @@ bench: setup
 	$(BIN)/python bench/compile_memory.py --stages 2,4 --monolithic
 	$(BIN)/python bench/compile_memory.py --sweep  # anon memory vs layers per stage; ~30 GB in /tmp/ovshard-sweep
 	CI=true $(BIN)/python bench/suite.py
+	$(BIN)/python bench/api_load.py --models stories260K,llama-3.2-1b --requests 2  # ovshard api at 1-8 clients vs the bare Session
 
 # a real worker under 1,000,000 hostile frames; --workers (default: one client process per core but one) scales it
 fuzz: setup

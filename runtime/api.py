@@ -199,27 +199,38 @@ def _sse(obj: dict | str) -> bytes:
 
 
 async def _stream(run: Run, answer: Answer) -> AsyncIterator[bytes]:
-    """Server-sent events of one run; a client that goes away cancels it (the stream is freed)."""
+    """Server-sent events of one run, one event per text piece; the events queued by the time the loop
+    gets to them go out in one write. A client that goes away cancels the run (the stream is freed)."""
     try:
         yield _sse(answer.chunk(None, None, first=True))
         while True:
-            kind, value = await run.events.queue.get()
-            if kind == "text":
-                yield _sse(answer.chunk(value, None))
-            elif kind == "error":
-                yield _sse(value.body())
-                yield _sse("[DONE]")
-                return
-            else:
-                finish, usage = value
-                yield _sse(answer.chunk(None, finish))
-                if run.params.include_usage:
-                    yield _sse(answer.usage_chunk(usage))
-                yield _sse("[DONE]")
+            events = [await run.events.queue.get()]
+            while not run.events.queue.empty():
+                events.append(run.events.queue.get_nowait())
+            out, ended = _events(run, answer, events)
+            yield out
+            if ended:
                 return
     finally:
         if run.request is not None and not run.request.done:
             run.request.cancel()
+
+
+def _events(run: Run, answer: Answer, events: list[tuple[str, Any]]) -> tuple[bytes, bool]:
+    """The bytes of some events of a run, and whether the last of them ended it."""
+    out: list[bytes] = []
+    for kind, value in events:
+        if kind == "text":
+            out.append(_sse(answer.chunk(value, None)))
+        elif kind == "error":
+            return b"".join([*out, _sse(value.body()), _sse("[DONE]")]), True
+        else:
+            finish, usage = value
+            out.append(_sse(answer.chunk(None, finish)))
+            if run.params.include_usage:
+                out.append(_sse(answer.usage_chunk(usage)))
+            return b"".join([*out, _sse("[DONE]")]), True
+    return b"".join(out), False
 
 
 async def _whole(run: Run, answer: Answer, http: Any) -> dict:
@@ -245,14 +256,33 @@ async def _whole(run: Run, answer: Answer, http: Any) -> dict:
 _OPEN_PATHS = ("/health", "/")  # no key needed: the state of the stages, and the page (static, no data in it)
 
 
+class _Authorize:
+    """ASGI middleware: a request outside ``_OPEN_PATHS`` needs ``Authorization: Bearer <key>`` (401 otherwise).
+    Plain ASGI rather than Starlette's BaseHTTPMiddleware, which costs every streamed chunk a hop through a
+    memory stream."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        import hmac
+
+        from starlette.responses import JSONResponse
+
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        error = ApiError(401, "expected Authorization: Bearer <the server's --api-key>", code="invalid_api_key")
+        await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+
+
 def make_app(engine: Engine, api_key: str | None = None) -> Any:
     """The Starlette application serving ``engine``; with ``api_key``, every request but /health and the page
     needs ``Authorization: Bearer <api_key>`` (what OpenAI clients send; the page asks for the key)."""
-    import hmac
-
     from starlette.applications import Starlette
     from starlette.middleware import Middleware
-    from starlette.middleware.base import BaseHTTPMiddleware
     from starlette.requests import Request as HttpRequest
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
@@ -311,18 +341,11 @@ def make_app(engine: Engine, api_key: str | None = None) -> Any:
     async def index(http: HttpRequest) -> Response:
         return Response(page, media_type="text/html; charset=utf-8")
 
-    async def authorize(http: HttpRequest, call_next: Any) -> Response:
-        given = http.headers.get("authorization", "")
-        if api_key is None or http.url.path in _OPEN_PATHS or hmac.compare_digest(given, f"Bearer {api_key}"):
-            return await call_next(http)
-        return JSONResponse(ApiError(401, "expected Authorization: Bearer <the server's --api-key>",
-                                     code="invalid_api_key").body(), status_code=401)
-
     return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
                              Route("/v1/completions", completions, methods=["POST"]),
                              Route("/v1/models", models), Route("/v1/pipeline", pipeline), Route("/", index),
                              Route("/health", health), Route("/metrics", metrics)],
-                     middleware=[Middleware(BaseHTTPMiddleware, dispatch=authorize)])
+                     middleware=[Middleware(_Authorize, key=api_key)] if api_key is not None else [])
 
 
 def serve_api(engine: Engine, host: str, port: int, announce: Any = None, api_key: str | None = None) -> None:
