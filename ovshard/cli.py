@@ -208,6 +208,14 @@ def _add_api(sub: argparse._SubParsersAction) -> None:
     where.add_argument("--stages", help="host0:7000,host1:7001,... (workers started with `ovshard serve`)")
     where.add_argument("--local", action="store_true", help="start one worker process per stage on loopback")
     p.add_argument("--listen", default="127.0.0.1:8000", help="host:port of the HTTP server (default 127.0.0.1:8000)")
+    _add_http(p)
+    p.add_argument("--exact", action="store_true", help="with --local: f32 inference and KV cache")
+    p.add_argument("--threads", type=int, help="with --local: CPU threads per worker process")
+    _add_security(p)
+
+
+def _add_http(p: argparse.ArgumentParser) -> None:
+    """The API server's options (`api`, and `up --api`)."""
     p.add_argument("--streams", type=int, default=4, help="concurrent stream slots (default 4)")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; beyond it 429 (default 16)")
     p.add_argument("--max-tokens", type=int, default=256, help="completion tokens when a request names none (default 256)")
@@ -216,9 +224,36 @@ def _add_api(sub: argparse._SubParsersAction) -> None:
                    "listen beyond loopback unless --insecure")
     p.add_argument("--retry-s", type=float, default=30.0,
                    help="reconnect and replay for this long when a stage goes away, then answer 503 (default 30)")
-    p.add_argument("--exact", action="store_true", help="with --local: f32 inference and KV cache")
-    p.add_argument("--threads", type=int, help="with --local: CPU threads per worker process")
+
+
+def _add_up(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="bring a pipeline up on a Ray cluster: one actor per stage, supervised",
+                       description="One Ray actor per stage runs its stage worker on a node of the cluster and binds "
+                       "a port there; Ray restarts an actor that dies and the head replays its streams. Prints the "
+                       "stage table and a JSON line with the --stages list, then serves the API (--api) or waits "
+                       "until Ctrl-C / SIGTERM, which stops every stage. Needs the cluster extra: pip install "
+                       "'ovshard[cluster]'.")
+    p.add_argument("bundle", type=Path)
+    p.add_argument("--ray", required=True, metavar="local|auto|ADDRESS",
+                   help="local: a private Ray instance on this machine, owned by this command; auto or host:port: "
+                   "a cluster started with `ray start --head` (and `ray start --address=...` on the others)")
+    p.add_argument("--api", metavar="HOST:PORT", help="serve the OpenAI-compatible API there (default: print the "
+                   "--stages list for `ovshard generate` and wait)")
+    p.add_argument("--port-base", type=int, default=7000,
+                   help="stage k listens on this port + k on its node (default 7000; --ray local picks free "
+                   "loopback ports)")
+    p.add_argument("--exact", action="store_true", help="f32 inference and KV cache")
+    p.add_argument("--threads", type=int, help="CPU threads per stage worker")
+    _add_http(p)
     _add_security(p)
+
+
+def _add_status_down(sub: argparse._SubParsersAction) -> None:
+    for name, what in (("status", "each stage actor's state, restarts, node, address, layers and memory"),
+                       ("down", "stop every ovshard stage actor on the cluster (a waiting `ovshard up` then leaves)")):
+        p = sub.add_parser(name, help=what, description=f"On a Ray cluster: {what}.")
+        p.add_argument("--ray", default="auto", metavar="auto|ADDRESS",
+                       help="the cluster (default auto); for `up --ray local`, the \"ray\" address it printed")
 
 
 def _add_chat(sub: argparse._SubParsersAction) -> None:
@@ -300,6 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_run(sub)
     _add_chat(sub)
+    _add_up(sub)
+    _add_status_down(sub)
     _add_demo(sub)
     _add_proxy(sub)
     _add_synth(sub)
@@ -409,6 +446,10 @@ def _run(args: argparse.Namespace) -> int:
         from ovshard.runtime.wanproxy import main_proxy
 
         return main_proxy(args)
+    if args.command in ("up", "status", "down"):
+        from ovshard.runtime import cluster
+
+        return {"up": cluster.main_up, "status": cluster.main_status, "down": cluster.main_down}[args.command](args)
     if args.command == "chat":
         from ovshard.runtime.chat_repl import main_chat
 

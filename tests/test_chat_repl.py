@@ -161,14 +161,14 @@ def test_chat_keeps_the_history_and_reset_forgets_it(bundle: Path, reference: Re
 
 
 def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(bundle: Path, reference: Reference, stages: list[str]) -> None:
-    """SIGINT during a long answer (stages behind 25 ms proxies) stops it after N tokens; the partial answer
+    """SIGINT during a long answer (stages behind 50 ms proxies) stops it after N tokens; the partial answer
     stays in the conversation (the next answer is the greedy one after it), and SIGINT at the prompt exits 0."""
-    full = reference.tokens([user(LONG)], 40)
-    assert len(full) == 40 and not set(full) & set(reference.text.stops)  # it would run to --max-tokens
+    full = reference.tokens([user(LONG)], 60)  # 60 steps of 3 delayed hops: seconds for the signal to land
+    assert len(full) == 60 and not set(full) & set(reference.text.stops)  # it would run to --max-tokens
     with ExitStack() as stack:
-        proxies = [stack.enter_context(DelayProxy(target=parse_address(a), latency_s=0.025)) for a in stages]
+        proxies = [stack.enter_context(DelayProxy(target=parse_address(a), latency_s=0.05)) for a in stages]
         chat = subprocess.Popen([*CLI, "chat", str(bundle), "--stages", ",".join(p.address for p in proxies),
-                                 "--speculative", "off", "--max-tokens", "40"],
+                                 "--speculative", "off", "--max-tokens", "60"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         stack.callback(chat.kill)
         assert chat.stdin is not None and chat.stdout is not None and chat.stderr is not None
@@ -181,7 +181,7 @@ def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(bundle: Path, reference: Re
         n = int(stopped.group(1))  # type: ignore[attr-defined]
         assert 0 < n < len(full)
         partial = reference.text.answer(full[:n])
-        after = reference.answer([user(LONG), assistant(partial), user(SHORT)], 40)
+        after = reference.answer([user(LONG), assistant(partial), user(SHORT)], 60)
         chat.stdin.write(f"{SHORT}\n".encode())
         chat.stdin.flush()
         out.wait_for(lambda text: text == f"{partial}\n{after}\n")
