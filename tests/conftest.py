@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -16,6 +17,12 @@ os.environ.setdefault("CI", "true")
 
 # CLI compiles in tests use a layer cache of their own, never the user's ~/.cache/ovshard
 os.environ.setdefault("OVSHARD_CACHE_DIR", tempfile.mkdtemp(prefix="ovshard-test-cache-"))
+
+# The Ctrl-C tests send SIGINT to ovshard processes as a terminal would. A background job of a
+# non-interactive shell starts with SIGINT ignored, and an ignored signal stays ignored in every child:
+# restore the default (KeyboardInterrupt) so the processes the tests start see SIGINT as at a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
