@@ -53,11 +53,10 @@ class Engine:
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """The conversation rendered by the bundle's chat template with the generation prompt, tokenized with
         no special tokens added (the template wrote them); without a template, the contents one per line."""
-        if self.text.chat is None or self.text.plain_tok is None:
-            return self.encode_text("\n".join(m["content"] for m in messages))
+        if self.text.tok is None:
+            return self.encode_text("\n".join(m["content"] for m in messages))  # a 400 naming the prompt
         with self.text_lock:
-            rendered = self.text.chat.render(messages, add_generation_prompt=True)
-            return [int(t) for t in self.text.plain_tok([rendered])["input_ids"][0]]
+            return [int(t) for t in self.text.encode_conversation(messages)]
 
     def encode_text(self, prompt: str) -> list[int]:
         if self.text.tok is None:

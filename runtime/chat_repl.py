@@ -69,15 +69,6 @@ class Conversation:
         self.turns.clear()
 
 
-def encode_messages(text: Text, messages: list[dict[str, str]]) -> list[int]:
-    """The prompt ids of a conversation: rendered by the chat template and tokenized without added special
-    tokens; without a template, the contents one per line, tokenized as any prompt (``Engine.encode_chat``)."""
-    if text.chat is not None and text.plain_tok is not None:
-        rendered = text.chat.render(messages, add_generation_prompt=True)
-        return [int(t) for t in text.plain_tok([rendered])["input_ids"][0]]
-    return text.encode("\n".join(m["content"] for m in messages), None)
-
-
 @contextmanager
 def ctrl_c_as_flag() -> Iterator[threading.Event]:
     """SIGINT sets the yielded flag instead of raising KeyboardInterrupt; the previous handler after."""
@@ -165,7 +156,7 @@ class Chat:
         """Answer ``user`` after the conversation so far; keep both, unless the answer failed."""
         with ctrl_c_as_flag() as stop:
             try:
-                ids = encode_messages(self.text, self.conversation.messages(user))
+                ids = self.text.encode_conversation(self.conversation.messages(user))
                 answer = self.answer(ids, stop)
             except OvshardError as e:
                 self.failed += 1

@@ -145,9 +145,17 @@ class Text:
         if self.tok is None:
             raise OvshardError("this bundle has no tokenizer: pass --prompt-ids 1,5,17")
         if self.chat is not None and self.plain_tok is not None:
-            rendered = self.chat.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
-            return [int(t) for t in self.plain_tok([rendered])["input_ids"][0]]
+            return self.encode_conversation([{"role": "user", "content": prompt}])
         return [int(t) for t in self.tok([prompt])["input_ids"][0]]
+
+    def encode_conversation(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation's prompt ids: rendered by the chat template with the generation prompt and tokenized
+        without added special tokens (the template wrote them); without a template, the contents one per
+        line, tokenized as any prompt (`ovshard chat` and the API's chat endpoint)."""
+        if self.chat is not None and self.plain_tok is not None:
+            rendered = self.chat.render(messages, add_generation_prompt=True)
+            return [int(t) for t in self.plain_tok([rendered])["input_ids"][0]]
+        return self.encode("\n".join(m["content"] for m in messages), None)
 
     def decode(self, ids: list[int]) -> str:
         if self.detok is None:

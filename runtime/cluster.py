@@ -109,12 +109,7 @@ class Cluster:
             raise OvshardError(f"--ray {ray_address}: stages on other machines listen beyond loopback, and this "
                                "version does not distribute credentials to them yet; pass --insecure on a trusted "
                                "network, or use --ray local")
-        try:
-            ray.init(address=None if self.owned else ray_address, namespace=NAMESPACE, include_dashboard=False,
-                     log_to_driver=False, configure_logging=False)
-        except (ConnectionError, ValueError, RuntimeError) as e:
-            raise OvshardError(f"--ray {ray_address}: cannot join the Ray cluster ({e}); start one with "
-                               "`ray start --head`, or pass --ray local") from e
+        _join(ray_address)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         remote: Any = ray.remote(max_restarts=max_restarts, max_task_retries=0)(StageActor)
@@ -221,14 +216,15 @@ def actor_states() -> list[dict[str, Any]]:
 
 
 def _join(address: str) -> None:
+    """Join the Ray cluster at ``address`` ("local": start a private instance owned by this process)."""
     import ray
 
     try:
-        ray.init(address=address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+        ray.init(address=None if address == "local" else address, namespace=NAMESPACE, include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)
     except (ConnectionError, ValueError, RuntimeError) as e:
-        raise OvshardError(f"--ray {address}: cannot join the Ray cluster ({e}); pass the address `ovshard up` "
-                           "printed (its \"ray\" field), or auto on a node of the cluster") from e
+        raise OvshardError(f"--ray {address}: cannot join the Ray cluster ({e}); start one with `ray start --head`, "
+                           "pass the address `ovshard up` printed (its \"ray\" field), or --ray local") from e
 
 
 def main_status(args: Any) -> int:

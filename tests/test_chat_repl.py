@@ -28,7 +28,7 @@ from conftest import chatml_checkpoint, compile_fp32
 
 from ovshard.bundle import names
 from ovshard.bundle.manifest import read_manifest
-from ovshard.runtime.chat_repl import Chat, Conversation, chat_text, encode_messages
+from ovshard.runtime.chat_repl import Chat, Conversation, chat_text
 from ovshard.runtime.cli import Text
 from ovshard.runtime.launch import WorkerProcess, serve_command
 from ovshard.runtime.local import LocalPipeline
@@ -60,7 +60,7 @@ class Reference:
 
     def tokens(self, messages: list[dict[str, str]], max_tokens: int) -> list[int]:
         """The answer's tokens, its stop token included when it has one."""
-        return self.pipe.generate_greedy(encode_messages(self.text, messages), max_tokens, self.text.stops)[0]
+        return self.pipe.generate_greedy(self.text.encode_conversation(messages), max_tokens, self.text.stops)[0]
 
     def answer(self, messages: list[dict[str, str]], max_tokens: int = 60) -> str:
         return self.text.answer(self.tokens(messages, max_tokens))
@@ -154,7 +154,7 @@ def test_chat_keeps_the_history_and_reset_forgets_it(bundle: Path, reference: Re
     stats = dict(kv.split("=") for kv in out[len(f"{first}\n{second}\n"):-len(f"\n{first}\n")].split(", "))
     tokens = reference.tokens(conversation, 60)
     assert (int(stats["new_tokens"]), stats["finish_reason"]) == (len(tokens), "stop")
-    assert int(stats["prompt_tokens"]) == len(encode_messages(reference.text, conversation))
+    assert int(stats["prompt_tokens"]) == len(reference.text.encode_conversation(conversation))
     assert float(stats["decode_tokens_per_s"]) > 0
     assert {"stage0_compute_ms", "stage1_compute_ms", "per_hop_network_ms"} <= set(stats)
     assert "Traceback" not in err
