@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test lint layout golden bench fuzz clean
+.PHONY: setup demo test lint layout golden bench bench-peers fuzz clean
 
 setup: $(STAMP)
 
@@ -35,8 +35,15 @@ bench: setup
 	$(BIN)/python bench/compile_memory.py --sweep  # anon memory vs layers per stage; ~30 GB in /tmp/ovshard-sweep
 	CI=true $(BIN)/python bench/suite.py
 	$(BIN)/python bench/api_load.py --models stories260K,llama-3.2-1b --requests 2  # ovshard api at 1-8 clients vs the bare Session
+	$(BIN)/python bench/placement.py --rounds 3  # ovshard up: measured placement vs equal split on an emulated unequal pair
+	CI=true $(BIN)/python bench/int4_frontier.py  # weight formats on real models: size, perplexity, agreement, compile memory
+	CI=true $(BIN)/python bench/nncf_options.py  # NNCF's own options (data-free and data-aware) on the real Gemma 3 270M
 
 # a real worker under 1,000,000 hostile frames; --workers (default: one client process per core but one) scales it
+# ovshard against llama.cpp (built once from the llama-cpp-python sdist into ~/.cache/ovshard/peers; needs cmake, g++)
+bench-peers: setup
+	$(BIN)/python bench/peers.py
+
 fuzz: setup
 	$(BIN)/python tests/fuzz_worker.py --frames 1000000
 

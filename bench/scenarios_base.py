@@ -123,7 +123,7 @@ class Bench:
         ensure_checkpoint(path, model.synth_shape, "bfloat16")
         return path
 
-    def bundle(self, model: ModelSpec, stages: int, weights: str = "int4_asym", skip: tuple[str, ...] = (),
+    def bundle(self, model: ModelSpec, stages: int, weights: str = "int4_sym", skip: tuple[str, ...] = (),
                layers: str | None = None) -> Path:
         """A compiled bundle for this config, from the cache or compiled now (in a subprocess).
         ``layers`` (e.g. "0:12,12:16") replaces the planner's split."""

@@ -82,7 +82,7 @@ def pipeline_vs_monolithic(bench: Bench) -> dict[str, Any]:
         "settings": {"what": "greedy decode tok/s = decode steps / their summed wall time (prefill excluded); "
                              "in-process: LocalPipeline.forward + argmax per step; TCP: Head.generate round trip "
                              "per step (the last stage returns argmax), one `ovshard serve` process per stage",
-                     "bundles": "int4_asym (default weights), balanced split", "per_model": settings},
+                     "bundles": "int4_sym (default weights), balanced split", "per_model": settings},
         "rows": rows, "summary": summary, "samples": raw,
         "notes": ["ratios are medians of per-round ratios (each round runs every variant once, interleaved); "
                   "'ratio of medians' divides the medians instead: where the two disagree, the noise is larger "
@@ -153,7 +153,7 @@ def beam_gather(bench: Bench) -> dict[str, Any]:
     return {
         "target": "the Gather makes the CPU fuse the KV cache into SDPA (StatefulSDPAFusion) and decode faster "
                   "(DESIGN.md: ~14% on a 1.2B model at 70 tokens of context, ~5x on a tiny one)",
-        "settings": {"what": "one-stage int4_asym bundles compiled with and without InjectBeamIdxGatherPass "
+        "settings": {"what": "one-stage int4_sym bundles compiled with and without InjectBeamIdxGatherPass "
                              "(CompileConfig.skip_passes), run through the same InferRequest loop feeding only the "
                              "inputs each IR declares; fusion read off compiled.get_runtime_model() (ovshard.verify.fusion)",
                      "per_model": settings},

@@ -8,13 +8,15 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ovshard.errors import DiskFullError, OvshardError
 
 log = logging.getLogger("ovshard")
 
 WEIGHT_HELP = """weight format: fp32 (exact; for parity tests), fp16, int8 (per channel),
-int4_sym, int4_asym (default: asymmetric INT4 keeps more accuracy than symmetric at the same size)"""
+int4_sym (default: with the sensitive weights in INT8 it measured ahead of int4_asym on the real models,
+README "INT4 accuracy"), int4_asym"""
 
 
 def _selection(text: str | None, option: str, known: Sequence[str]) -> frozenset[str] | str | None:
@@ -44,13 +46,30 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
     split.add_argument("--budgets", help="per-node memory budgets, e.g. 2GB,2GB,4GB (one stage each)")
     p.add_argument("--context-tokens", type=int, default=4096,
                    help="KV-cache length counted against --budgets (default 4096)")
-    p.add_argument("--weights", default="int4_asym",
+    p.add_argument("--balance", default="reads", choices=("reads", "memory"),
+                   help="what --stages (and --budgets, among the splits that fit) even out: each stage's weight "
+                   "bytes read per decode step, its step time (default; the lm_head counts, the embedding's "
+                   "gathered rows hardly), or its memory (weights + KV cache)")
+    p.add_argument("--weights", default="int4_sym",
                    choices=("fp32", "fp16", "int8", "int4_sym", "int4_asym"), help=WEIGHT_HELP)
     p.add_argument("--group-size", type=int, default=128, help="INT4 group size (default 128)")
-    p.add_argument("--ratio", type=float, default=1.0,
-                   help="share of weights in INT4, the rest INT8 (default 1.0)")
+    p.add_argument("--budget", type=float, default=1.15,
+                   help="INT4: keep the decoder weights INT4 hurts most in INT8, chosen for the whole model, while "
+                   "the bundle stays within this multiple of its all-INT4 size (default 1.15; 1.0: none)")
+    p.add_argument("--ratio", type=float, default=0.0,
+                   help="INT4: the least share of decoder weights that stays INT4 whatever --budget allows "
+                   "(default 0.0; 1.0: every decoder weight INT4)")
     p.add_argument("--all-layers", action="store_true",
-                   help="INT4 also for the embedding and each stage's last MatMul (default: those stay INT8)")
+                   help="INT4 also for the embedding and the lm_head (default: those stay INT8)")
+    p.add_argument("--calibration", default="none", metavar="auto|none|FILE",
+                   help="INT4: data-aware compression (NNCF, layer by layer in the streamed compile) on calibration "
+                   "text: auto (the model's own sampled text from neutral prompts), a UTF-8 text file, or none "
+                   "(default: data-free)")
+    p.add_argument("--calibration-samples", type=int, default=8, help="calibration samples (default 8)")
+    p.add_argument("--calibration-tokens", type=int, default=128, help="tokens per calibration sample (default 128)")
+    p.add_argument("--calibration-methods", metavar="M[,M]",
+                   help="NNCF's data-aware methods: awq, scale_estimation, gptq, lora_correction (default with "
+                   "--calibration: awq,scale_estimation)")
     p.add_argument("--frontend", default="torchscript", choices=("torchscript", "onnx"),
                    help="torchscript: torch.jit.trace + OpenVINO's PyTorch front end (default); onnx: "
                    "torch.onnx.export at opset 23 + OpenVINO's ONNX front end")
@@ -106,6 +125,12 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reference", type=Path, metavar="HF_CHECKPOINT", help="compare against this checkpoint")
     p.add_argument("--prompt", default="Once upon a time", help="prompt for --reference")
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens compared with --reference")
+    p.add_argument("--perplexity", type=Path, metavar="TEXT", help="with --reference: score this UTF-8 text "
+                   "as llama.cpp's llama-perplexity does (chunks of --perplexity-context tokens, the second half "
+                   "of each scored) with the bundle and the reference; report both perplexities and the top-1 "
+                   "agreement along it, judged by the weight format's thresholds")
+    p.add_argument("--perplexity-context", type=int, metavar="N",
+                   help="chunk length for --perplexity (default 512, or the bundle's positions when fewer)")
     p.add_argument("--json", action="store_true", help="machine-readable report")
 
 
@@ -125,6 +150,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    "that share a machine a share each")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="stop when stdin closes: used by `ovshard run --local` so its workers die with it")
+    p.add_argument("--cache-dir", type=Path, help="compiled-model cache (default: $OVSHARD_CACHE_DIR/ov_cache or "
+                   "~/.cache/ovshard/ov_cache; the bundle may be read-only)")
     _add_security(p)
     limits = p.add_argument_group("limits", "what one worker grants; anything beyond is refused with an Error")
     limits.add_argument("--max-connections", type=int, default=256, help="open connections (default 256)")
@@ -185,6 +212,14 @@ def _add_decoding(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
     p.add_argument("--retry-s", type=float, default=30.0,
                    help="when a stage goes away mid-generation, reconnect and replay for up to this many "
                    "seconds before failing with the partial output (default 30)")
+    _add_prefill(p)
+
+
+def _add_prefill(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
+                   help="send a prompt through the stages in steps of N tokens, pipelined: stage k computes one "
+                   "chunk while stage k+1 computes the one before (default 0: the whole prompt in one step, "
+                   "4.4x quicker to the first token on OpenVINO's CPU plugin here; see the README)")
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
@@ -224,15 +259,17 @@ def _add_http(p: argparse.ArgumentParser) -> None:
                    "listen beyond loopback unless --insecure")
     p.add_argument("--retry-s", type=float, default=30.0,
                    help="reconnect and replay for this long when a stage goes away, then answer 503 (default 30)")
+    _add_prefill(p)
 
 
 def _add_up(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("up", help="bring a pipeline up on a Ray cluster: one actor per stage, supervised",
-                       description="One Ray actor per stage runs its stage worker on a node of the cluster and binds "
-                       "a port there; Ray restarts an actor that dies and the head replays its streams. Prints the "
-                       "stage table and a JSON line with the --stages list, then serves the API (--api) or waits "
-                       "until Ctrl-C / SIGTERM, which stops every stage. Needs the cluster extra: pip install "
-                       "'ovshard[cluster]'.")
+    p = sub.add_parser("up", help="bring a pipeline up on a Ray cluster: placed by measurement, supervised",
+                       description="Probe each node (speed, free memory, round trips), place runs of the bundle's "
+                       "stages on them, pull stage files to nodes that lack them, and run one Ray actor per placed "
+                       "stage, binding a port on its node, mutual TLS off --ray local; Ray restarts an actor that "
+                       "dies and the head replays its streams. Prints the stage table and a JSON line with the "
+                       "--stages list, then serves the API (--api) or waits until Ctrl-C / SIGTERM, which stops "
+                       "every stage. Needs the cluster extra: pip install 'ovshard[cluster]'.")
     p.add_argument("bundle", type=Path)
     p.add_argument("--ray", required=True, metavar="local|auto|ADDRESS",
                    help="local: a private Ray instance on this machine, owned by this command; auto or host:port: "
@@ -242,8 +279,18 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port-base", type=int, default=7000,
                    help="stage k listens on this port + k on its node (default 7000; --ray local picks free "
                    "loopback ports)")
+    p.add_argument("--placement", choices=("measured", "even", "bundle"), default="measured",
+                   help="measured (default): probe each node's speed and memory and give faster nodes more layers; "
+                   "even: equal runs of the bundle's stages; bundle: one actor per bundle stage, nodes in turn")
+    p.add_argument("--stages", type=int, metavar="N", help="placed stages (default: as many nodes as help); the "
+                   "bundle's stages are the units, so compile with more stages than nodes (e.g. one per layer)")
+    p.add_argument("--context-tokens", type=int, default=4096,
+                   help="the context each stage's KV cache must fit in its node's memory (default 4096)")
+    p.add_argument("--pull", choices=("missing", "always"), default="missing",
+                   help="missing (default): a node without the bundle's folder pulls its stages' files; always: "
+                   "every node pulls into its cache ($OVSHARD_CACHE_DIR or ~/.cache/ovshard)")
     p.add_argument("--exact", action="store_true", help="f32 inference and KV cache")
-    p.add_argument("--threads", type=int, help="CPU threads per stage worker")
+    p.add_argument("--threads", type=int, help="CPU threads per stage worker ($OVSHARD_THREADS on a node wins)")
     _add_http(p)
     _add_security(p)
 
@@ -382,7 +429,8 @@ def _compile_config(args: argparse.Namespace):
     from ovshard.passes import WeightFormat, pipeline
     from ovshard.plan.partition import parse_budgets, parse_layers
 
-    weights = WeightFormat(args.weights, args.group_size, args.ratio, args.all_layers)
+    methods = tuple(m.strip() for m in args.calibration_methods.split(",") if m.strip()) if args.calibration_methods else ()
+    weights = WeightFormat(args.weights, args.group_size, args.ratio, args.all_layers, args.budget, methods=methods)
     known = [p.name for p in pipeline(weights)]
     dump_dir = args.dump_dir or (args.output.parent / f"{args.output.name}.dumps")
     emit = (lambda text: print(text, flush=True)) if args.print_after_change else None
@@ -396,6 +444,7 @@ def _compile_config(args: argparse.Namespace):
         layers=tuple(parse_layers(args.layers)) if args.layers else None,
         budgets=tuple(parse_budgets(args.budgets)) if args.budgets else None,
         context_tokens=args.context_tokens,
+        balance=args.balance,
         weights=weights,
         max_positions=args.max_positions,
         frontend=args.frontend,
@@ -406,6 +455,9 @@ def _compile_config(args: argparse.Namespace):
         cache_dir=None if args.no_cache else (args.cache_dir or default_cache_dir()),
         jobs=args.jobs,
         max_memory=parse_budgets(args.max_memory)[0] if args.max_memory else None,
+        calibration=args.calibration,
+        calibration_samples=args.calibration_samples,
+        calibration_tokens=args.calibration_tokens,
     )
 
 
@@ -416,7 +468,8 @@ def _verify(args: argparse.Namespace) -> int:
     device = args.device or (None if predict else "CPU")
     if device and device.lower() == "none":
         device = None
-    rows = verify_bundle(VerifyConfig(args.bundle, device, predict, args.reference, args.prompt, args.tokens))
+    rows = verify_bundle(VerifyConfig(args.bundle, device, predict, args.reference, args.prompt, args.tokens,
+                                      args.perplexity, args.perplexity_context))
     print(report_json(rows) if args.json else format_report(rows))
     return 0 if all(r.verdict != "FAIL" for r in rows) else 1
 
@@ -449,7 +502,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.command in ("up", "status", "down"):
         from ovshard.runtime import cluster
 
-        return {"up": cluster.main_up, "status": cluster.main_status, "down": cluster.main_down}[args.command](args)
+        if args.command == "up":
+            return cluster.main_up(args, _cluster_planner)
+        return {"status": cluster.main_status, "down": cluster.main_down}[args.command](args)
     if args.command == "chat":
         from ovshard.runtime.chat_repl import main_chat
 
@@ -482,6 +537,17 @@ def _run(args: argparse.Namespace) -> int:
     from ovshard.tools.demo import DemoConfig, run_demo
 
     return 0 if run_demo(DemoConfig(args.output, args.stages, args.checkpoint)) else 1
+
+
+def _cluster_planner(manifest: Any, probes: list[dict], head: str, rtt: dict, stages: int | None,
+                     context_tokens: int, strategy: str) -> tuple[list[str], list[tuple[int, ...]], str, list[str]]:
+    """`ovshard up`'s planner: the probes its actors returned, planned by ovshard.plan.placement."""
+    from ovshard.plan.placement import NodeProbe, plan_placement
+
+    nodes = [NodeProbe(p["node"], p["host"], p["seconds_per_byte"], p["free_bytes"]) for p in probes]
+    placement = plan_placement(manifest, nodes, head, rtt, stages, context_tokens, strategy)
+    return (list(placement.nodes), [tuple(g) for g in placement.groups], placement.format_table(),
+            [message for _, message in placement.left_out])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import openvino as ov
@@ -33,9 +33,10 @@ from ovshard.bundle.manifest import (
 )
 from ovshard.bundle.plan import PartitionPlan
 from ovshard.bundle.stage import StageSpec
-from ovshard.bundle.weights import WeightFormat
+from ovshard.bundle.weights import DEFAULT_DATA_AWARE, WeightFormat
 from ovshard.cache import PieceCache, tokenizer_key
 from ovshard.errors import BundleError, ConfigError, PlanError
+from ovshard.frontend.calibration import Activations, calibration_text
 from ovshard.frontend.checkpoint import Checkpoint
 from ovshard.frontend.source import open_source
 from ovshard.frontend.trace import trace_stage
@@ -49,8 +50,9 @@ from ovshard.ir.naming import stable_names
 from ovshard.ir.pass_manager import GraphPass, Instrument, PassContext, PassManager
 from ovshard.memory import PeakSampler
 from ovshard.passes import pipeline
-from ovshard.plan.costs import model_costs
+from ovshard.plan.costs import model_costs, rotary_table_bytes
 from ovshard.plan.partition import plan_balanced, plan_budgets, plan_layers
+from ovshard.plan.precision import choose_int8
 from ovshard.report import StageFigures, format_report, stage_done
 from ovshard.stream import StageBuild, build_stage, piece_bytes_within, plan_jobs, prebuild
 from ovshard.verify.predict import PredictFusionInstrument
@@ -91,9 +93,14 @@ class CompileConfig:
     jobs: int = 1  # pieces compiled in parallel processes
     max_memory: int | None = None  # bytes the compile may use in all; None: no cap
     piece_bytes: int = 16 << 20  # streamed: consecutive small layers share a piece up to this many f32 weight bytes
+    balance: str = "reads"  # split by bytes read per decode step ("reads") or by memory held ("memory")
+    calibration: str = "none"  # data-aware INT4: "none", "auto" (the model's own text) or a text file's path
+    calibration_samples: int = 8
+    calibration_tokens: int = 128  # tokens per calibration sample
 
     def __post_init__(self) -> None:
         _check_counts(self)
+        _check_calibration(self)
         if not self.skip_passes:
             return
         known = [p.name for p in pipeline(self.weights)]
@@ -124,13 +131,46 @@ def _check_counts(config: CompileConfig) -> None:
               "pass --jobs 1 for one at a time")
 
 
+def _check_calibration(config: CompileConfig) -> None:
+    if config.calibration == "none":
+        if config.weights.methods:
+            raise ConfigError(f"--calibration-methods {','.join(config.weights.methods)} need calibration text: "
+                              "add --calibration auto (the model's own text) or --calibration FILE")
+        return
+    if not config.weights.is_int4:
+        raise ConfigError(f"--calibration calibrates INT4 weights; --weights {config.weights.mode} has none: use "
+                          "--weights int4_sym or int4_asym, or leave --calibration out")
+    if not _streamed(config):
+        raise ConfigError("--calibration runs layer by layer inside the streamed compile: leave out --whole-stage "
+                          "and --frontend onnx")
+
+
+def _calibrate(config: CompileConfig, ckpt: Checkpoint, workdir: Path,
+               max_positions: int) -> tuple[CompileConfig, Activations | None]:
+    """With --calibration: the text, recorded in the weight format, and the activations the layers read."""
+    if config.calibration == "none":
+        return config, None
+    text = calibration_text(ckpt, config.calibration, config.calibration_samples, config.calibration_tokens,
+                            workdir / ".pieces" / "calibration")
+    log.info("calibration: %d samples (%s), %d tokens in all, sha256 %s", len(text.samples), text.source,
+             sum(map(len, text.samples)), text.digest)
+    weights = replace(config.weights, methods=config.weights.methods or DEFAULT_DATA_AWARE, calibration=text.source,
+                      calibration_digest=text.digest)
+    if config.jobs > 1:
+        log.warning("--jobs %d: a calibrated compile builds its layers one after another (each reads the "
+                    "activations of the layers before it); using 1", config.jobs)
+    return replace(config, weights=weights, jobs=1), Activations(ckpt, text, max_positions)
+
+
 def make_plan(config: CompileConfig, ckpt: Checkpoint) -> PartitionPlan:
-    costs = model_costs(ckpt.spec, ckpt.dims, config.weights)
+    tables = len(ckpt.block.used(range(ckpt.dims.num_layers))[0])
+    rotary = rotary_table_bytes(tables, ckpt.block.rotary_dim, config.max_positions or ckpt.dims.max_position_embeddings)
+    costs = model_costs(ckpt.spec, ckpt.dims, config.weights, stage_bytes=rotary)
     if config.layers is not None:
         return plan_layers(costs, config.layers, config.context_tokens)
     if config.budgets is not None:
-        return plan_budgets(costs, config.budgets, config.context_tokens)
-    return plan_balanced(costs, config.stages or 1, config.context_tokens)
+        return plan_budgets(costs, config.budgets, config.context_tokens, config.balance)
+    return plan_balanced(costs, config.stages or 1, config.context_tokens, config.balance)
 
 
 def _dumping(config: CompileConfig) -> bool:
@@ -156,7 +196,7 @@ def _tensor_specs(ports: list[ov.Output]) -> tuple[TensorSpec, ...]:
 
 
 def compile_stage(ckpt: Checkpoint, stage: StageSpec, config: CompileConfig, max_positions: int,
-                  workdir: Path) -> tuple[StageEntry, list[PassRecord]]:
+                  workdir: Path, calibration: Activations | None = None) -> tuple[StageEntry, list[PassRecord]]:
     """Build one stage (streamed or whole), save it; free everything before returning."""
     start = time.perf_counter()
     log.info("stage %d (%d of %d): layers [%d, %d), %s", stage.index, stage.index + 1, stage.num_stages,
@@ -165,7 +205,7 @@ def compile_stage(ckpt: Checkpoint, stage: StageSpec, config: CompileConfig, max
     if _streamed(config):
         build = StageBuild(ckpt, stage, config.passes(), _instruments(config), max_positions, scratch,
                            keep_raw=_dumping(config), cache=_piece_cache(config, workdir),
-                           piece_bytes=_piece_bytes(config))
+                           piece_bytes=_piece_bytes(config), calibration=calibration)
         model, records = build_stage(build)
     else:
         build = None
@@ -226,11 +266,23 @@ def _streamed(config: CompileConfig) -> bool:
 
 
 def _generation(ckpt: Checkpoint) -> Generation:
+    """bos and eos ids, each checked to lie inside the vocabulary.
+
+    An id outside it is a broken config, and a harmful one: openvino_genai writes -inf at ``logits[eos]``
+    while ``min_new_tokens`` holds the eos back, so an eos past the vocabulary corrupts its heap (found as a
+    1-in-150 crash of LLMPipeline on a random Phi-3 config, whose default eos is 32000 of 300 tokens).
+    """
     gen = ckpt.generation_config or {}
     eos = gen.get("eos_token_id", ckpt.config.get("eos_token_id"))
     eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
-    return Generation(bos_token_id=gen.get("bos_token_id", ckpt.config.get("bos_token_id")),
-                      eos_token_ids=eos_ids)
+    bos = gen.get("bos_token_id", ckpt.config.get("bos_token_id"))
+    vocab = ckpt.dims.vocab_size
+    for key, ids in (("bos_token_id", () if bos is None else (bos,)), ("eos_token_id", eos_ids)):
+        outside = [i for i in ids if not 0 <= i < vocab]
+        if outside:
+            raise ConfigError(f"{key} {outside} lies outside the vocabulary of {vocab} tokens (ids 0..{vocab - 1}): "
+                              f"fix {key} in the checkpoint's config.json / generation_config.json")
+    return Generation(bos_token_id=bos, eos_token_ids=eos_ids)
 
 
 def _copy_configs(ckpt: Checkpoint, workdir: Path) -> dict[str, str]:
@@ -318,6 +370,9 @@ def compile_bundle(config: CompileConfig) -> Manifest:
     started = time.perf_counter()
     ckpt = open_source(config.checkpoint)
     ckpt.validate_tensors()
+    generation = _generation(ckpt)
+    if config.weights.is_int4 and not config.weights.int8_weights:  # one choice for the whole model
+        config = replace(config, weights=replace(config.weights, int8_weights=choose_int8(ckpt, config.weights)))
     plan = make_plan(config, ckpt)
     log.info("partition plan (%s):\n%s", plan.strategy, plan.format_table())
     chosen = _chosen_stages(plan, config.only_stage)
@@ -325,12 +380,13 @@ def compile_bundle(config: CompileConfig) -> Manifest:
     needed = staging.space_needed(plan, ckpt.dims.head_dim, max_positions)
     workdir, figures = _workdir(config.output, needed), []
     try:
+        config, activations = _calibrate(config, ckpt, workdir, max_positions)
         if _streamed(config):
             _prebuild(config, ckpt, chosen, max_positions, workdir)
         entries, log_records = [], []
         for stage in chosen:
             with PeakSampler() as memory:
-                entry, records = compile_stage(ckpt, stage, config, max_positions, workdir)
+                entry, records = compile_stage(ckpt, stage, config, max_positions, workdir, activations)
             figures.append(StageFigures(stage, memory.seconds, memory.peak))
             log.info("%s", stage_done(figures, chosen))
             entries.append(entry)
@@ -345,7 +401,7 @@ def compile_bundle(config: CompileConfig) -> Manifest:
             stages=tuple(entries),
             pass_log=tuple(log_records),
             tokenizer=tokenizer,
-            generation=_generation(ckpt),
+            generation=generation,
             runtime_hints=RuntimeHints(max_positions=max_positions),
             extra_files=_copy_configs(ckpt, workdir),
             dumps=str(config.dumps.dump_dir.resolve()) if config.dumps.dump_dir and _dumping(config) else None,

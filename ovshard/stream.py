@@ -29,7 +29,7 @@ from ovshard.errors import PassError
 from ovshard.frontend import pieces
 from ovshard.frontend.arch import layer_tensors
 from ovshard.frontend.checkpoint import Checkpoint
-from ovshard.ir.pass_manager import GraphPass, Instrument, PassContext, PassManager, Piece
+from ovshard.ir.pass_manager import Calibration, GraphPass, Instrument, PassContext, PassManager, Piece
 from ovshard.ir.splice import Assembler, RowSplicer
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class StageBuild:
     totals: _Totals = field(default_factory=_Totals)
     buffers: list = field(default_factory=list)  # chunk splicers' file-backed buffers: the graph's weights
     last_records: list[PassRecord] = field(default_factory=list)  # of the piece built last
+    calibration: Calibration | None = None  # a piece's calibration inputs (PassContext)
     core: ov.Core = field(default_factory=ov.Core)
 
     @property
@@ -92,7 +93,7 @@ def build_stage(b: StageBuild) -> tuple[ov.Model, list[PassRecord]]:
     start = time.perf_counter()  # the rate of the layers alone: the embedding before them is timed apart
     for a, z in layer_groups(b.ckpt, stage, b.piece_bytes):
         began = time.perf_counter()
-        piece = layers_role(stage, a, z)
+        piece = Piece("layers", a, z)
         trace = functools.partial(pieces.layers_piece, b.ckpt, a, z, stage)
         _add_piece(b, trace, piece, joined, raw, f"layers_{a}_{z}")
         done, left = z - stage.start, stage.end - z
@@ -114,12 +115,7 @@ def build_stage(b: StageBuild) -> tuple[ov.Model, list[PassRecord]]:
     return _finish(b, joined, raw)
 
 
-HEAD = Piece("head", holds_last_matmul=True)
-
-
-def layers_role(stage: StageSpec, start: int, end: int) -> Piece:
-    """Layers [start, end) of ``stage``: the stage's last layer holds its last MatMul unless the head follows."""
-    return Piece("layers", start, end, holds_last_matmul=not stage.last and end == stage.end)
+HEAD = Piece("head")
 
 
 def layer_groups(ckpt: Checkpoint, stage: StageSpec, piece_bytes: int) -> list[tuple[int, int]]:
@@ -165,7 +161,7 @@ def _tied_head(b: StageBuild, asm: Assembler, weight: ov.Output) -> None:
 
 
 def _run_layer_passes(b: StageBuild, model: ov.Model, piece: Piece) -> ov.Model:
-    ctx = PassContext(b.stage, b.ckpt.dims, b.max_positions, piece=piece)
+    ctx = PassContext(b.stage, b.ckpt.dims, b.max_positions, piece=piece, calibration=b.calibration)
     model, records = PassManager(b.layer_passes).run(model, ctx)
     b.totals.add(records)
     b.last_records = records
@@ -343,7 +339,7 @@ def prebuild(checkpoint: Path, stages: tuple[StageSpec, ...], passes_of: Callabl
     for s in stages:
         if s.first:
             work.append(Job(s, Piece("embedding"), ckpt.spec.embed))
-        work += [Job(s, layers_role(s, a, z)) for a, z in layer_groups(ckpt, s, piece_bytes)]
+        work += [Job(s, Piece("layers", a, z)) for a, z in layer_groups(ckpt, s, piece_bytes)]
         if s.last and not (ckpt.dims.tie_word_embeddings and s.first):
             work.append(Job(s, HEAD, head_tensor(ckpt)))
     log.info("compiling %d pieces in %d worker processes", len(work), jobs)

@@ -3,21 +3,27 @@
 Formats: ``fp32`` (nothing changes), ``fp16`` (weights stored as f16 with a decompression Convert),
 ``int8`` (NNCF INT8_ASYM, per channel), ``int4_sym`` / ``int4_asym`` (NNCF, grouped).
 
-Default ``int4_asym``, group size 128, ratio 1.0, all_layers False. Why: asymmetric INT4 keeps more
-accuracy than symmetric at the same size on Llama weights (it is also optimum-intel's default for
-``--weight-format int4``); 128 is the group size both OpenVINO's CPU and GPU kernels are tuned for;
-ratio 1.0 because a ratio < 1 only pays off with a calibration dataset; all_layers False keeps the
-embedding and the last MatMul of each stage (the lm_head in the last stage) in INT8, where INT4 error
-hurts most. Channels not divisible by the group size get the largest power-of-two group that divides
-them, or INT8 when none does (NNCF's ADJUST fallback).
+Which weights keep the backup precision (INT8_ASYM, per channel) is decided for the whole model, never
+per stage: the embedding and the lm_head, unless ``all_layers``, and the decoder weights the format
+names in ``int8_weights`` (chosen by ``ovshard.plan.precision`` before any stage is built). NNCF's own rule ("the embeddings and
+the last MatMul of the graph") applied to each stage's graph would keep a different MatMul in INT8 for
+every stage count (the last down_proj of every stage but the last), so the same checkpoint compiled into
+1, 2 or 4 stages would get different weights and different tokens. So every decoder weight goes through
+NNCF with ``all_layers=True`` and the backup weights through INT8_ASYM, in a streamed compile by the
+piece's kind (``embedding``, ``head``, ``layers``), in a whole-stage compile by the graph (the Gather
+weights and the MatMuls that feed the logits). Channels not divisible by the group size get the largest
+power-of-two group that divides them, or INT8 when none does (NNCF's ADJUST fallback).
+
+The default format and why it was chosen: ``ovshard.bundle.weights``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
+import re
 import sys
-from dataclasses import replace
 
 import numpy as np
 import openvino as ov
@@ -25,6 +31,7 @@ import openvino.opset13 as ops
 
 from ovshard.bundle import names
 from ovshard.bundle.weights import WeightFormat
+from ovshard.errors import PassError
 from ovshard.ir.pass_manager import GraphPass, PassContext, PassResult
 
 log = logging.getLogger(__name__)
@@ -47,6 +54,65 @@ def float_weights(model: ov.Model) -> list[ov.Node]:
     return found
 
 
+def weight_ops(model: ov.Model) -> list[ov.Node]:
+    """The MatMul and Gather ops that read a still-uncompressed weight (``float_weights``)."""
+    weights = {w.get_friendly_name() for w in float_weights(model)}
+    return [op for op in model.get_ordered_ops() if op.get_type_name() in ("MatMul", "Gather")
+            and op.input_value(0 if op.get_type_name() == "Gather" else 1).get_node().get_friendly_name() in weights]
+
+
+_DECODER_WEIGHT = re.compile(r"layers\.(\d+)\.(q|k|v|o|gate|up|down)_weight$")
+
+
+def backup_ops(model: ov.Model, ctx: PassContext, fmt: WeightFormat) -> set[str]:
+    """Names of the ops whose weights stay INT8: the model's embedding and lm_head (unless ``all_layers``),
+    wherever they are, and the decoder weights ``fmt.int8_weights`` names."""
+    ops_here = weight_ops(model)
+    piece = ctx.piece
+    backup = set()
+    if not fmt.all_layers:
+        backup = _ends(model, ctx, ops_here)
+    if fmt.int8_weights and (piece is None or piece.kind == "layers"):
+        first = piece.start if piece is not None and piece.start is not None else ctx.stage.start
+        here = range(first, piece.end if piece is not None and piece.end is not None else ctx.stage.end)
+        wanted = {k for k in fmt.int8_weights if int(k.split(".")[0]) in here}
+        found = set()
+        for op in ops_here:
+            match = _DECODER_WEIGHT.search(op.input_value(1).get_node().get_friendly_name())
+            if op.get_type_name() == "MatMul" and match:
+                key = f"{first + int(match[1])}.{match[2]}"
+                if key in wanted:
+                    backup.add(op.get_friendly_name())
+                    found.add(key)
+        if found != wanted:
+            raise PassError(f"stage {ctx.stage.index}: the INT8 weights {sorted(wanted - found)} have no MatMul "
+                            "named after them in this graph (this front end names weights otherwise); compile "
+                            "with --budget 1.0 or the torchscript front end")
+    return backup
+
+
+def _ends(model: ov.Model, ctx: PassContext, ops_here: list[ov.Node]) -> set[str]:
+    """The embedding and the lm_head: by the piece in a streamed compile, by the graph in a whole-stage one."""
+    if ctx.piece is not None:
+        return {op.get_friendly_name() for op in ops_here} if ctx.piece.kind in ("embedding", "head") else set()
+    backup = {op.get_friendly_name() for op in ops_here if op.get_type_name() == "Gather"}
+    logits = [r for r in model.get_results() if r.get_output_size() and names.LOGITS in
+              r.input_value(0).get_names()]
+    stack, seen = [r.input_value(0) for r in logits], set()
+    while stack:  # up from the logits along vocabulary-wide values (soft-capping, row chunks) to the lm_head
+        value = stack.pop()
+        node = value.get_node()
+        last = value.get_partial_shape()[-1] if value.get_partial_shape().rank.is_static else None
+        if id(node) in seen or last is None or last.is_dynamic or last.get_length() != ctx.dims.vocab_size:
+            continue
+        seen.add(id(node))
+        if node.get_type_name() == "MatMul":
+            backup.add(node.get_friendly_name())
+        else:
+            stack += list(node.input_values())
+    return backup & {op.get_friendly_name() for op in ops_here}
+
+
 def _to_fp16(model: ov.Model, weights: list[ov.Node]) -> None:
     for const in weights:
         half = ops.constant(const.get_data().astype(np.float16))
@@ -62,15 +128,6 @@ class CompressWeightsPass(GraphPass):
     def __init__(self, fmt: WeightFormat | None = None) -> None:
         self.fmt = fmt or WeightFormat()
 
-    def format_for(self, ctx: PassContext) -> WeightFormat:
-        """The format NNCF applies here. NNCF keeps a graph's embeddings and its last MatMul in the backup
-        precision (INT8) unless all_layers; on a piece of a stage that rule must mean the stage's embedding
-        and last MatMul, so a piece holding neither is compressed as with all_layers."""
-        piece = ctx.piece
-        if piece is None or piece.kind == "embedding" or piece.holds_last_matmul:
-            return self.fmt
-        return replace(self.fmt, all_layers=True)
-
     def call(self, model: ov.Model, ctx: PassContext) -> PassResult:
         weights = float_weights(model)
         if self.fmt.mode == "fp32" or not weights:
@@ -84,22 +141,52 @@ class CompressWeightsPass(GraphPass):
 
     def _nncf(self, model: ov.Model, ctx: PassContext) -> None:
         import nncf
-        from nncf.quantization.advanced_parameters import AdvancedCompressionParameters, GroupSizeFallbackMode
 
         logging.getLogger("nncf").setLevel(logging.WARNING)
-        fmt = self.format_for(ctx)
-        mode = {"int8": nncf.CompressWeightsMode.INT8_ASYM, "int4_sym": nncf.CompressWeightsMode.INT4_SYM,
-                "int4_asym": nncf.CompressWeightsMode.INT4_ASYM}[fmt.mode]
-        kwargs: dict = {"mode": mode}
-        if fmt.mode != "int8":  # NNCF's INT8 modes are per channel and always cover every layer
-            kwargs.update(group_size=fmt.group_size, ratio=fmt.ratio, all_layers=fmt.all_layers,
-                          advanced_parameters=AdvancedCompressionParameters(
-                              group_size_fallback_mode=GroupSizeFallbackMode.ADJUST))
+        backup = set() if self.fmt.mode == "int8" else backup_ops(model, ctx, self.fmt)
+        rest = [op.get_friendly_name() for op in weight_ops(model) if op.get_friendly_name() not in backup]
         where = f"stage {ctx.stage.index}" + (f" {ctx.piece}" if ctx.piece is not None else "")
-        log.log(logging.DEBUG if ctx.piece is not None else logging.INFO, "%s: NNCF %s on %d weights", where,
-                fmt.mode, len(float_weights(model)))
+        log.log(logging.DEBUG if ctx.piece is not None else logging.INFO, "%s: NNCF %s on %d weights, %d in INT8",
+                where, self.fmt.mode, len(rest) + len(backup), len(backup))
         with contextlib.redirect_stdout(sys.stderr):  # NNCF's progress bars: stdout carries results only
-            nncf.compress_weights(model, **kwargs)
+            if backup:
+                nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM,
+                                      ignored_scope=nncf.IgnoredScope(names=rest) if rest else None)
+            if rest:
+                data_aware = self._data_aware(ctx, where)
+                nncf.compress_weights(model, **self._nncf_args(), **data_aware,
+                                      ignored_scope=nncf.IgnoredScope(names=sorted(backup)) if backup else None)
+                if data_aware:  # NNCF's statistics and graphs are cyclic garbage: free them before the next layer
+                    del data_aware
+                    gc.collect()
+
+    def _data_aware(self, ctx: PassContext, where: str) -> dict:
+        """NNCF's data-aware arguments for a layer piece of a calibrated compile: the piece's calibration inputs
+        (the float32 layers' activations, ``ovshard.frontend.calibration``) and the chosen methods."""
+        import nncf
+
+        if not self.fmt.methods or ctx.piece is None or ctx.piece.kind != "layers":
+            return {}
+        items = ctx.calibration(ctx.piece) if ctx.calibration is not None else None
+        if not items:
+            raise PassError(f"{where}: --calibration-methods {','.join(self.fmt.methods)} need calibration inputs "
+                            "and this compile has none (a whole-stage or parallel compile); compile streamed, "
+                            "one job, or with --calibration none")
+        log.info("%s: NNCF %s with %d calibration samples", where, "+".join(self.fmt.methods), len(items))
+        return {"dataset": nncf.Dataset(items), "subset_size": len(items),
+                **{method: True for method in self.fmt.methods}}
+
+    def _nncf_args(self) -> dict:
+        import nncf
+        from nncf.quantization.advanced_parameters import AdvancedCompressionParameters, GroupSizeFallbackMode
+
+        mode = {"int8": nncf.CompressWeightsMode.INT8_ASYM, "int4_sym": nncf.CompressWeightsMode.INT4_SYM,
+                "int4_asym": nncf.CompressWeightsMode.INT4_ASYM}[self.fmt.mode]
+        if self.fmt.mode == "int8":  # NNCF's INT8 modes are per channel and always cover every layer
+            return {"mode": mode}
+        return {"mode": mode, "group_size": self.fmt.group_size, "ratio": 1.0, "all_layers": True,
+                "advanced_parameters": AdvancedCompressionParameters(
+                    group_size_fallback_mode=GroupSizeFallbackMode.ADJUST)}
 
     def ensures(self, model: ov.Model, ctx: PassContext) -> None:
         if self.fmt.mode == "fp32":

@@ -22,7 +22,7 @@ from ovshard.bundle.manifest import Manifest, read_manifest
 from ovshard.errors import OvshardError
 from ovshard.runtime.chat import ChatTemplate, compile_plain_tokenizer, stop_ids
 from ovshard.runtime.decode import Stats
-from ovshard.runtime.head import Head
+from ovshard.runtime.head import PREFILL_CHUNK, Head
 from ovshard.runtime.kv import CompactionPolicy
 from ovshard.runtime.launch import exit_with_parent, listening_line, local_workers
 from ovshard.runtime.sampler import IncrementalDetokenizer, SamplingConfig
@@ -86,7 +86,8 @@ def serve(args: argparse.Namespace) -> int:
         log.warning("serving %s WITHOUT authentication or encryption (--insecure): anyone who reaches this port "
                     "can use this stage and read what flows through it", args.listen)
     worker = StageWorker(args.bundle, args.stage, args.device, stage_config(args.exact, args.threads),
-                         wire_dtype="f32" if args.wire_f32 else "f16", limits=worker_limits(args),
+                         cache_dir=args.cache_dir, wire_dtype="f32" if args.wire_f32 else "f16",
+                         limits=worker_limits(args),
                          server_tls=server_context(creds) if creds else None,
                          client_tls=client_context(creds) if creds else None)
     address = worker.listen(host, port)
@@ -216,7 +217,7 @@ def speculation_config(args: argparse.Namespace, m: Manifest) -> Speculation | N
     except ValueError as e:
         raise OvshardError(f"--compact-share: {e}") from e
     return make_speculation(args.speculative, args.draft_k, m, config=EXACT_HINTS if getattr(args, "exact", False) else None,
-                            policy=policy)
+                            policy=policy, target_path=args.bundle)
 
 
 def make_head(args: argparse.Namespace, addresses: list[str]) -> Head:
@@ -227,7 +228,8 @@ def make_head(args: argparse.Namespace, addresses: list[str]) -> Head:
         raise OvshardError(f"--stages {remote[0]}: expected --credentials DIR (made by `ovshard keygen`) to talk "
                            "to a stage beyond this machine, found none; pass --credentials, or --insecure on a "
                            "trusted network")
-    return Head(args.bundle, addresses, retry_s=args.retry_s, tls=client_context(creds) if creds else None)
+    return Head(args.bundle, addresses, retry_s=args.retry_s, tls=client_context(creds) if creds else None,
+                prefill_chunk=getattr(args, "prefill_chunk", PREFILL_CHUNK))
 
 
 def _generate(args: argparse.Namespace, addresses: list[str]) -> int:

@@ -1,30 +1,41 @@
-"""``ovshard up``: a pipeline on a Ray cluster. Ray places, starts and supervises; the data plane stays the TCP
-chain between consecutive stages.
+"""``ovshard up``: a pipeline on a Ray cluster. Ray places, ships, starts and supervises; the data plane stays
+the TCP chain between consecutive stages.
 
-One Ray actor per stage (``StageActor``) runs a :class:`StageWorker` in its own process on its node and binds
-a fixed port there (``--port-base`` + stage, or ports the command picks on loopback for ``--ray local``), so
-an actor that Ray restarts after a crash (``max_restarts``) listens where it did and the head's reconnect and
-replay (runtime/head.py) carry every stream across. The chain is wired with the address each actor reports
-(its node's IP and port), which every stage reaches, since Ray nodes reach each other.
-
-First slice of the cluster issue: stages go to the alive nodes in turn, not yet by measured speed, and
-each node must hold the bundle at the same path (no distribution yet); every stage listens on loopback (a
-``--ray local`` instance) or beyond it only with ``--insecure`` (credentials are not distributed yet).
+1. **Measure** (``--placement measured``, the default): a probe actor on each alive node reports free memory,
+   a timed decode step of one synthetic layer of the bundle's shape (runtime/probe.py) and the round trips to
+   the other nodes; the planner (ovshard.plan.placement, handed in by the CLI: the runtime does not import the
+   compiler's layers) cuts the bundle's stages into contiguous runs, one a node, minimising the slowest
+   stage's step within each node's memory. ``even`` cuts equal runs; ``bundle`` runs each bundle stage as it
+   is, on the nodes in turn. A bundle compiled with many stages (``ovshard compile --stages <layers>``) gives
+   the planner the most freedom.
+2. **Ship**: a node that lacks the bundle's folder pulls only its stages' files from the command's node
+   (runtime/distribute.py: chunked, resumable, sha256-checked) into its cache.
+3. **Start**: one Ray actor per placed stage (runtime/stage_actor.py) joins its run of stages into one model
+   and serves it on a fixed port (``--port-base`` + stage, or free loopback ports for ``--ray local``), over
+   mutual TLS with a certificate from a CA this command makes for the run (beyond loopback, unless
+   ``--insecure``).
+4. **Supervise**: Ray restarts an actor that dies (``max_restarts``) with the order it was given; it listens
+   where it did and the head's reconnect and replay (runtime/head.py) carry every stream across.
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ovshard.bundle.manifest import read_manifest
 from ovshard.errors import OvshardError
+from ovshard.runtime.security import CA_FILE, CERT_FILE, KEY_FILE
+from ovshard.runtime.transport import bundle_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -42,52 +53,18 @@ def _actor_name(bundle: Path, stage: int) -> str:
     return f"{PREFIX}{stage}-{hashlib.sha256(str(bundle).encode()).hexdigest()[:8]}"
 
 
-class StageActor:
-    """A stage worker in a Ray actor's process: built, bound and serving when the constructor returns."""
-
-    def __init__(self, bundle: str, stage: int, host: str, port: int, exact: bool, threads: int | None) -> None:
-        from ovshard.runtime.cli import limit_malloc_arenas, stage_config
-        from ovshard.runtime.worker import StageWorker
-
-        limit_malloc_arenas()
-        self.stage, self.bundle = stage, Path(bundle)
-        self.worker = StageWorker(self.bundle, stage, "CPU", stage_config(exact, threads))
-        self.address = self.worker.listen(host, port)
-        self.thread = threading.Thread(target=self.worker.serve_forever, name=f"stage-{stage}", daemon=True)
-        self.thread.start()
-        self.started = time.time()
-
-    def info(self) -> dict[str, Any]:
-        """Where this stage runs and what it holds."""
-        import ray
-
-        entry = self.worker.entry.stage
-        host, port = self.address.rsplit(":", 1)
-        if host in ("0.0.0.0", "::"):  # bound to every interface: reach it at this node's IP
-            host = ray.util.get_node_ip_address()
-        return {"stage": self.stage, "address": f"{host}:{port}", "node": ray.get_runtime_context().get_node_id()[:12],
-                "host": socket.gethostname(), "layers": [entry.start, entry.end], "device": "CPU",
-                "pid": os.getpid(), "rss_mb": _rss_mb(), "up_s": round(time.time() - self.started, 1)}
+def place(stages: int, alive: list[str]) -> list[str]:
+    """The node id of each stage for ``--placement bundle``: the alive nodes in turn (this command's first),
+    so consecutive stages sit on different nodes while there are nodes."""
+    return [alive[i % len(alive)] for i in range(stages)]
 
 
-def _rss_mb() -> float:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    return 0.0
-
-
-def place(stages: int) -> list[str]:
-    """The node id of each stage: the cluster's alive nodes in turn, this command's node first, so consecutive
-    stages sit on different nodes while there are nodes (placement by measured speed is still to come)."""
+def _alive_nodes() -> list[str]:
+    """The cluster's alive node ids, this command's node first."""
     import ray
 
     here = ray.get_runtime_context().get_node_id()
-    alive = sorted((n["NodeID"] for n in ray.nodes() if n["Alive"]), key=lambda node: node != here)
-    return [alive[i % len(alive)] for i in range(stages)]
+    return sorted((n["NodeID"] for n in ray.nodes() if n["Alive"]), key=lambda node: node != here)
 
 
 def _free_port() -> int:
@@ -96,37 +73,139 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Cluster:
-    """The stage actors of one bundle on a Ray cluster (``ray_address`` "local": a private instance)."""
+def _pinned(cls: Any, node: str, **options: Any) -> Any:
+    """``cls`` as a Ray actor class bound to ``node``; it reserves no Ray CPU (threads are set per stage)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    def __init__(self, bundle: Path, ray_address: str, port_base: int = 0, exact: bool = False,
-                 threads: int | None = None, max_restarts: int = -1, insecure: bool = False) -> None:
+    return ray.remote(cls).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                                   **options)
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    """What `ovshard up` was asked for."""
+
+    bundle: Path
+    ray: str  # "local" | "auto" | ADDRESS
+    port_base: int = 0
+    exact: bool = False
+    threads: int | None = None
+    insecure: bool = False
+    placement: str = "measured"  # "measured" | "even" | "bundle"
+    stages: int | None = None  # placed stages (None: as many nodes as help)
+    context_tokens: int = 4096
+    pull: bool = False  # pull stage files into every node's cache even where the bundle's folder is there
+    max_restarts: int = -1
+
+
+# (manifest, probes, head node, round trips, stages, context tokens, strategy) -> (nodes, groups, table, left out)
+Planner = Callable[..., tuple[list[str], list[tuple[int, ...]], str, list[str]]]
+
+
+class Cluster:
+    """The stage actors of one bundle on a Ray cluster (``ray`` "local": a private instance)."""
+
+    def __init__(self, config: UpConfig, planner: Planner | None = None) -> None:
         import ray
 
-        self.bundle, self.manifest = Path(bundle).resolve(), read_manifest(bundle)
-        self.owned = ray_address == "local"
-        if not self.owned and not insecure:
-            raise OvshardError(f"--ray {ray_address}: stages on other machines listen beyond loopback, and this "
-                               "version does not distribute credentials to them yet; pass --insecure on a trusted "
-                               "network, or use --ray local")
-        _join(ray_address)
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        remote: Any = ray.remote(max_restarts=max_restarts, max_task_retries=0)(StageActor)
-        host = "127.0.0.1" if self.owned else "0.0.0.0"
-        stages = range(self.manifest.num_stages)
-        ports = [_free_port() if self.owned and not port_base else port_base + i for i in stages]
-        nodes = place(len(stages))
-        # an actor reserves no Ray CPU (the stage's threads are set by --threads): more stages than nodes still start
-        self.actors: list[Any] = [
-            remote.options(name=_actor_name(self.bundle, i), num_cpus=0,
-                           scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[i], soft=False))
-            .remote(str(self.bundle), i, host, ports[i], exact, threads) for i in stages]
+        self.config = config
+        self.bundle = Path(config.bundle).resolve()
+        self.manifest = read_manifest(self.bundle)
+        self.owned = config.ray == "local"
+        self.host = "127.0.0.1" if self.owned else "0.0.0.0"  # what probes and stages bind
+        _join(config.ray)
+        self.alive = _alive_nodes()  # this command's node first
+        self.actors: list[Any] = []
+        self.tmp = Path(tempfile.mkdtemp(prefix="ovshard-up-"))
+        self.head_credentials: Path | None = None
         try:
+            self.nodes, self.groups, self.plan_table, self.left_out = self._place(planner)
+            tls = None if self.owned or config.insecure else self._credentials()
+            self._start(tls)
+            self.head_bundle = self._pipeline_bundle()
             self.stages = ray.get([a.info.remote() for a in self.actors], timeout=START_TIMEOUT_S)
-        except Exception as e:
+        except Exception:
             self.close()
-            raise OvshardError(f"the stage actors did not start within {START_TIMEOUT_S:.0f} s: {e}") from e
+            raise
+
+    def _place(self, planner: Planner | None) -> tuple[list[str], list[tuple[int, ...]], str, list[str]]:
+        fine = self.manifest.num_stages
+        if self.config.placement == "bundle":
+            if self.config.stages not in (None, fine):
+                raise OvshardError(f"--stages {self.config.stages} with --placement bundle: the bundle has {fine} "
+                                   f"stages, one actor each; leave --stages out or use --placement measured")
+            return place(fine, self.alive), [(i,) for i in range(fine)], "", []
+        if planner is None:
+            raise OvshardError("placement by measurement needs the planner (ovshard.plan): run `ovshard up`")
+        probes, rtt = self._probe(self.alive)
+        return planner(self.manifest, probes, self.alive[0], rtt, self.config.stages, self.config.context_tokens,
+                       self.config.placement)
+
+    def _probe(self, nodes: list[str]) -> tuple[list[dict[str, Any]], dict[tuple[str, str], float]]:
+        """Each node's probe, one node at a time (nodes may share a machine), and the round trips between them."""
+        import ray
+
+        from ovshard.runtime.stage_actor import ProbeActor
+
+        actors = [_pinned(ProbeActor, node).remote(self.host) for node in nodes]
+        try:
+            probes = []
+            for node, actor in zip(nodes, actors, strict=True):
+                probes.append(ray.get(actor.probe.remote(self.manifest, self.config.threads), timeout=START_TIMEOUT_S))
+                log.info("probe of node %s (%s): %.3f ms a layer step, %.1f GB free", node[:12], probes[-1]["host"],
+                         1e3 * probes[-1]["step_s"], probes[-1]["free_bytes"] / 1e9)
+            echoes = [p["echo"] for p in probes]
+            rtt = {}
+            for node, actor in zip(nodes, actors, strict=True):
+                for other, seconds in zip(nodes, ray.get(actor.round_trips.remote(echoes), timeout=60), strict=True):
+                    rtt[(node, other)] = seconds
+            return probes, rtt
+        finally:
+            for actor in actors:
+                ray.kill(actor)
+
+    def _credentials(self) -> list[dict[str, bytes]]:
+        """A CA of this command's own and a certificate per stage and for the head (``head_credentials``):
+        every link is mutual TLS. Returns each stage's ca.pem, cert.pem and key.pem."""
+        from ovshard.runtime.keygen import keygen
+
+        stages = [f"stage{i}" for i in range(len(self.groups))]
+        keygen(self.tmp / "tls", stages, ["head"])
+        self.head_credentials = self.tmp / "tls" / "head"
+        return [{n: (self.tmp / "tls" / s / n).read_bytes() for n in (CA_FILE, CERT_FILE, KEY_FILE)} for s in stages]
+
+    def _start(self, tls: list[dict[str, bytes]] | None) -> None:
+
+        from ovshard.runtime.distribute import BundleSource
+        from ovshard.runtime.stage_actor import StageActor, StageOrder
+
+        config, count = self.config, len(self.groups)
+        here = self.alive[0]
+        need_source = config.pull or any(node != here for node in self.nodes)
+        self.source = _pinned(BundleSource, here, max_restarts=-1).remote(str(self.bundle)) if need_source else None
+        ports = [_free_port() if self.owned and not config.port_base else config.port_base + i for i in range(count)]
+        fingerprint = bundle_fingerprint(self.bundle)
+        self.orders = [StageOrder(str(self.bundle), fingerprint, tuple(self.groups), i, self.host, ports[i],
+                                  config.exact, config.threads, tls[i] if tls else None, self.source, config.pull)
+                       for i in range(count)]
+        self.actors = [_pinned(StageActor, self.nodes[i], name=_actor_name(self.bundle, i),
+                               max_restarts=config.max_restarts, max_task_retries=0).remote(order)
+                       for i, order in enumerate(self.orders)]
+
+    def _pipeline_bundle(self) -> Path:
+        """The bundle the head reads: this one, or the regrouped one whose manifest every stage now serves."""
+        if not self.orders[0].regrouped:
+            return self.bundle
+        import ray
+
+        from ovshard.runtime.regroup import write_group_bundle
+
+        entries = ray.get([a.entry_of.remote() for a in self.actors], timeout=START_TIMEOUT_S)  # files in place
+        out = self.tmp / "pipeline"
+        manifest = write_group_bundle(self.bundle, self.manifest, self.groups, entries, out)
+        ray.get([a.serve.remote(manifest.to_json()) for a in self.actors], timeout=START_TIMEOUT_S)
+        return out
 
     @property
     def ray_address(self) -> str:
@@ -152,50 +231,74 @@ class Cluster:
         return [str(s["address"]) for s in self.stages]
 
     def table(self) -> str:
-        """The stage table: stage, node, host, address, layers, device, memory."""
-        rows = [("stage", "node", "host", "address", "layers", "device", "RSS MB")]
+        """The stage table: stage, node, host, address, layers, threads, files, memory."""
+        rows = [("stage", "node", "host", "address", "layers", "device", "threads", "files", "RSS MB")]
         rows += [(str(s["stage"]), str(s["node"]), str(s["host"]), str(s["address"]),
-                  f"[{s['layers'][0]}, {s['layers'][1]})", str(s["device"]), str(s["rss_mb"])) for s in self.stages]
+                  f"[{s['layers'][0]}, {s['layers'][1]})", str(s["device"]), str(s["threads"] or "all"),
+                  s["files"] + (f" {s['pulled_mb']} MB" if s["pulled_mb"] else ""), str(s["rss_mb"]))
+                 for s in self.stages]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
     def close(self) -> None:
         import ray
 
-        for actor in getattr(self, "actors", []):
+        for actor in [*self.actors, *([self.source] if getattr(self, "source", None) else [])]:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already gone
                 pass
         ray.shutdown()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def main_up(args: Any) -> int:
-    """``ovshard up``: the stage actors, their table on stdout, then the API (``--api``) or a wait for a signal."""
+def up_config(args: Any) -> UpConfig:
+    """The command line of `ovshard up` as an :class:`UpConfig`, its values checked."""
+    if args.credentials is not None:
+        raise OvshardError("ovshard up: leave --credentials out: up makes a CA of its own for each run and hands "
+                           "every stage its certificate (pass --insecure for plain TCP on a trusted network)")
+    if args.stages is not None and args.stages < 1:
+        raise OvshardError(f"--stages {args.stages}: expected at least 1 placed stage, or leave it out")
+    if args.context_tokens < 1:
+        raise OvshardError(f"--context-tokens {args.context_tokens}: expected a positive number of tokens")
+    return UpConfig(Path(args.bundle), args.ray, 0 if args.ray == "local" else args.port_base, args.exact,
+                    args.threads, args.insecure, args.placement, args.stages, args.context_tokens,
+                    args.pull == "always")
+
+
+def main_up(args: Any, planner: Planner | None = None) -> int:
+    """``ovshard up``: measure, place, ship, start; the stage table on stdout, then the API or a wait."""
     import json
     import signal
 
-    if args.credentials is not None:
-        raise OvshardError("ovshard up: --credentials are not distributed to the stage actors yet; leave it out "
-                           "(--ray local needs none) or pass --insecure on a trusted network")
     started = time.perf_counter()
-    cluster = Cluster(args.bundle, args.ray, 0 if args.ray == "local" else args.port_base, args.exact, args.threads,
-                      insecure=args.insecure)
+    cluster = Cluster(up_config(args), planner)
     try:
+        if cluster.plan_table:
+            print(cluster.plan_table, file=sys.stderr, flush=True)
+        for message in cluster.left_out:
+            log.warning("%s", message)
         print(cluster.table(), flush=True)
-        print(json.dumps({"event": "up", "stages": ",".join(cluster.addresses), "pids": [s["pid"] for s in cluster.stages],
-                          "ray": cluster.ray_address,
+        creds = str(cluster.head_credentials) if cluster.head_credentials else None
+        print(json.dumps({"event": "up", "stages": ",".join(cluster.addresses), "bundle": str(cluster.head_bundle),
+                          "credentials": creds, "pids": [s["pid"] for s in cluster.stages],
+                          "layers": [s["layers"] for s in cluster.stages],
+                          "threads": [s["threads"] for s in cluster.stages],
+                          "nodes": [s["node"] for s in cluster.stages], "ray": cluster.ray_address,
                           "up_s": round(time.perf_counter() - started, 2)}), flush=True)
         if args.api:
             from ovshard.runtime.api import main_api
 
             args.listen, args.local, args.stages = args.api, False, ",".join(cluster.addresses)
+            args.model = args.model or Path(args.bundle).name
+            args.bundle, args.credentials = cluster.head_bundle, cluster.head_credentials
             return main_api(args)
         stop = threading.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
-        log.info("pipeline up: `ovshard generate %s --stages %s`; Ctrl-C (or `ovshard down --ray %s`) stops it",
-                 args.bundle, ",".join(cluster.addresses), cluster.ray_address)
+        log.info("pipeline up: `ovshard generate %s --stages %s%s`; Ctrl-C (or `ovshard down --ray %s`) stops it",
+                 cluster.head_bundle, ",".join(cluster.addresses), f" --credentials {creds}" if creds else "",
+                 cluster.ray_address)
         while not stop.wait(2.0):
             if cluster.stopped():
                 log.info("the stage actors were stopped (`ovshard down`); leaving")

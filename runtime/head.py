@@ -53,6 +53,40 @@ class StageFailure(OvshardError):
 
 
 Answer = p.Result | p.OpenOk | p.Pong | StageFailure  # what a waiting step or open is handed
+# Tokens a prefill Step carries at most; 0: the whole prompt in one Step. Measured (bench/chunked_prefill.py,
+# the real Gemma 3 270M, 2 stages, 2,048 tokens): chunks of 128-512 take 4.4x longer to the first token
+# than one step, pipelining included: OpenVINO 2026.4's CPU attention over a cache with several new tokens
+# (4.6 s for 8 chunks of 256 against 0.8 s for one step of 2,048) and the compressed matmuls, which unpack
+# their weights on every call (2.0 s against 0.7 s). So chunking is off by default.
+PREFILL_CHUNK = 0
+
+
+def prefill_parts(count: int, chunk: int, want: str) -> list[tuple[int, int, str]]:
+    """``[start, end)`` of each chunk of ``count`` new tokens and what to ask of it: one part when ``chunk`` is
+    0 or not smaller; every chunk's rows for a bare ``argmax``; else the last chunk holds at least the rows
+    ``want`` reads and the others ask for one argmax (their answer is only an acknowledgement)."""
+    every_row = want == "argmax"
+    needed = p.rows_read(want, count)
+    if chunk == 0 or count <= chunk or (needed > chunk and not every_row):
+        return [(0, count, want)]  # short, or drafts longer than a chunk: one step
+    starts = list(range(0, count, chunk))
+    if not every_row and count - starts[-1] < needed:
+        starts.pop()  # the last chunk too short for the rows asked: it joins the one before
+    ends = [*starts[1:], count]
+    return [(a, z, want if every_row or z == count else "argmax@1") for a, z in zip(starts, ends, strict=True)]
+
+
+def _merged(results: list[p.Result], want: str) -> p.Result:
+    """One Result for a chunked step: the last chunk's, with every chunk's rows for a bare argmax."""
+    last = results[-1]
+    timings: dict[str, float] = {}
+    for r in results:
+        for stage, seconds in r.timings.items():
+            timings[stage] = timings.get(stage, 0.0) + seconds
+    tensor = last.tensor
+    if want == "argmax":  # every row was asked for: every chunk's
+        tensor = p.Tensor.from_array(np.concatenate([r.tensor.to_array() for r in results], axis=1))
+    return p.Result(last.stream, last.seq, tensor, timings, last.indices)
 
 
 class Chain:
@@ -113,31 +147,40 @@ class Chain:
     def ask(self, key: tuple[str, int], stream: int, sends: list[tuple[int, p.Message]],
             answers: int, timeout: float | None = None) -> list[p.Result | p.OpenOk | p.Pong]:
         """Send each (stage, message), then wait for ``answers`` answers to ``key`` (``timeout`` each)."""
-        box: queue.Queue[Answer] = queue.Queue()
+        return self.ask_each([key], stream, sends, answers, timeout)[0]
+
+    def ask_each(self, keys: list[tuple[str, int]], stream: int, sends: list[tuple[int, p.Message]],
+                 answers: int = 1, timeout: float | None = None) -> list[list[p.Result | p.OpenOk | p.Pong]]:
+        """Send every message at once, then wait for ``answers`` answers to each key in turn: the chunks of a
+        pipelined prefill are all in flight while the first ones are still being answered."""
+        boxes: list[queue.Queue[Answer]] = [queue.Queue() for _ in keys]
         with self.lock:
             if self.broken is not None:
                 raise self.broken
-            self.waiting[key] = (stream, box)
+            self.waiting.update({key: (stream, box) for key, box in zip(keys, boxes, strict=True)})
         try:
             for stage, msg in sends:
                 try:
                     self.conns[stage].send(msg)
                 except OSError as e:
                     raise StageFailure(f"stage {stage} at {self.addresses[stage]}: send failed: {e}", True) from e
-            got: list[p.Result | p.OpenOk | p.Pong] = []
-            for _ in range(answers):
-                try:
-                    answer = box.get(timeout=timeout or self.timeout)
-                except queue.Empty:
-                    raise OvshardError(f"no answer to {key[0]} {key[1]} of stream {stream} within "
-                                       f"{self.timeout:.0f} s (stages {', '.join(self.addresses)})") from None
-                if isinstance(answer, StageFailure):
-                    raise answer
-                got.append(answer)
+            got: list[list[p.Result | p.OpenOk | p.Pong]] = []
+            for key, box in zip(keys, boxes, strict=True):
+                got.append([])
+                for _ in range(answers):
+                    try:
+                        answer = box.get(timeout=timeout or self.timeout)
+                    except queue.Empty:
+                        raise OvshardError(f"no answer to {key[0]} {key[1]} of stream {stream} within "
+                                           f"{self.timeout:.0f} s (stages {', '.join(self.addresses)})") from None
+                    if isinstance(answer, StageFailure):
+                        raise answer
+                    got[-1].append(answer)
             return got
         finally:
             with self.lock:
-                self.waiting.pop(key, None)
+                for key in keys:
+                    self.waiting.pop(key, None)
 
     def close(self) -> None:
         for conn in self.conns:
@@ -148,7 +191,7 @@ class Head:
     """A chain to every stage of one bundle, reconnected on demand; per-stream bookkeeping."""
 
     def __init__(self, bundle: Path, addresses: list[str], timeout: float = 60.0, retry_s: float = RETRY_S,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.manifest = read_manifest(bundle)
         if len(addresses) != self.manifest.num_stages:
             raise OvshardError(f"--stages names {len(addresses)} addresses; the bundle has "
@@ -162,6 +205,10 @@ class Head:
         self._reconnect_lock = threading.Lock()
         self.streams = itertools.count()
         self.seq = itertools.count()
+        if prefill_chunk < 0:
+            raise OvshardError(f"--prefill-chunk {prefill_chunk}: expected tokens per prefill step, or 0 for the "
+                               f"whole prompt in one step (default {PREFILL_CHUNK})")
+        self.prefill_chunk = prefill_chunk
 
     def close(self) -> None:
         self.chain.close()
@@ -224,13 +271,24 @@ class Head:
 
     def step(self, chain: Chain, stream: int, position: int, tokens: list[int], want: str, rewind: int = 0,
              compact: bool = False) -> p.Result:
-        """Send new tokens through the chain; return the last stage's Result. Thread-safe."""
-        seq = next(self.seq)
-        ids = p.Tensor.from_array(np.array([tokens], dtype=np.int64))  # [1, T]
-        step = p.Step(stream, seq, position, want, ids, {}, rewind, compact)
-        (answer,) = chain.ask(("step", seq), stream, [(0, step)], 1)
-        assert isinstance(answer, p.Result)
-        return answer
+        """Send new tokens through the chain; return the last stage's Result. Thread-safe.
+
+        More than ``prefill_chunk`` tokens go as consecutive Steps of a chunk each, all sent at once, so stage
+        k computes chunk i while stage k+1 computes chunk i-1 (a pipelined prefill) and no stage holds the
+        activations of the whole prompt; the answer is the last chunk's (a bare ``argmax``, which reads
+        every row, gets every chunk's rows), with each stage's compute summed over the chunks.
+        """
+        parts = prefill_parts(len(tokens), self.prefill_chunk, want)
+        seqs = [next(self.seq) for _ in parts]
+        sends: list[tuple[int, p.Message]] = []
+        for n, (seq, (a, z, part_want)) in enumerate(zip(seqs, parts, strict=True)):
+            ids = p.Tensor.from_array(np.array([tokens[a:z]], dtype=np.int64))  # [1, T]
+            sends.append((0, p.Step(stream, seq, position + a, part_want, ids, {}, rewind if n == 0 else 0,
+                                    compact and n == 0)))
+        results = [a for (a,) in chain.ask_each([("step", seq) for seq in seqs], stream, sends)
+                   if isinstance(a, p.Result)]  # a Step is only ever answered by a Result
+        assert len(results) == len(seqs)
+        return results[0] if len(results) == 1 else _merged(results, want)
 
     def generate(self, prompt: list[int], config: SamplingConfig, stats: Stats | None = None,
                  speculation: Speculation | None = None) -> Generator[int, None, None]:

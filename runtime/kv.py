@@ -160,10 +160,14 @@ class StepInputs:
     position: int  # position id of the first new token
     mask_delta: tuple[int, ...]
     max_positions: int
+    logit_rows: int | None = None  # a last stage loaded with logit_rows.slice_logit_rows: the rows to compute
 
     def build(self, cached: list[int]) -> dict:
         """The request's inputs, given the mask over what is already cached."""
-        return step_inputs(self.primary, self.x, cached + list(self.mask_delta), self.position, self.max_positions)
+        inputs = step_inputs(self.primary, self.x, cached + list(self.mask_delta), self.position, self.max_positions)
+        if self.logit_rows is not None:
+            inputs[names.LOGIT_ROWS] = np.array([self.logit_rows], dtype=np.int64)
+        return inputs
 
 
 def step_inputs(primary: str, x: np.ndarray, mask: list[int], position: int, max_positions: int) -> dict:

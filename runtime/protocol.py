@@ -293,3 +293,11 @@ def parse_want(want: str) -> tuple[str, int | None, int | None]:
                                           f'optionally "@R" with R >= 1, found {show(want)}')
     mode, k, rows = match.groups()
     return ("topk" if k else mode), (int(k) if k else None), (int(rows) if rows else None)
+
+
+def rows_read(want: str, fed: int) -> int:
+    """How many of ``fed`` rows a Step's ``want`` reads: every row for a bare argmax, else the last R (1)."""
+    mode, _, rows = parse_want(want)
+    if rows is None:
+        return fed if mode == "argmax" else 1
+    return min(rows, fed)

@@ -16,16 +16,16 @@ Accept rules (:func:`accept`), row i of the scores being the target after the i-
   every draft is kept one more is drawn from p_K. The output distribution equals plain sampling from
   p (Leviathan et al. 2023, Chen et al. 2023). For prompt lookup q_i is a point mass on d_i.
 
-K: fixed, or :class:`AutoK`, which estimates the per-draft acceptance rate a and a linear step cost
-c(n) = c0 + c1 * n for n fed tokens, and picks the K that maximises expected tokens per second,
-(1 - a^(K+1)) / (1 - a) / (c(K + 1) + K * draft cost).
+K: fixed, or :class:`AutoK`, which estimates the per-draft acceptance rate a and models the cost of a
+step of n fed tokens as 1 + c * n one-token overheads (never measured: timings would make the output of
+a compressed bundle depend on the machine's load), and picks the K that maximises expected tokens per
+cost, (1 - a^(K+1)) / (1 - a) / (1 + c (K + 1) + K * draft cost).
 """
 
 from __future__ import annotations
 
 import copy
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -39,7 +39,9 @@ from ovshard.runtime.scores import Scores
 
 DEFAULT_K = 4
 MAX_AUTO_K = 10
-COST_WINDOW = 64  # recent steps AutoK fits its step-cost line to
+# AutoK's model of a step of n fed tokens: 1 + STEP_TOKEN_COST * n (a decode step reads every weight once;
+# each more token adds its compute, about a quarter of a one-token step on the 1B shape here)
+STEP_TOKEN_COST = 0.25
 
 
 class Drafter(Protocol):
@@ -207,56 +209,49 @@ def accept(drafts: list[int], q: list[np.ndarray] | None, scores: Scores, config
 
 @dataclass
 class AutoK:
-    """K from the observed acceptance rate and the measured cost of a pipeline step."""
+    """K from the observed acceptance rate and a modelled step cost: never from timings.
+
+    A step of n fed tokens is modelled as costing ``1 + token_cost * n`` one-token overheads and a draft
+    token ``draft_cost`` (a draft model: its weight bytes over the target's; prompt lookup: 0). Measured
+    timings would make K, so the shapes of the verify steps, so the numerics of a compressed bundle, depend
+    on the machine's load: the same prompt could decode differently from run to run. With K a function of
+    the accepted tokens alone, a greedy run is the same every time.
+    """
 
     k_max: int = MAX_AUTO_K
     start: int = DEFAULT_K
     decay: float = 0.95  # weight of older acceptance evidence per step
     kept: float = 1.0  # pseudo-counts: a prior acceptance of 1/2
     tried: float = 2.0
-    costs: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))  # (tokens fed, seconds)
-    draft_s_per_token: float = 0.0
+    token_cost: float = STEP_TOKEN_COST
+    draft_cost: float = 0.0
     steps: int = 0
-    refit_every: int = 8  # the cost fit is refreshed this often (a fit costs ~0.3 ms, a tiny step ~3 ms)
-    _fit: tuple[float, float] | None = None
 
     @property
     def acceptance(self) -> float:
         return self.kept / self.tried
 
-    def step_cost(self) -> tuple[float, float]:
-        """(c0, c1) of c(n) = c0 + c1 * n, fitted to recent steps (c1 >= 0)."""
-        if not self.costs:
-            return 1.0, 0.05
-        fed = np.array([c[0] for c in self.costs], dtype=np.float64)
-        secs = np.array([c[1] for c in self.costs], dtype=np.float64)
-        if np.ptp(fed) == 0:
-            return float(secs.mean()) * 0.9, float(secs.mean()) * 0.1 / max(fed[0], 1.0)
-        c1, c0 = np.polyfit(fed, secs, 1)
-        c1 = max(float(c1), 0.0)
-        return max(float(np.mean(secs - c1 * fed)), 1e-6), c1
+    def fresh(self) -> AutoK:
+        """The same model for a new stream, with no acceptance evidence yet."""
+        return AutoK(self.k_max, self.start, token_cost=self.token_cost, draft_cost=self.draft_cost)
 
     def choose(self) -> int:
-        if self.steps < 4:  # probe two sizes first so the cost fit sees a slope
-            return self.start if self.steps % 2 == 0 else max(1, self.start // 2)
+        if self.steps < 2:
+            return self.start
         a = min(self.acceptance, 0.999)
-        if self._fit is None or self.steps % self.refit_every == 0:
-            self._fit = self.step_cost()
-        c0, c1 = self._fit
 
         def rate(k: int) -> float:
             tokens = (1 - a ** (k + 1)) / (1 - a)
-            return tokens / (c0 + c1 * (k + 1) + k * self.draft_s_per_token)
+            return tokens / (1.0 + self.token_cost * (k + 1) + k * self.draft_cost)
 
         return max(range(1, self.k_max + 1), key=rate)
 
     def observe(self, drafted: int, accepted: int, step_s: float, fed: int, draft_s: float) -> None:
+        """Count the step's acceptance; its timings are not read (see the class docstring)."""
         self.steps += 1
-        self.costs.append((fed, step_s))
         if drafted:
             self.kept = self.decay * self.kept + accepted
             self.tried = self.decay * self.tried + accepted + (1 if accepted < drafted else 0)
-            self.draft_s_per_token = 0.8 * self.draft_s_per_token + 0.2 * draft_s / drafted
 
 
 @dataclass
@@ -273,7 +268,7 @@ class Speculation:
 
     def fresh(self) -> Speculation:
         """The same setup for a new stream: its own drafter state and K statistics."""
-        k = AutoK(self.k.k_max, self.k.start) if isinstance(self.k, AutoK) else self.k
+        k = self.k.fresh() if isinstance(self.k, AutoK) else self.k
         return Speculation(self.drafter.fork(), k, self.policy)
 
     def choose_k(self) -> int:
@@ -282,6 +277,11 @@ class Speculation:
     def observe(self, drafted: int, accepted: int, step_s: float, fed: int, draft_s: float = 0.0) -> None:
         if isinstance(self.k, AutoK):
             self.k.observe(drafted, accepted, step_s, fed, draft_s)
+
+
+def _weight_bytes(bundle: Path) -> int:
+    """Bytes of a bundle's stage weight files: what a decode step reads."""
+    return sum((bundle / e.model_bin).stat().st_size for e in read_manifest(bundle).stages)
 
 
 def parse_k(text: str | int) -> int | None:
@@ -298,7 +298,8 @@ def parse_k(text: str | int) -> int | None:
 
 
 def make_speculation(spec: str, k: str | int, target: Manifest, *, device: str = "CPU",
-                     config: dict | None = None, policy: CompactionPolicy | None = None) -> Speculation | None:
+                     config: dict | None = None, policy: CompactionPolicy | None = None,
+                     target_path: Path | None = None) -> Speculation | None:
     """From --speculative (off | prompt-lookup | draft:PATH) and --draft-k (N | auto); None for off."""
     policy = policy or CompactionPolicy(limit=target.runtime_hints.max_positions)
     fixed = parse_k(k)
@@ -312,6 +313,9 @@ def make_speculation(spec: str, k: str | int, target: Manifest, *, device: str =
         if not (path / "manifest.json").is_file():
             raise OvshardError(f"--speculative {spec}: {path} is not a bundle (no manifest.json); compile the "
                                "draft model with `ovshard compile DRAFT_CHECKPOINT --stages 1 -o PATH`")
+        if isinstance(k_policy, AutoK):  # a draft token costs the draft's weight bytes over the target's
+            k_policy = AutoK(draft_cost=_weight_bytes(path) / max(_weight_bytes(target_path), 1)) if target_path \
+                else k_policy
         return Speculation(DraftModel(path, target, device, config), k_policy, policy)
     raise OvshardError(f"--speculative {spec!r}: expected off, prompt-lookup or draft:PATH_TO_ONE_STAGE_BUNDLE")
 

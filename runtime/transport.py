@@ -6,9 +6,12 @@ other. It knows frames, TLS and the Hello handshake, nothing about models.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import socket
 import ssl
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from ovshard.bundle import names
@@ -38,31 +41,65 @@ class Connection:
     """A socket (plain or TLS) with a write lock: several threads may send on it; one thread reads.
 
     ``identity`` is the peer's (role, name) from its verified certificate, or None without TLS.
+
+    ``close`` may come from any thread while another is inside ``send`` or ``receive``: it shuts the socket
+    down at once (waking them) but the file descriptor is released by the last thread to leave the socket.
+    Closing it under a blocked reader would free the descriptor's number for the next file or pipe this
+    process opens, and the reader's TLS library would then write its alert record into that file (seen:
+    21 bytes of TLS at the start of a subprocess's captured stdout).
     """
 
     def __init__(self, sock: socket.socket, peer: str, identity: tuple[str, str] | None = None) -> None:
         self.sock, self.peer, self.identity = sock, peer, identity
         self.lock = threading.Lock()
         self.closed = False
+        self._state = threading.Lock()
+        self._users = 0
 
     def send(self, msg: p.Message) -> None:
-        with self.lock:
+        with self.lock, self._using():
             write_message(self.sock, msg)
 
     def receive(self, max_frame_bytes: int = DEFAULT_MAX_FRAME, deadline_s: float | None = None,
                 idle_s: float | None = None) -> p.Message:
-        return read_message(self.sock, max_frame_bytes, deadline_s=deadline_s, idle_s=idle_s)
+        with self._using():
+            return read_message(self.sock, max_frame_bytes, deadline_s=deadline_s, idle_s=idle_s)
 
     def close(self) -> None:
-        """Close once; a reader blocked on this socket wakes with ConnectionClosed or OSError."""
-        if self.closed:
-            return
-        self.closed = True
+        """Close once; a thread blocked on this socket wakes with ConnectionClosed or OSError."""
+        with self._state:
+            if self.closed:
+                return
+            self.closed = True
+            release = self._users == 0
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass  # not connected any more
-        self.sock.close()
+        if release:
+            self.sock.close()
+
+    def secure(self, tls: ssl.SSLContext, timeout_s: float) -> None:
+        """The server side of the TLS handshake, within ``timeout_s``; ``identity`` from the peer's certificate."""
+        with self._using():
+            self.sock.settimeout(timeout_s)
+            self.sock = tls.wrap_socket(self.sock, server_side=True)
+            self.identity = peer_identity(self.sock)
+
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[None]:
+        with self._state:
+            if self.closed:
+                raise OSError(errno.EBADF, f"the connection to {self.peer} was closed")  # as a closed socket says
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._state:
+                self._users -= 1
+                release = self.closed and self._users == 0
+            if release:
+                self.sock.close()
 
 
 def peer_identity(sock: socket.socket) -> tuple[str, str] | None:
@@ -88,6 +125,9 @@ def connect(address: str, stage: int, fingerprint: str, role: str, session: str,
         try:
             sock = tls.wrap_socket(sock, server_side=False)
             identity = peer_identity(sock)
+        except (ConnectionError, TimeoutError, ssl.SSLEOFError) as e:  # the peer went away: restarting, say
+            sock.close()
+            raise StageUnreachable(f"stage {stage} at {address} closed the TLS handshake: {e}") from e
         except OSError as e:
             sock.close()
             raise OvshardError(f"stage {stage}: {security.handshake_error(e, address)}") from e

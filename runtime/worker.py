@@ -32,8 +32,10 @@ from ovshard.bundle import names
 from ovshard.bundle.manifest import read_manifest, verify_files
 from ovshard.errors import BundleError, OvshardError
 from ovshard.runtime import protocol as p
+from ovshard.runtime.distribute import cache_root
 from ovshard.runtime.framing import MAX_HEADER_BYTES
 from ovshard.runtime.kv import KVCache, StepInputs
+from ovshard.runtime.logit_rows import slice_logit_rows
 from ovshard.runtime.scores import Scores
 from ovshard.runtime.sessions import Limits, RequestError, SessionState
 from ovshard.runtime.transport import (
@@ -41,7 +43,6 @@ from ovshard.runtime.transport import (
     StageUnreachable,
     bundle_fingerprint,
     connect,
-    peer_identity,
 )
 
 log = logging.getLogger(__name__)
@@ -50,11 +51,29 @@ _ACCEPT_BACKOFF_S = (0.05, 1.0)  # first and longest pause after accept() fails 
 _RESOURCE_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
+def model_cache(cache_dir: Path | None) -> Path | None:
+    """Where OpenVINO keeps this node's compiled models (so a restart skips compiling): ``cache_dir``, or
+    ``ov_cache`` in the node's cache ($OVSHARD_CACHE_DIR or ~/.cache/ovshard), never inside the bundle, so a
+    bundle may be read-only. None (compile every time, with a warning) when the folder cannot be made."""
+    folder = cache_dir or cache_root() / "ov_cache"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        log.warning("no compiled-model cache: cannot create %s (%s); each start compiles the stage again; pass "
+                    "--cache-dir to a writable folder", folder, e.strerror or e)
+        return None
+    return folder
+
+
 class StageWorker:
+    """One stage of a bundle served over TCP. A last stage is loaded with ``slice_logits`` (the default): it
+    computes logits for the rows each Step's ``want`` reads only (runtime/logit_rows.py); False keeps the
+    bundle's all-rows graph (the before side of bench/prefill_logits_memory.py)."""
+
     def __init__(self, bundle: Path, stage: int, device: str = "CPU", config: dict | None = None,
                  cache_dir: Path | None = None, wire_dtype: str = p.ACTIVATION_WIRE_DTYPE,
                  limits: Limits | None = None, server_tls: ssl.SSLContext | None = None,
-                 client_tls: ssl.SSLContext | None = None) -> None:
+                 client_tls: ssl.SSLContext | None = None, slice_logits: bool = True) -> None:
         self.bundle = Path(bundle)
         self.manifest = read_manifest(self.bundle)
         if not 0 <= stage < self.manifest.num_stages:
@@ -70,13 +89,20 @@ class StageWorker:
         self.max_frame = min(self.limits.max_frame_bytes, MAX_HEADER_BYTES + self.max_positions * per_token)
         self.server_tls, self.client_tls = server_tls, client_tls
         core = ov.Core()
-        core.set_property({"CACHE_DIR": str(cache_dir or self.bundle / ".ov_cache")})
+        cache = model_cache(cache_dir)
+        if cache is not None:
+            core.set_property({"CACHE_DIR": str(cache)})
         log.info("stage %d: compiling %s on %s", stage, self.entry.model_xml, device)
-        self.compiled = core.compile_model(str(self.bundle / self.entry.model_xml), device, config or {})
+        model = core.read_model(str(self.bundle / self.entry.model_xml))
+        if self.last and slice_logits:
+            model = slice_logit_rows(model, self.manifest.architecture.vocab_size)
+        self.sliced = self.last and slice_logits
+        self.compiled = core.compile_model(model, device, config or {})
         self.sessions: dict[str, SessionState] = {}
         self.connections: set[Connection] = set()
         self.lock = threading.Lock()  # guards sessions, connections, counters
         self.in_flight = 0
+        self.steps, self.compute_s = 0, 0.0  # Steps run and their compute time, for `ovshard status`
         self.idle = threading.Condition(self.lock)  # notified when in_flight drops
         self.draining = False
         self.server: socket.socket | None = None
@@ -193,10 +219,8 @@ class StageWorker:
         """The TLS handshake, within the handshake timeout; the peer's certificate names its role."""
         if self.server_tls is None:
             return
-        conn.sock.settimeout(self.limits.handshake_timeout_s)
         try:
-            conn.sock = self.server_tls.wrap_socket(conn.sock, server_side=True)
-            conn.identity = peer_identity(conn.sock)
+            conn.secure(self.server_tls, self.limits.handshake_timeout_s)
         except (ssl.SSLError, OvshardError) as e:
             log.warning("stage %d: TLS handshake with %s failed: %s", self.stage, conn.peer, e)
             raise p.ConnectionClosed(str(e), clean=False) from e
@@ -376,9 +400,12 @@ class StageWorker:
         with self.lock:
             self.in_flight += 1
 
-    def _done(self) -> None:
+    def _done(self, compute_s: float | None) -> None:
+        """A step ended; ``compute_s`` is its compute time when it ran (counted for `ovshard status`)."""
         with self.idle:
             self.in_flight -= 1
+            if compute_s is not None:
+                self.steps, self.compute_s = self.steps + 1, self.compute_s + compute_s
             self.idle.notify_all()
 
     def _step(self, session: SessionState, msg: p.Step) -> None:
@@ -402,15 +429,18 @@ class StageWorker:
                                            f"({cache.holes} hidden); {x.shape[1]} more pass the bundle's "
                                            f"{self.max_positions}: send compact=true")
         self._begin()
+        compute: float | None = None
         try:
             start = time.perf_counter()
             primary = names.INPUT_IDS if self.stage == 0 else names.HIDDEN_STATES
-            inputs = StepInputs(primary, x, msg.position, (1,) * x.shape[1], self.max_positions)
+            rows = p.rows_read(msg.want, x.shape[1]) if self.sliced else None
+            inputs = StepInputs(primary, x, msg.position, (1,) * x.shape[1], self.max_positions, rows)
             out = cache.step(inputs, self.compiled.output(0), msg.rewind, msg.compact)
-            timings = {**msg.timings, f"stage{self.stage}": time.perf_counter() - start}
+            compute = time.perf_counter() - start
+            timings = {**msg.timings, f"stage{self.stage}": compute}
             self._pass_on(session, msg, out, timings)
         finally:
-            self._done()
+            self._done(compute)
 
     def _input(self, msg: p.Step) -> np.ndarray:
         """The Step's tensor as this stage's input, checked against the bundle's dimensions."""

@@ -292,11 +292,18 @@ def test_the_web_page_streams_a_chat_answer_and_shows_each_stage(server: Api, br
     answer = WebDriverWait(driver, 60).until(
         lambda d: d.find_element(By.CSS_SELECTOR, ".message.assistant[data-state=done]"))
     assert answer.find_element(By.CLASS_NAME, "text").text == expected
-    WebDriverWait(driver, 30).until(lambda d: "-" not in d.find_element(By.CSS_SELECTOR, ".stage .compute").text)
-    stages = driver.find_elements(By.CLASS_NAME, "stage")
-    assert [s.find_element(By.CLASS_NAME, "host").text for s in stages] == [w.address for w in server.workers]
-    layers = [s.find_element(By.CLASS_NAME, "layers").text for s in stages]
+    # the live view re-renders the stage table as it polls: read it in one script call, never through
+    # element handles the next render makes stale
+    def stage_rows() -> list[dict[str, str]]:
+        return [{k: v.strip() for k, v in row.items()} for row in driver.execute_script(
+            "return [...document.querySelectorAll('.stage')].map(s => ({host: s.querySelector('.host').innerText,"
+            " layers: s.querySelector('.layers').innerText, compute: s.querySelector('.compute').innerText}))")]
+
+    rows = WebDriverWait(driver, 30).until(
+        lambda _: (r := stage_rows()) and all("-" not in x["compute"] for x in r) and r)
+    assert [r["host"] for r in rows] == [w.address for w in server.workers]
+    layers = [r["layers"] for r in rows]
     assert layers[0].startswith("layers [0, ") and layers[-1].endswith(", 5) of 5"), layers
-    for stage in stages:
-        compute = stage.find_element(By.CLASS_NAME, "compute").text
+    for row in rows:
+        compute = row["compute"]
         assert float(compute.split()[0]) > 0, compute

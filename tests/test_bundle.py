@@ -42,7 +42,7 @@ def test_manifest_describes_every_stage(stories_bundle: Path) -> None:
     assert {r.name for r in m.pass_log} == {"PrecomputeRotaryPass", "MakeStatefulKVPass",
                                                "InjectBeamIdxGatherPass", "CompressWeightsPass"}
     assert m.source.fingerprint.startswith("sha256:")
-    assert json.loads((stories_bundle / names.MANIFEST_FILE).read_text())["plan"]["strategy"] == "balanced"
+    assert json.loads((stories_bundle / names.MANIFEST_FILE).read_text())["plan"]["strategy"] == "balanced-reads"
 
 
 def test_checksums_verify(stories_bundle: Path) -> None:

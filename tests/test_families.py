@@ -40,7 +40,7 @@ from transformers import (
 )
 
 from ovshard.bundle.manifest import read_manifest
-from ovshard.errors import UnsupportedArchitectureError
+from ovshard.errors import ConfigError, UnsupportedArchitectureError
 from ovshard.frontend.arch import arch_for
 from ovshard.runtime.local import LocalPipeline
 from ovshard.runtime.stage import EXACT_HINTS
@@ -94,7 +94,7 @@ def _mistral() -> PretrainedConfig:
 
 def _phi3() -> PretrainedConfig:
     # Phi-3-mini's block: fused qkv_proj and gate_up_proj, MHA, untied, every layer slides (over 8 tokens here)
-    return Phi3Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    return Phi3Config(vocab_size=300, eos_token_id=299, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=4, sliding_window=8, tie_word_embeddings=False,
                       max_position_embeddings=128, original_max_position_embeddings=128,
                       rope_parameters={**ROPE, "partial_rotary_factor": 1.0}, pad_token_id=0)
@@ -105,7 +105,7 @@ def _phi4_mini_like() -> PretrainedConfig:
     # longrope; GQA; tied; a sliding window of 8 as well. The bundle holds 64
     # positions = original_max_position_embeddings, below which longrope uses its short factors
     factors = {"short_factor": [1.0, 1.05, 1.1, 1.2, 1.4, 1.8], "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}
-    return Phi3Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    return Phi3Config(vocab_size=320, eos_token_id=319, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, sliding_window=8, tie_word_embeddings=True,
                       max_position_embeddings=256, original_max_position_embeddings=64, pad_token_id=0,
                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -318,6 +318,20 @@ def test_longrope_past_its_original_context_is_refused(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedArchitectureError) as e:
         compile_fp32(checkpoint, tmp_path / "b", stages=1, max_positions=65)
     assert "original_max_position_embeddings=64" in str(e.value) and "--max-positions" in str(e.value), str(e.value)
+    assert not (tmp_path / "b").exists()
+
+
+def test_an_eos_outside_the_vocabulary_is_refused(tmp_path: Path) -> None:
+    """Phi3Config's default eos (32000) on a 300-token vocabulary is refused before any stage is built.
+
+    openvino_genai masks eos with ``logits[eos] = -inf`` under min_new_tokens: an eos past the vocabulary
+    wrote outside its logits buffer (LLMPipeline crashed or decoded zeros, about 1 run in 150).
+    """
+    family = Family(lambda: Phi3Config(**{**_phi3().to_dict(), "eos_token_id": 32000}))
+    checkpoint = write_random_checkpoint(family, tmp_path / "ckpt")
+    with pytest.raises(ConfigError) as e:
+        compile_fp32(checkpoint, tmp_path / "b", stages=1)
+    assert "eos_token_id [32000]" in str(e.value) and "300 tokens" in str(e.value), str(e.value)
     assert not (tmp_path / "b").exists()
 
 

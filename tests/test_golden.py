@@ -19,7 +19,7 @@ from ovshard.ir.printer import text_diff
 from ovshard.runtime.local import LocalPipeline
 from ovshard.runtime.stage import EXACT_HINTS
 
-GOLDEN_DIR = GOLDEN / "stories260K-2stages-int4_asym"
+GOLDEN_DIR = GOLDEN / "stories260K-2stages-int4_sym"
 
 
 def test_pass_dumps_match_golden(stories: Path, tmp_path: Path, update_golden: bool) -> None:
@@ -44,7 +44,8 @@ def test_pass_dumps_match_golden(stories: Path, tmp_path: Path, update_golden: b
 TOKENS_FILE = GOLDEN / "stories260K-tokens.json"
 PROMPT = [1, 403, 407, 261, 378]  # BOS + "Once upon a time" in stories260K's tokenizer
 NEW_TOKENS = 48
-CASES = {"fp32, f32 hints": ("fp32", True), "int4_asym, default hints": ("int4_asym", False)}
+CASES = {"fp32, f32 hints": ("fp32", True), "int4_sym, f32 hints": ("int4_sym", True)}
+# f32 hints both: default (bf16) kernels differ between CPUs (AVX512-BF16 and AMX give other tokens)
 
 
 @pytest.fixture(scope="module")

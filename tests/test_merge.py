@@ -1,6 +1,6 @@
 """Per-node compiles (`--only-stage K`) merged with `ovshard bundle merge` equal a one-shot compile.
 
-The stage IR is byte-identical between the two routes, XML and BIN, for the default int4_asym (here,
+The stage IR is byte-identical between the two routes, XML and BIN, for the default int4_sym (here,
 the parts compiled in this process after the one-shot bundle) and for fp32 (the CLI test, each part in
 its own process): ``ovshard.ir.naming`` renames OpenVINO's counter-based default names before every
 save, so the XML no longer depends on what the process built before; the tokenizer files match too.
@@ -43,7 +43,7 @@ class Routes:
 
 @pytest.fixture(scope="module")
 def routes(stories: Path, tmp_path_factory: pytest.TempPathFactory) -> Routes:
-    """stories260K in two int4_asym stages: compiled at once, and as two parts merged."""
+    """stories260K in two default INT4 stages: compiled at once, and as two parts merged."""
     root = tmp_path_factory.mktemp("merge")
     one_shot = compile_int4(stories, root / "one", stages=STAGES)
     parts = [compile_int4(stories, root / f"part{k}", stages=STAGES, only_stage=k) for k in range(STAGES)]
@@ -52,7 +52,7 @@ def routes(stories: Path, tmp_path_factory: pytest.TempPathFactory) -> Routes:
 
 
 def compile_int4(checkpoint: Path, output: Path, **kwargs) -> Path:
-    """Compile with the default weight format, int4_asym; kwargs go to CompileConfig."""
+    """Compile with the default weight format (INT4); kwargs go to CompileConfig."""
     compile_bundle(CompileConfig(checkpoint, output, **kwargs))
     return output
 

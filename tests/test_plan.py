@@ -20,6 +20,7 @@ from ovshard.plan.costs import model_costs
 from ovshard.plan.partition import (
     Block,
     ModelCosts,
+    _chain,
     build_block_graph,
     parse_budgets,
     parse_layers,
@@ -70,13 +71,14 @@ def test_graph_is_a_chain_with_only_layer_to_layer_edges_cuttable() -> None:
 
 
 def test_graph_nodes_carry_block_costs() -> None:
-    """Each node holds its block's kind, layer index, weight bytes and KV bytes per token."""
+    """Each node holds its block's kind, layer index, weight bytes, KV bytes per token and bytes read a step."""
     graph = build_block_graph(make_costs([10, 20], embed=5, head=7, kv=3))
     assert graph.nodes["layer.1"] == {
         "kind": "layer",
         "layer": 1,
         "weight_bytes": 20,
         "kv_bytes_per_token": 3,
+        "read_bytes": None,  # all of its weight bytes
     }
     assert graph.nodes["embed"]["weight_bytes"] == 5
     assert graph.nodes["head"]["kind"] == "head"
@@ -96,7 +98,8 @@ def test_balanced_splits_equal_layers_evenly() -> None:
     """Eight equal layers on four stages get two layers each."""
     plan = plan_balanced(make_costs([100 * MiB] * 8), 4)
     assert ranges_of(plan) == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    assert plan.strategy == "balanced"
+    assert plan.strategy == "balanced-reads"
+    assert plan_balanced(make_costs([100 * MiB] * 8), 4, balance="memory").strategy == "balanced"
 
 
 def test_balanced_ties_take_the_smallest_cut_positions() -> None:
@@ -107,7 +110,7 @@ def test_balanced_ties_take_the_smallest_cut_positions() -> None:
 
 def test_balanced_heavy_embed_and_head_push_layers_to_the_middle() -> None:
     """A large embedding and head leave the first and last stages fewer layers than the middle one."""
-    plan = plan_balanced(make_costs([100] * 10, embed=300, head=300), 3)
+    plan = plan_balanced(make_costs([100] * 10, embed=300, head=300), 3, balance="memory")
     assert ranges_of(plan) == [(0, 2), (2, 7), (7, 10)]
     assert [s.memory_bytes for s in plan.stages] == [500, 500, 600]
 
@@ -144,16 +147,22 @@ def test_balanced_zero_stages_is_refused() -> None:
 def test_balanced_matches_brute_force(
     weights: list[int], embed: int, head: int, kv: int, ctx: int, data: st.DataObject
 ) -> None:
-    """The balanced plan is the brute-force minimum of (largest memory, sum of squares, cut positions)."""
+    """The balanced plan is the brute-force minimum of (largest memory, sum of squares, cut positions); by
+    reads, of the same over each stage's bytes read a step."""
     costs = make_costs(weights, embed=embed, head=head, kv=kv)
     n = data.draw(st.integers(1, len(weights)), label="num_stages")
+    chain = _chain(costs)
 
     def key(ranges: list[tuple[int, int]]) -> tuple[int, int, list[tuple[int, int]]]:
         memories = [s.memory_bytes for s in plan_layers(costs, ranges, ctx).stages]
         return max(memories), sum(m * m for m in memories), ranges
 
-    plan = plan_balanced(costs, n, ctx)
-    assert ranges_of(plan) == min(all_splits(len(weights), n), key=key)
+    def reads_key(ranges: list[tuple[int, int]]) -> tuple[int, int, list[tuple[int, int]]]:
+        reads = [chain.reads(i, len(ranges), a, b) for i, (a, b) in enumerate(ranges)]
+        return max(reads), sum(r * r for r in reads), ranges
+
+    assert ranges_of(plan_balanced(costs, n, ctx, "memory")) == min(all_splits(len(weights), n), key=key)
+    assert ranges_of(plan_balanced(costs, n, ctx)) == min(all_splits(len(weights), n), key=reads_key)
 
 
 def test_stage_bytes_count_embed_head_kv_and_cut_activations() -> None:
@@ -385,3 +394,47 @@ def test_model_costs_count_fused_and_per_head_tensors() -> None:
     qwen3 = preset("qwen3-8b")
     without_qk_norm = preset("llama-3.1-8b", intermediate_size=12288)
     assert layer_bytes(qwen3) == layer_bytes(without_qk_norm) + 4 * 2 * 128
+
+
+def test_a_tied_embedding_is_counted_once_in_a_one_stage_plan() -> None:
+    """One stage stores a tied embedding and lm_head as one constant; two stages store it in each end stage."""
+    config = preset("gemma-3-270m")
+    dims = read_dims(config)
+    costs = model_costs(arch_for(config), dims, WeightFormat("fp32"))
+    total, table = sum(b.weight_bytes for b in costs.blocks), 4 * dims.vocab_size * dims.hidden_size
+    one = plan_balanced(costs, 1, 0).stages[0]
+    assert one.weight_bytes == total - table
+    assert sum(s.weight_bytes for s in plan_balanced(costs, 2, 0).stages) == total
+
+
+def test_the_planned_size_of_a_tied_one_stage_bundle_is_its_stored_size(stories, tmp_path) -> None:
+    """The real stories260K (tied) in one fp32 stage: the plan's bytes within 1% of the stage's .bin file."""
+    from conftest import compile_fp32
+
+    from ovshard.bundle.manifest import read_manifest
+
+    bundle = compile_fp32(stories, tmp_path / "b", stages=1)
+    manifest = read_manifest(bundle)
+    planned, stored = manifest.plan.stages[0].weight_bytes, (bundle / manifest.stages[0].model_bin).stat().st_size
+    assert abs(planned - stored) <= 0.01 * stored, (planned, stored)
+
+
+def test_balance_by_reads_gives_the_lm_head_stage_fewer_layers() -> None:
+    """The Llama-3.2-1B shape (tied 128K embedding, INT4): by memory the two ends weigh alike and the layers
+    split 8/8; by reads (the default) stage 1 also reads the lm_head every step, so stage 0 takes more layers
+    and the largest stage's reads drop."""
+    config = preset("llama-3.2-1b")
+    costs = model_costs(arch_for(config), read_dims(config), WeightFormat())
+    memory, reads = plan_balanced(costs, 2, 0, "memory"), plan_balanced(costs, 2, 0)
+    assert [s.layers for s in memory.stages] == [(0, 8), (8, 16)]
+    assert reads.stages[0].layers[1] > 8, reads.format_table()
+    chain = _chain(costs)
+
+    def worst(plan: PartitionPlan) -> int:
+        return max(chain.reads(s.index, 2, *s.layers) for s in plan.stages)
+
+    assert worst(reads) < worst(memory)
+    with pytest.raises(PlanError, match="expected reads"):
+        plan_balanced(costs, 2, 0, "speed")
+    fits = plan_budgets(costs, [2 << 30, 2 << 30], 0, "reads")
+    assert [s.layers for s in fits.stages] == [s.layers for s in reads.stages]

@@ -18,8 +18,8 @@ def test_running_a_bundle_imports_no_compile_time_package(stories: Path, tmp_pat
     script = f"""
 import sys
 from ovshard.runtime.local import LocalPipeline
-from ovshard.runtime import (cli, decode, framing, head, kv, launch, protocol, sampler, scores, session,
-                             speculative, testing, transport, wanproxy, worker)
+from ovshard.runtime import (cli, cluster, decode, distribute, framing, head, kv, launch, probe, protocol, regroup,
+                             sampler, scores, session, speculative, stage_actor, testing, transport, wanproxy, worker)
 from ovshard.verify.fusion import check_cpu_fusion
 pipe = LocalPipeline({str(bundle)!r})
 tokens, _ = pipe.generate_greedy([1, 403, 407], 4)

@@ -157,6 +157,28 @@ def test_serve_on_port_0_reports_the_port_it_bound(bundles: dict[int, Path]) -> 
         proc.wait(timeout=30)
 
 
+def test_serving_writes_nothing_into_the_bundle(bundles: dict[int, Path], tmp_path: Path) -> None:
+    """The compiled-model cache goes to --cache-dir (default: the user's cache folder), never into the bundle,
+    so a bundle may be read-only; a second start finds the cached model there."""
+    import shutil
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(bundles[1], bundle)
+    before = sorted(p.relative_to(bundle) for p in bundle.rglob("*"))
+    cache = tmp_path / "ov-cache"
+    for _ in range(2):
+        cmd = [sys.executable, "-m", "ovshard.cli", "-q", "serve", str(bundle), "--stage", "0", "--listen",
+               "127.0.0.1:0", "--cache-dir", str(cache)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None and json.loads(proc.stdout.readline())["event"] == "listening"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    assert sorted(p.relative_to(bundle) for p in bundle.rglob("*")) == before
+    assert [p for p in cache.iterdir() if p.suffix == ".blob"], list(cache.iterdir())
+
+
 def test_a_worker_that_exits_before_listening_is_a_clear_error(bundles: dict[int, Path], tmp_path: Path) -> None:
     """A worker that dies before it reports an address (here: a stage the bundle lacks) fails the launch
     at once with an error naming the stage and its exit code, not a wait until the timeout."""

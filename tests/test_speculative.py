@@ -221,15 +221,20 @@ def test_prompt_lookup_proposes_the_newest_continuation() -> None:
     assert lookup.draft([1, 2, 3], 4, config, rng) == ([], None)
 
 
-def test_auto_k_follows_acceptance_and_cost() -> None:
-    """High acceptance and a flat step cost give a large K; low acceptance gives a small one."""
-    high, low = AutoK(), AutoK()
+def test_auto_k_follows_acceptance_and_never_timings() -> None:
+    """High acceptance gives a large K, low acceptance a small one, a costly draft model a smaller one; the
+    step times AutoK is shown do not move it (a K from timings makes the output depend on the load)."""
+    high, low, slow = AutoK(), AutoK(), AutoK()
     for i in range(40):
         k = 2 + i % 6
         high.observe(k, k, 0.010 + 0.0002 * (k + 1), k + 1, 0.0)
+        slow.observe(k, k, 10.0 * (k + 1), k + 1, 5.0)  # the same acceptance, absurd timings
         low.observe(k, 0, 0.010 + 0.002 * (k + 1), k + 1, 0.0)
-    assert high.choose() >= 8
+    assert high.choose() >= 8 and slow.choose() == high.choose()
     assert low.choose() <= 2
+    cheap, costly = AutoK(kept=8.0, tried=10.0, steps=5), AutoK(kept=8.0, tried=10.0, steps=5, draft_cost=0.5)
+    assert costly.choose() < cheap.choose()  # acceptance 0.8: K 4 with prompt lookup, 1 with a costly draft
+    assert high.fresh().choose() == AutoK().choose() and costly.fresh().draft_cost == 0.5
 
 
 def test_cli_speculative_and_errors(bundles: dict[int, Path]) -> None:

@@ -35,13 +35,16 @@ def test_cpu_runtime_graph_passes(capsys: pytest.CaptureFixture[str], bundle: Pa
 
 def test_reference_comparison_is_exact_for_fp32(capsys: pytest.CaptureFixture[str], stories: Path,
                                                 bundle: Path) -> None:
-    """--reference compares every stage boundary and the logits with HF (<= 1e-4) and all greedy tokens."""
+    """--reference compares every stage boundary (relative to its scale, <= 1e-5) and the logits (<= 1e-4) with
+    HF, and all greedy tokens, teacher-forced and free-running."""
     code, out = verify(capsys, str(bundle), "--device", "none", "--reference", str(stories), "--tokens", "16",
                        "--json")
     rows = json.loads(out)["rows"]
     assert code == 0
     checks = {r["check"]: r for r in rows}
-    assert "max |diff| hidden states after layer 3 (f32 hints)" in checks
+    hidden = checks["max |diff| / max(1, max |ref|) hidden states after layer 3 (f32 hints)"]
+    assert hidden["expected"] == "<= 1e-05" and float(hidden["found"]) <= 1e-5
+    assert checks["free-running greedy tokens equal to the reference's"]["verdict"] == "pass"
     assert float(checks["max |diff| logits (f32 hints)"]["found"]) <= 1e-4
     assert checks["greedy top-1 agreement over 16 tokens"]["found"] == "100.0%"
 
@@ -98,14 +101,14 @@ def test_absent_device_is_skipped_with_a_reason(capsys: pytest.CaptureFixture[st
 
 def test_weight_storage_matches_the_manifest(capsys: pytest.CaptureFixture[str], stories: Path,
                                              tmp_path: Path) -> None:
-    """An INT4 bundle's runtime graph stores u4 weights (u8 where INT8 is kept), as the manifest says."""
+    """An INT4 bundle's runtime graph stores i4 weights (u8 where INT8 is kept), as the manifest says."""
     from ovshard.compile import CompileConfig, compile_bundle
 
     compile_bundle(CompileConfig(stories, tmp_path / "b", stages=1))
     capsys.readouterr()  # NNCF's progress bar
     code, out = verify(capsys, str(tmp_path / "b"), "--json")
     row = [r for r in json.loads(out)["rows"] if r["check"] == "weight storage"][0]
-    assert code == 0 and row["expected"] == "int4_asym: u4/u8" and "u4" in row["found"]
+    assert code == 0 and row["expected"] == "int4_sym: i4/i8/u8" and "i4" in row["found"]
 
 
 def test_predict_needs_no_device_and_explains_a_failure(capsys: pytest.CaptureFixture[str], stories: Path,

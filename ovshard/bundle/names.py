@@ -13,6 +13,7 @@ ATTENTION_MASK = "attention_mask"  # i64 [batch, past + seq]
 POSITION_IDS = "position_ids"  # i64 [batch, seq]
 BEAM_IDX = "beam_idx"  # i32 [batch]
 LOGITS = "logits"  # f32 [batch, seq, vocab]          last stage only
+LOGIT_ROWS = "logit_rows"  # i64 [1]: the rows of logits to compute; added by the runtime on loading, never stored
 # friendly name of the constant cos/sin table PrecomputeRotaryPass writes; weight compression skips it
 ROTARY_TABLE = "rotary_table"
 

@@ -28,7 +28,7 @@ class StagePlan(OfStage):
 class PartitionPlan:
     """The chosen stages, how they were chosen, and the context length their memory was sized for."""
 
-    strategy: str  # "balanced" | "layers" | "budgets"
+    strategy: str  # "balanced-reads" | "balanced" (by memory) | "layers" | "budgets" | "budgets-reads"
     context_tokens: int
     stages: tuple[StagePlan, ...]
 

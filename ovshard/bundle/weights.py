@@ -7,20 +7,36 @@ from dataclasses import dataclass
 from ovshard.errors import ConfigError
 
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4_sym", "int4_asym")
+MIN_INT4_GROUP = 32  # NNCF's ADJUST fallback: below this power-of-two group a weight is stored in INT8
+DATA_AWARE = ("awq", "scale_estimation", "gptq", "lora_correction")  # NNCF's methods that need calibration text
+DEFAULT_DATA_AWARE = ("awq", "scale_estimation")  # the best pair in the NNCF sweep (README, "INT4 accuracy")
 
 
 @dataclass(frozen=True)
 class WeightFormat:
     """A weight format; kept in the manifest.
 
-    ``group_size``, ``ratio`` and ``all_layers`` matter for the INT4 modes only (``all_layers`` for
-    int8 too: NNCF's INT8 is per channel and always covers every layer).
+    ``group_size``, ``ratio``, ``budget`` and ``int8_weights`` matter for the INT4 modes only
+    (``all_layers`` for int8 too: NNCF's INT8 is per channel and always covers every layer).
+
+    INT4 keeps the embedding and the lm_head in INT8 (unless ``all_layers``), and the decoder weights that
+    INT4 hurts most in INT8 too, chosen for the whole model (``ovshard.plan.precision``): most sensitive
+    first while the bundle stays within ``budget`` times its all-INT4 size and at least ``ratio`` of the
+    decoder's weights stay INT4. ``int8_weights`` is that choice (``"layer.projection"`` keys, e.g.
+    ``"3.down"``), made by the compiler and recorded so that every stage and every part of a bundle
+    applies the same one. Default: int4_sym, group 128, budget 1.15: the measured frontier's point that
+    keeps perplexity within 4% of fp32 on every real model tried (README, "INT4 accuracy").
     """
 
-    mode: str = "int4_asym"
+    mode: str = "int4_sym"
     group_size: int = 128
-    ratio: float = 1.0
+    ratio: float = 0.0
     all_layers: bool = False
+    budget: float = 1.15
+    int8_weights: tuple[str, ...] = ()
+    methods: tuple[str, ...] = ()  # NNCF's data-aware methods on the INT4 weights, layer by layer (DATA_AWARE)
+    calibration: str = "none"  # where their text came from: "none", "auto" or "file NAME"
+    calibration_digest: str = ""  # sha256 of the calibration token ids (ovshard.frontend.calibration.Text)
 
     def __post_init__(self) -> None:
         if self.mode not in WEIGHT_FORMATS:
@@ -32,17 +48,49 @@ class WeightFormat:
                               "(ideally one that divides the hidden size: a layer it does not divide gets a "
                               "smaller power of two, or INT8), or -1 for one scale per output channel")
         if not 0.0 <= self.ratio <= 1.0:
-            raise ConfigError(f"--ratio {self.ratio}: expected the share of weights in INT4, from 0 to 1")
+            raise ConfigError(f"--ratio {self.ratio}: expected the least share of decoder weights kept in INT4, "
+                              "from 0 to 1 (1: every decoder weight INT4)")
+        if not 1.0 <= self.budget <= 4.0:
+            raise ConfigError(f"--budget {self.budget}: expected the most bundle size, as a multiple of the "
+                              "all-INT4 size, that INT8 copies of sensitive weights may take: from 1.0 (none) "
+                              "to 4.0, e.g. 1.15")
+        unknown = [m for m in self.methods if m not in DATA_AWARE]
+        if unknown:
+            raise ConfigError(f"--calibration-methods {','.join(unknown)}: expected some of {', '.join(DATA_AWARE)}")
+        if self.methods and not self.is_int4:
+            raise ConfigError(f"--calibration calibrates INT4 weights; --weights {self.mode} has none: use "
+                              "--weights int4_sym or int4_asym, or --calibration none")
 
     @property
     def is_int4(self) -> bool:
         return self.mode.startswith("int4")
 
+    def group_for(self, in_features: int) -> int | None:
+        """The INT4 group NNCF uses over ``in_features`` inputs, or None where it stores the weight in INT8.
+
+        NNCF's ADJUST fallback: where the group size does not divide the inputs, the largest power of two
+        below it that does, or INT8 when that is under 32.
+        """
+        if self.mode == "int8":
+            return None
+        if self.group_size == -1:
+            return in_features
+        if in_features % self.group_size == 0:
+            return self.group_size
+        group = in_features & -in_features  # the largest power of two dividing in_features
+        while group > self.group_size:
+            group //= 2
+        return group if group >= MIN_INT4_GROUP else None
+
     def describe(self) -> str:
-        """``mode=int4_asym, group_size=128, ratio=1.0, all_layers=False``, only the fields that matter."""
+        """``mode=int4_sym, group_size=128, ratio=0.0, budget=1.15, all_layers=False, int8_weights=12``, only
+        the fields that matter."""
         shown = {"mode": self.mode}
         if self.mode == "int8":
             shown["all_layers"] = str(self.all_layers)
         elif self.is_int4:
-            shown.update(group_size=str(self.group_size), ratio=str(self.ratio), all_layers=str(self.all_layers))
+            shown.update(group_size=str(self.group_size), ratio=str(self.ratio), budget=str(self.budget),
+                         all_layers=str(self.all_layers), int8_weights=str(len(self.int8_weights)))
+            if self.methods:
+                shown.update(methods="+".join(self.methods), calibration=self.calibration)
         return ", ".join(f"{k}={v}" for k, v in shown.items())

@@ -272,6 +272,14 @@ def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+def linear_shapes(dims: ModelDims) -> dict[str, tuple[int, int]]:
+    """A decoder layer's seven projections as the stage module holds them (fused ones split): key -> (out, in)."""
+    q_out, kv_out = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
+    hidden, inter = dims.hidden_size, dims.intermediate_size
+    return {"q": (q_out, hidden), "k": (kv_out, hidden), "v": (kv_out, hidden), "o": (hidden, q_out),
+            "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+
+
 def layer_tensors(spec: ArchSpec, dims: ModelDims, i: int) -> dict[str, tuple[int, ...]]:
     """Names and shapes of layer ``i``'s tensors, as Hugging Face stores them."""
     q_out = dims.num_heads * dims.head_dim

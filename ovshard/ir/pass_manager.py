@@ -15,9 +15,10 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import openvino as ov
 
 from ovshard.bundle.dims import ModelDims
@@ -39,14 +40,12 @@ class Piece:
     """A part of a stage that a streamed compile runs the layer-scoped passes on by itself.
 
     ``kind``: "embedding", "layers" (decoder layers [start, end)) or "head" (the lm_head); the prologue and
-    the final norm hold no weight a pass rewrites. ``holds_last_matmul``: this piece has the stage's
-    last MatMul weight (NNCF keeps it, like the embedding, in its backup precision unless all_layers).
+    the final norm hold no weight a pass rewrites.
     """
 
     kind: str
     start: int | None = None
     end: int | None = None
-    holds_last_matmul: bool = False
 
     def __str__(self) -> str:
         if self.kind != "layers":
@@ -54,11 +53,16 @@ class Piece:
         return f"layer {self.start}" if self.end == (self.start or 0) + 1 else f"layers [{self.start}, {self.end})"
 
 
+Calibration = Callable[["Piece"], "list[dict[str, np.ndarray]] | None"]  # a piece -> its calibration inputs
+
+
 @dataclass
 class PassContext:
     """What a pass may know about the stage it runs on. ``history`` lists the passes run so far.
 
     ``piece`` is set when a layer-scoped pass runs on one piece of the stage (a streamed compile).
+    ``calibration``, in a calibrated streamed compile, gives a piece's calibration inputs: one dict of input
+    name -> array per sample (None for a piece that has none, such as the embedding).
     """
 
     stage: StageSpec
@@ -66,6 +70,7 @@ class PassContext:
     max_positions: int
     history: list[str] = field(default_factory=list)
     piece: Piece | None = None
+    calibration: Calibration | None = None
 
     def where(self, pass_name: str) -> str:
         done = ", ".join(self.history) or "none"

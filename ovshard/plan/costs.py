@@ -1,24 +1,28 @@
 """Cost model for the partition planner: bytes of each block after compression, KV bytes per token.
 
 Weight bytes are estimates from tensor shapes (no data is read): INT4 counts half a byte per weight
-plus an f16 scale and a 4-bit zero point per group; formats that keep the embedding and the last
-MatMul of a stage in INT8 (``all_layers=False``) count those at one byte. KV cache and activations
+plus an f16 scale and a 4-bit zero point per group; the embedding and the lm_head (unless
+``all_layers``) and the decoder weights the format keeps in INT8 (``int8_weights``) count one byte.
+Before the compiler has chosen those, each layer is counted with its share of the INT8 budget spent. KV cache and activations
 count two bytes an element (f16), what the plugins store by default.
 """
 
 from __future__ import annotations
 
+import math
+
 from ovshard.bundle.dims import ModelDims
 from ovshard.bundle.weights import WeightFormat
-from ovshard.frontend.arch import ArchSpec, layer_tensors
+from ovshard.frontend.arch import ArchSpec, layer_tensors, linear_shapes
 from ovshard.plan.partition import Block, ModelCosts
+from ovshard.plan.precision import all_int4_bytes
 
 KV_ELEMENT_BYTES = 2
 WIRE_ELEMENT_BYTES = 2
 
 
 def bytes_per_weight(fmt: WeightFormat, backup_int8: bool = False) -> float:
-    """Average stored bytes per weight element of a MatMul/embedding in format ``fmt``."""
+    """Average stored bytes per weight element of a MatMul/embedding in format ``fmt`` (INT4: all INT4)."""
     if fmt.mode == "fp32":
         return 4.0
     if fmt.mode == "fp16":
@@ -28,29 +32,45 @@ def bytes_per_weight(fmt: WeightFormat, backup_int8: bool = False) -> float:
     # a f16 scale (and, asymmetric, a 4-bit zero point) per group; -1 means one per output channel, which
     # over a row of hundreds of inputs or more is below the rounding of the estimate
     per_group = 2.0 + (0.5 if fmt.mode == "int4_asym" else 0.0)
-    int4 = 0.5 + (per_group / fmt.group_size if fmt.group_size > 0 else 0.0)
-    return fmt.ratio * int4 + (1 - fmt.ratio) * 1.0
+    return 0.5 + (per_group / fmt.group_size if fmt.group_size > 0 else 0.0)
 
 
-def _matrix_bytes(shapes: dict[str, tuple[int, ...]], fmt: WeightFormat) -> int:
-    total = 0.0
-    for shape in shapes.values():
-        elements = 1
-        for d in shape:
-            elements *= d
-        total += elements * (bytes_per_weight(fmt) if len(shape) == 2 else 4.0)  # norms and biases stay f32
-    return int(total)
+def _layer_bytes(spec: ArchSpec, dims: ModelDims, fmt: WeightFormat, i: int) -> int:
+    shapes = layer_tensors(spec, dims, i)
+    small = sum(4 * math.prod(s) for s in shapes.values() if len(s) != 2)  # norms and biases stay f32
+    matrices = sum(math.prod(s) for s in shapes.values() if len(s) == 2)
+    if not fmt.is_int4:
+        return int(small + matrices * bytes_per_weight(fmt))
+    int4 = bytes_per_weight(fmt)
+    linears = linear_shapes(dims)
+    if fmt.int8_weights:
+        kept = sum(math.prod(linears[k.split(".")[1]]) for k in fmt.int8_weights if int(k.split(".")[0]) == i)
+        return int(small + matrices * int4 + kept * (1.0 - int4))
+    spare = fmt.budget * all_int4_bytes(dims) - all_int4_bytes(dims, fmt)
+    budget_share = max(spare, 0.0) / dims.num_layers  # the choice is not made yet: each layer its share
+    return int(small + min(matrices * int4 + budget_share, matrices * (1.0 - fmt.ratio * (1.0 - int4))))
 
 
-def model_costs(spec: ArchSpec, dims: ModelDims, fmt: WeightFormat) -> ModelCosts:
-    """The planner's view of the model: embed, one block per layer, head."""
+def rotary_table_bytes(tables: int, rotary_dim: int, max_positions: int) -> int:
+    """The f32 cos and sin tables [max_positions, rotary_dim] each stage holds, one pair per rotary table
+    (PrecomputeRotaryPass): 128 MiB a stage for Llama 3.1's 131,072 positions."""
+    return 2 * tables * max_positions * rotary_dim * 4
+
+
+def model_costs(spec: ArchSpec, dims: ModelDims, fmt: WeightFormat, stage_bytes: int = 0) -> ModelCosts:
+    """The planner's view of the model: embed, one block per layer, head; ``stage_bytes`` every stage holds
+    whatever its layers (the rotary tables: ``rotary_table_bytes``)."""
     int8_backup = fmt.mode.startswith("int4") and not fmt.all_layers
     table = dims.vocab_size * dims.hidden_size
-    embed = Block("embed", "embed", None, int(table * bytes_per_weight(fmt, int8_backup)), 0)
+    # a step gathers the fed tokens' rows of the embedding: a row's bytes, against all of the lm_head's
+    embed = Block("embed", "embed", None, int(table * bytes_per_weight(fmt, int8_backup)), 0,
+                  read_bytes=int(dims.hidden_size * bytes_per_weight(fmt, int8_backup)))
     kv = 2 * dims.num_kv_heads * dims.head_dim * KV_ELEMENT_BYTES
     layers = [
-        Block(f"layer.{i}", "layer", i, _matrix_bytes(layer_tensors(spec, dims, i), fmt), kv)
+        Block(f"layer.{i}", "layer", i, _layer_bytes(spec, dims, fmt, i), kv)
         for i in range(dims.num_layers)
     ]
     head = Block("head", "head", None, int(table * bytes_per_weight(fmt, int8_backup)) + 4 * dims.hidden_size, 0)
-    return ModelCosts(blocks=(embed, *layers, head), activation_bytes_per_token=dims.hidden_size * WIRE_ELEMENT_BYTES)
+    return ModelCosts(blocks=(embed, *layers, head), activation_bytes_per_token=dims.hidden_size * WIRE_ELEMENT_BYTES,
+                      shared_head_bytes=embed.weight_bytes if dims.tie_word_embeddings else 0,
+                      stage_bytes=stage_bytes)

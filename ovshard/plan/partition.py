@@ -39,6 +39,7 @@ class Block:
     layer: int | None  # layer index when kind == "layer"
     weight_bytes: int  # after the chosen weight compression
     kv_bytes_per_token: int  # KV cache added per token of context (0 for embed and head)
+    read_bytes: int | None = None  # weight bytes a decode step reads; None: all of them (the embedding: a row)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class ModelCosts:
 
     blocks: tuple[Block, ...]  # embed, layer.0 .. layer.L-1, head
     activation_bytes_per_token: int  # hidden_size * wire bytes
+    shared_head_bytes: int = 0  # of the head's bytes, those a stage holding the embedding too stores once (tied)
+    stage_bytes: int = 0  # every stage holds these whatever its layers (its rotary tables)
 
     def __post_init__(self) -> None:
         found = [(b.name, b.kind, b.layer) for b in self.blocks]
@@ -80,18 +83,35 @@ class _Chain:
     """Prefix sums over the graph's layers in topological order, so any stage costs O(1)."""
 
     weight_prefix: tuple[int, ...]  # [L + 1]
+    read_prefix: tuple[int, ...]  # [L + 1] weight bytes a decode step reads
     kv_prefix: tuple[int, ...]  # [L + 1]
     embed: tuple[int, int]  # (weight_bytes, kv_bytes_per_token)
     head: tuple[int, int]
     cut_bytes: tuple[int, ...]  # [L + 1] activation bytes per token of the cut before layer i; 0 at 0 and L
+    shared_head_bytes: int = 0
+    stage_bytes: int = 0
+    embed_read: int = 0
+    head_read: int = 0
+
+    def reads(self, index: int, count: int, start: int, end: int) -> int:
+        """Weight bytes stage ``index`` of ``count`` reads per decode step: its layers, the lm_head in the
+        last stage; the embedding's one row in the first (what a step's time follows, not bytes held)."""
+        read = self.read_prefix[end] - self.read_prefix[start]
+        if index == 0:
+            read += self.embed_read
+        if index == count - 1:
+            read += self.head_read
+        return read
 
     def stage(self, index: int, count: int, start: int, end: int, ctx: int, budget: int | None) -> StagePlan:
-        weight = self.weight_prefix[end] - self.weight_prefix[start]
+        weight = self.weight_prefix[end] - self.weight_prefix[start] + self.stage_bytes
         kv = self.kv_prefix[end] - self.kv_prefix[start]
         if index == 0:
             weight, kv = weight + self.embed[0], kv + self.embed[1]
         if index == count - 1:
             weight, kv = weight + self.head[0], kv + self.head[1]
+        if count == 1:  # one stage holds a tied embedding and lm_head as one constant
+            weight -= self.shared_head_bytes
         return StagePlan(StageSpec(index, count, start, end), weight, kv, weight + kv * ctx, budget,
                          self.cut_bytes[start])
 
@@ -107,11 +127,20 @@ def _chain(costs: ModelCosts) -> _Chain:
             cut_bytes[graph.nodes[v]["layer"]] = graph.edges[u, v]["activation_bytes_per_token"]
     return _Chain(
         weight_prefix=tuple(itertools.accumulate((a["weight_bytes"] for a in layers), initial=0)),
+        read_prefix=tuple(itertools.accumulate((_read(a) for a in layers), initial=0)),
         kv_prefix=tuple(itertools.accumulate((a["kv_bytes_per_token"] for a in layers), initial=0)),
         embed=(attrs[0]["weight_bytes"], attrs[0]["kv_bytes_per_token"]),
         head=(attrs[-1]["weight_bytes"], attrs[-1]["kv_bytes_per_token"]),
         cut_bytes=tuple(cut_bytes),
+        shared_head_bytes=costs.shared_head_bytes,
+        stage_bytes=costs.stage_bytes,
+        embed_read=_read(attrs[0]),
+        head_read=_read(attrs[-1]),
     )
+
+
+def _read(attrs: dict) -> int:
+    return attrs["weight_bytes"] if attrs.get("read_bytes") is None else attrs["read_bytes"]
 
 
 _Score = Callable[[int, int, int], Any]  # (stage, start, end) -> comparable score, or None when not allowed
@@ -152,13 +181,13 @@ def _solve(
     return best[0][0], ranges
 
 
-def _optimal_ranges(num_layers: int, num_stages: int, cost: _Score, spread: _Score) -> tuple[Any, list]:
+def optimal_ranges(num_layers: int, num_stages: int, cost: _Score, spread: _Score) -> tuple[Any, list]:
     """Minimise the largest stage cost; among optima minimise the summed spread, then the cut positions."""
     bound, _ = _solve(num_layers, num_stages, cost, max)
     _, ranges = _solve(
         num_layers,
         num_stages,
-        lambda i, a, b: spread(i, a, b) if cost(i, a, b) <= bound else None,
+        lambda i, a, b: spread(i, a, b) if (c := cost(i, a, b)) is not None and c <= bound else None,
         operator.add,
     )
     return bound, ranges
@@ -186,16 +215,33 @@ def _make_plan(
     return PartitionPlan(strategy=strategy, context_tokens=ctx, stages=stages)
 
 
-def plan_balanced(costs: ModelCosts, num_stages: int, context_tokens: int = 4096) -> PartitionPlan:
-    """Minimise the largest stage memory. Ties: smallest sum of squared memories, then smallest cut positions."""
+BALANCES = ("reads", "memory")
+
+
+def plan_balanced(costs: ModelCosts, num_stages: int, context_tokens: int = 4096,
+                  balance: str = "reads") -> PartitionPlan:
+    """``balance="reads"`` (default): minimise the largest stage's weight bytes read per decode step (its step
+    time: the lm_head counts in the last stage, the embedding's gathered rows hardly at all); ``"memory"``:
+    the largest stage memory (weights + KV cache). Ties: the smallest sum of squares, then the smallest cuts."""
     _check_request(costs, num_stages, context_tokens)
+    _check_balance(balance)
     chain = _chain(costs)
 
     def memory(i: int, a: int, b: int) -> int:
         return chain.stage(i, num_stages, a, b, context_tokens, None).memory_bytes
 
-    _, ranges = _optimal_ranges(costs.num_layers, num_stages, memory, lambda i, a, b: memory(i, a, b) ** 2)
-    return _make_plan(chain, "balanced", ranges, context_tokens)
+    def reads(i: int, a: int, b: int) -> int:
+        return chain.reads(i, num_stages, a, b)
+
+    cost = reads if balance == "reads" else memory
+    _, ranges = optimal_ranges(costs.num_layers, num_stages, cost, lambda i, a, b: cost(i, a, b) ** 2)
+    return _make_plan(chain, "balanced" if balance == "memory" else "balanced-reads", ranges, context_tokens)
+
+
+def _check_balance(balance: str) -> None:
+    if balance not in BALANCES:
+        raise PlanError(f"--balance {balance!r}: expected reads (each stage's bytes read per decode step) or "
+                        "memory (each stage's weights and KV cache)")
 
 
 def plan_layers(costs: ModelCosts, ranges: Ranges, context_tokens: int = 4096) -> PartitionPlan:
@@ -230,13 +276,17 @@ def _check_ranges(ranges: Ranges, size: int) -> None:
         raise PlanError(f"{what}, expected {size}: layers [{prev_end}, {size}) are in no stage{fix}")
 
 
-def plan_budgets(costs: ModelCosts, budgets: Sequence[int], context_tokens: int = 4096) -> PartitionPlan:
-    """Fit stage i within budgets[i], minimising the largest memory/budget ratio; PlanError if nothing fits.
+def plan_budgets(costs: ModelCosts, budgets: Sequence[int], context_tokens: int = 4096,
+                 balance: str = "memory") -> PartitionPlan:
+    """Fit stage i within budgets[i]; PlanError if nothing fits. ``balance="memory"``: minimise the largest
+    memory/budget ratio; ``"reads"``: among the splits that fit, minimise the largest stage's bytes read per
+    decode step (``plan_balanced``).
 
-    Ties go to the smallest sum of squared ratios, then the smallest cut positions. When nothing fits, the
+    Ties go to the smallest sum of squares, then the smallest cut positions. When nothing fits, the
     error reports the split with the smallest largest overflow in bytes.
     """
     _check_request(costs, len(budgets), context_tokens)
+    _check_balance(balance)
     if any(b <= 0 for b in budgets):
         raise PlanError(f"expected positive budgets, found {list(budgets)}; give each stage some memory")
     chain, n = _chain(costs), len(budgets)
@@ -247,12 +297,18 @@ def plan_budgets(costs: ModelCosts, budgets: Sequence[int], context_tokens: int 
     def ratio_sq(i: int, a: int, b: int) -> Fraction:
         return Fraction(memory(i, a, b), budgets[i]) ** 2
 
-    worst, ranges = _optimal_ranges(
+    worst, ranges = optimal_ranges(
         costs.num_layers, n, lambda i, a, b: Fraction(memory(i, a, b), budgets[i]), ratio_sq
     )
+    if worst <= 1 and balance == "reads":
+        def reads(i: int, a: int, b: int) -> int | None:
+            return chain.reads(i, n, a, b) if memory(i, a, b) <= budgets[i] else None
+
+        _, ranges = optimal_ranges(costs.num_layers, n, reads, lambda i, a, b: (reads(i, a, b) or 0) ** 2)
+        return _make_plan(chain, "budgets-reads", ranges, context_tokens, budgets)
     if worst <= 1:
         return _make_plan(chain, "budgets", ranges, context_tokens, budgets)
-    _, ranges = _optimal_ranges(costs.num_layers, n, lambda i, a, b: memory(i, a, b) - budgets[i], ratio_sq)
+    _, ranges = optimal_ranges(costs.num_layers, n, lambda i, a, b: memory(i, a, b) - budgets[i], ratio_sq)
     raise PlanError(_overflow_message(_make_plan(chain, "budgets", ranges, context_tokens, budgets)))
 
 

@@ -1,48 +1,80 @@
 """The numerical half of ``ovshard verify --reference``: a bundle against its Hugging Face source.
 
-Compares, on one prompt: hidden states at every stage boundary and logits (prefill), and greedy
-tokens over N steps. Thresholds depend on the weight format: fp32 bundles run with f32 hints must
-match exactly (1e-4 and every token); compressed bundles run with the device's default hints and
-are judged on teacher-forced top-1 agreement (random weights say nothing about INT4 accuracy, so
-the INT4 bar is low and real-model accuracy needs real evaluation). Needs ``ovshard[compile]``.
+Compares, on one prompt: hidden states at every stage boundary and logits (prefill, teacher-forced
+over the reference's greedy continuation), the free-running greedy tokens, and with ``--perplexity``
+the perplexity of a text and the top-1 tokens along it (``ovshard.verify.perplexity``). Thresholds
+depend on the weight format: fp32 bundles run with f32 hints must match exactly (logits within 1e-4,
+hidden states within 1e-5 of their own scale, every token); compressed bundles run with the device's
+default hints and are judged on agreement and on their perplexity increase. The reference is a
+Hugging Face folder or a ``.gguf`` file (transformers' own reading of it). Needs ``ovshard[compile]``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ovshard.bundle.manifest import Manifest
+from ovshard.errors import ConfigError
 from ovshard.runtime.local import LocalPipeline
 from ovshard.runtime.stage import EXACT_HINTS
+from ovshard.verify import perplexity
 from ovshard.verify.rows import Row
 
 
 @dataclass(frozen=True)
 class Thresholds:
-    max_abs_diff: float | None  # on boundary hidden states and logits; None: reported only
-    agreement: float  # share of greedy steps where the bundle's top-1 equals the reference's
+    """Pass bars for one weight format (README, "Accuracy gate")."""
+
+    max_abs_diff: float | None  # on logits; None: reported only
+    agreement: float  # teacher-forced top-1 agreement, on the greedy continuation and along the text
     exact_hints: bool
+    perplexity_increase: float  # the bundle's perplexity at most (1 + this) x the reference's
+    max_rel_hidden: float | None = None  # hidden states: max |diff| / max(1, max |reference|)
 
 
 THRESHOLDS = {
-    "fp32": Thresholds(1e-4, 1.0, True),
-    "fp16": Thresholds(None, 0.95, False),
-    "int8": Thresholds(None, 0.90, False),
-    "int4_sym": Thresholds(None, 0.70, False),
-    "int4_asym": Thresholds(None, 0.70, False),
+    "fp32": Thresholds(1e-4, 1.0, True, 1e-4, 1e-5),
+    "fp16": Thresholds(None, 0.95, False, 0.005),
+    "int8": Thresholds(None, 0.90, False, 0.01),
+    "int4_sym": Thresholds(None, 0.70, False, 0.04),
+    "int4_asym": Thresholds(None, 0.70, False, 0.04),
 }
 
 
-def _reference(checkpoint: Path, prompt_ids: list[int], tokens: int):
+@dataclass(frozen=True)
+class VerifyText:
+    """``--perplexity TEXT`` and its chunk length (None: 512, or the bundle's positions when fewer)."""
+
+    path: Path
+    context: int | None = None
+
+
+def load_reference(checkpoint: Path) -> tuple[Any, Any]:
+    """The float32 Hugging Face model and its tokenizer (None when the checkpoint has none)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    checkpoint = Path(checkpoint)
+    where: dict[str, Any] = {"pretrained_model_name_or_path": checkpoint}
+    if checkpoint.suffix == ".gguf":
+        where = {"pretrained_model_name_or_path": checkpoint.parent, "gguf_file": checkpoint.name}
+    model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(**where)
+    except (OSError, ValueError):
+        tokenizer = None
+    return model, tokenizer
+
+
+def _greedy(model: Any, prompt_ids: list[int], tokens: int):
+    import torch
+
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=tokens, min_new_tokens=tokens,
                              do_sample=False, pad_token_id=0)
@@ -52,39 +84,74 @@ def _reference(checkpoint: Path, prompt_ids: list[int], tokens: int):
     return sequence, full.logits[0].numpy(), hidden
 
 
-def _prompt_ids(checkpoint: Path, prompt: str, m: Manifest) -> list[int]:
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(checkpoint)(prompt)["input_ids"]
-    except (OSError, ValueError):
-        return m.generation.start_ids
-
-
-def numerical_rows(bundle: Path, m: Manifest, checkpoint: Path, prompt: str, tokens: int) -> list[Row]:
+def numerical_rows(bundle: Path, m: Manifest, checkpoint: Path, prompt: str, tokens: int,
+                   text: VerifyText | None = None) -> list[Row]:
     limits = THRESHOLDS[m.weights.mode]
-    prompt_ids = _prompt_ids(checkpoint, prompt, m)
-    sequence, ref_logits, ref_hidden = _reference(checkpoint, prompt_ids, tokens)
+    model, tokenizer = load_reference(checkpoint)
+    prompt_ids = tokenizer(prompt)["input_ids"] if tokenizer is not None else m.generation.start_ids
+    sequence, ref_logits, ref_hidden = _greedy(model, prompt_ids, tokens)
     pipe = LocalPipeline(bundle, config=EXACT_HINTS if limits.exact_hints else None, verify=False)
     logits, boundaries = pipe.forward(sequence)  # teacher-forced over prompt + reference tokens
     hints = "f32 hints" if limits.exact_hints else "default hints"
     rows = []
     for entry, hidden in zip(m.stages, boundaries, strict=False):
-        diff = float(np.abs(hidden[0] - ref_hidden[entry.layers[1]]).max())
-        rows.append(_diff_row(entry.index, f"hidden states after layer {entry.layers[1]} ({hints})",
-                              diff, limits))
-    rows.append(_diff_row(m.num_stages - 1, f"logits ({hints})", float(np.abs(logits - ref_logits).max()),
-                          limits))
+        ref = ref_hidden[entry.layers[1]]
+        rel = float(np.abs(hidden[0] - ref).max()) / max(1.0, float(np.abs(ref).max()))
+        check = f"max |diff| / max(1, max |ref|) hidden states after layer {entry.layers[1]} ({hints})"
+        rows.append(_bound_row(entry.index, check, rel, limits.max_rel_hidden))
+    rows.append(_bound_row(m.num_stages - 1, f"max |diff| logits ({hints})",
+                           float(np.abs(logits - ref_logits).max()), limits.max_abs_diff))
     steps = range(len(prompt_ids) - 1, len(sequence) - 1)
     agree = float(np.mean([logits[t].argmax() == sequence[t + 1] for t in steps]))
     rows.append(Row(None, f"greedy top-1 agreement over {tokens} tokens", f">= {limits.agreement:.0%}",
                     f"{agree:.1%}", "pass" if agree >= limits.agreement else "FAIL"))
+    free, _ = pipe.generate_greedy(prompt_ids, tokens)
+    reference = sequence[len(prompt_ids):]
+    prefix = next((i for i, (a, b) in enumerate(zip(free, reference, strict=True)) if a != b), tokens)
+    exact = limits.exact_hints
+    rows.append(Row(None, "free-running greedy tokens equal to the reference's", f"{tokens}/{tokens}" if exact
+                    else "reported", f"{prefix}/{tokens} identical before the first difference",
+                    "pass" if prefix == tokens or not exact else "FAIL"))
+    if text is not None:
+        rows += perplexity_rows(pipe, m, model, tokenizer, text, limits)
     return rows
 
 
-def _diff_row(stage: int, check: str, diff: float, limits: Thresholds) -> Row:
-    if limits.max_abs_diff is None:
-        return Row(stage, f"max |diff| {check}", "reported", f"{diff:.2e}", "pass")
-    ok = diff <= limits.max_abs_diff
-    return Row(stage, f"max |diff| {check}", f"<= {limits.max_abs_diff:.0e}", f"{diff:.2e}",
-                    "pass" if ok else "FAIL")
+def perplexity_rows(pipe: LocalPipeline, m: Manifest, model: Any, tokenizer: Any, text: VerifyText,
+                    limits: Thresholds) -> list[Row]:
+    import torch
+
+    if tokenizer is None:
+        raise ConfigError("--perplexity needs the reference's tokenizer, and the checkpoint has none")
+    context = text.context or min(perplexity.DEFAULT_CONTEXT, pipe.max_positions)
+    if context > pipe.max_positions:
+        raise ConfigError(f"--perplexity-context {context} exceeds the bundle's {pipe.max_positions} "
+                                     f"positions: give at most {pipe.max_positions}")
+    ids = tokenizer(perplexity.read_text(text.path))["input_ids"]
+    chunks = perplexity.chunks(ids, context, m.generation.bos_token_id)
+
+    def bundle_logits(chunk: list[int]) -> np.ndarray:
+        pipe.reset()
+        return pipe.forward(chunk)[0]
+
+    def reference_logits(chunk: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            return model(torch.tensor([chunk])).logits[0].numpy()
+
+    ours, ref = perplexity.score(bundle_logits, chunks), perplexity.score(reference_logits, chunks)
+    increase = ours.perplexity / ref.perplexity - 1
+    where = f"{Path(text.path).name}: {len(chunks)} chunks of {context}, second halves ({len(ours.nll)} tokens)"
+    top1 = float(np.mean(ours.top1 == ref.top1))
+    return [
+        Row(None, f"perplexity over {where}", f"<= reference +{limits.perplexity_increase:.2%}",
+            f"{ours.perplexity:.4f} vs {ref.perplexity:.4f} ({increase:+.2%})",
+            "pass" if increase <= limits.perplexity_increase else "FAIL"),
+        Row(None, "top-1 agreement along the text (teacher-forced)", f">= {limits.agreement:.0%}", f"{top1:.1%}",
+            "pass" if top1 >= limits.agreement else "FAIL"),
+    ]
+
+
+def _bound_row(stage: int, check: str, value: float, bound: float | None) -> Row:
+    if bound is None:
+        return Row(stage, check, "reported", f"{value:.2e}", "pass")
+    return Row(stage, check, f"<= {bound:.0e}", f"{value:.2e}", "pass" if value <= bound else "FAIL")

@@ -1,0 +1,206 @@
+"""ovshard against llama.cpp on the same model and threads: decode tokens/s, interleaved in rounds (issue 17).
+
+llama.cpp is built once into a cache folder from the source the ``llama-cpp-python`` sdist on PyPI vendors
+(``pip download --no-binary :all: llama-cpp-python``; cmake ``-DGGML_RPC=ON -DLLAMA_CURL=OFF``; the targets
+``llama-bench``, ``llama-quantize`` and ``ggml-rpc-server``). Models:
+
+- ``gemma3-270m``: the real Gemma 3 270M Q4_K_M GGUF from PyPI, as llama.cpp reads it, against ovshard's
+  default compile of the same file (it re-quantizes: INT8 decoder, INT8 embedding);
+- ``stories260K``: the real tiny Llama, converted with llama.cpp's ``convert_hf_to_gguf.py`` to f32 and
+  quantized to Q8_0 and Q4_0 (its 64-wide rows rule out the K-quants), against ovshard's default compile.
+
+One node: ``llama-bench -p 0 -n N -t T`` (text generation only) against ``ovshard run --local --threads T
+--speculative off --stats json`` (its ``decode_tokens_per_s``: the same N tokens after a short prompt, the
+worker process and loopback TCP included, as a user runs it). Two nodes on this machine: two ``ggml-rpc-server
+-t 1`` and ``llama-bench --rpc`` against ``ovshard run --local`` on a 2-stage bundle with ``--threads 1``.
+Rounds alternate which side goes first; reported: each side's median and the median of per-round ratios.
+
+    .venv/bin/python bench/peers.py [--models gemma3-270m,stories260K] [--rounds 3] [--tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+CACHE = Path(os.environ.get("OVSHARD_CACHE_DIR") or Path.home() / ".cache" / "ovshard") / "peers"
+VERSION = "0.3.36"  # llama-cpp-python, whose vendor/llama.cpp is built
+TARGETS = ("llama-bench", "llama-quantize", "ggml-rpc-server")
+
+
+def log(message: str) -> None:
+    print(f"[peers {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def llama_cpp() -> Path:
+    """The llama.cpp source tree, built (once) with its binaries in build/bin."""
+    src = CACHE / f"llama-cpp-python-{VERSION}"
+    tree = src / "vendor" / "llama.cpp"
+    if all((tree / "build" / "bin" / t).is_file() for t in TARGETS):
+        return tree
+    CACHE.mkdir(parents=True, exist_ok=True)
+    sdist = CACHE / f"llama_cpp_python-{VERSION}.tar.gz"
+    if not sdist.is_file():
+        log(f"downloading the llama-cpp-python {VERSION} sdist")
+        subprocess.run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={VERSION}", "--no-binary",
+                        ":all:", "--no-deps", "-d", str(CACHE), "-q"], check=True)
+    if not tree.is_dir():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(CACHE, filter="data")
+        (CACHE / f"llama_cpp_python-{VERSION}").rename(src)
+    log("building llama.cpp (once; ~15 min on 2 cores)")
+    subprocess.run(["cmake", "-B", "build", "-DGGML_RPC=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], cwd=tree, check=True,
+                   stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", "build", "-j", str(os.cpu_count() or 2), "--target", *TARGETS], cwd=tree,
+                   check=True, stdout=subprocess.DEVNULL)
+    return tree
+
+
+def gguf_files(tree: Path, name: str) -> dict[str, Path]:
+    """llama.cpp's files of ``name`` by label."""
+    if name == "gemma3-270m":
+        sys.path.insert(0, str(ROOT / "tests"))
+        from real_gemma import gemma_gguf_path
+
+        return {"Q4_K_M (as shipped)": gemma_gguf_path()}
+    out = CACHE / "gguf" / name
+    out.mkdir(parents=True, exist_ok=True)
+    f32 = out / "f32.gguf"
+    if not f32.is_file():
+        subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(ROOT.parent / "shared" / "models" / name),
+                        "--outtype", "f32", "--outfile", str(f32)], check=True, stdout=subprocess.DEVNULL,
+                       env=dict(os.environ, PYTHONPATH=str(tree / "gguf-py")))
+    files = {}
+    for kind in ("Q8_0", "Q4_0"):
+        path = out / f"{kind}.gguf"
+        if not path.is_file():
+            subprocess.run([str(tree / "build" / "bin" / "llama-quantize"), str(f32), str(path), kind], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        files[kind] = path
+    return files
+
+
+def bundle(name: str, stages: int) -> Path:
+    out = CACHE / "bundles" / f"{name}-{stages}st-default"
+    if not (out / "manifest.json").is_file():
+        source = gguf_files(Path(), name)["Q4_K_M (as shipped)"] if name == "gemma3-270m" else \
+            ROOT.parent / "shared" / "models" / name
+        subprocess.run([sys.executable, "-m", "ovshard.cli", "-q", "compile", str(source), "-o", str(out), "--stages",
+                        str(stages), "--max-positions", "1024"], check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def llama_tg(tree: Path, gguf: Path, tokens: int, threads: int, rpc: str | None = None) -> float:
+    command = [str(tree / "build" / "bin" / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t",
+               str(threads), "-r", "1", "-o", "json"]
+    if rpc:
+        command += ["--rpc", rpc, "-ngl", "99"]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return float(json.loads(done.stdout)[0]["avg_ts"])
+
+
+PROMPTS = {"gemma3-270m": "2,818,5279,529,7001,563", "stories260K": "1,403,407,261,378"}
+
+
+def ovshard_tg(bundle_dir: Path, prompt: str, tokens: int, threads: int) -> float:
+    command = [sys.executable, "-m", "ovshard.cli", "-q", "run", str(bundle_dir), "--local", "--threads", str(threads),
+               "--prompt-ids", prompt, "--max-tokens", str(tokens), "--speculative", "off", "--stats", "json"]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    stats = json.loads(done.stderr.strip().splitlines()[-1])
+    return float(stats["decode_tokens_per_s"])
+
+
+class RpcServers:
+    """Two ``ggml-rpc-server -t 1`` on loopback: llama.cpp's two-process layout."""
+
+    def __init__(self, tree: Path) -> None:
+        self.ports = [_free_port(), _free_port()]
+        self.procs = [subprocess.Popen([str(tree / "build" / "bin" / "ggml-rpc-server"), "-p", str(p), "-t", "1"],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in self.ports]
+        time.sleep(2.0)
+
+    @property
+    def address(self) -> str:
+        return ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def measure(tree: Path, name: str, rounds: int, tokens: int, threads: int) -> list[dict]:
+    """One node (``threads`` each side), then two processes of one thread each (RPC against 2 stages)."""
+    rows = []
+    for label, gguf in gguf_files(tree, name).items():
+        for layout, stages in ((f"one node, {threads} threads", 1), ("2 processes x 1 thread (RPC / 2 stages)", 2)):
+            ours = bundle(name, stages)
+            samples: dict[str, list[float]] = {"ovshard": [], "llama.cpp": []}
+            for r in range(rounds):
+                order = ("ovshard", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "ovshard")
+                for side in order:
+                    if side == "ovshard":
+                        value = ovshard_tg(ours, PROMPTS[name], tokens, threads if stages == 1 else 1)
+                    elif stages == 1:
+                        value = llama_tg(tree, gguf, tokens, threads)
+                    else:
+                        servers = RpcServers(tree)
+                        try:
+                            value = llama_tg(tree, gguf, tokens, 1, servers.address)
+                        finally:
+                            servers.close()
+                    samples[side].append(value)
+                    log(f"{name} {label} {layout} round {r}: {side} {value:.1f} tok/s")
+            ratios = [a / b for a, b in zip(samples["ovshard"], samples["llama.cpp"], strict=True)]
+            rows.append({"model": name, "llama.cpp file": label, "layout": layout,
+                         "ovshard tok/s": round(statistics.median(samples["ovshard"]), 1),
+                         "llama.cpp tok/s": round(statistics.median(samples["llama.cpp"]), 1),
+                         "ratio (median of rounds)": round(statistics.median(ratios), 3), "samples": samples})
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gemma3-270m,stories260K")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    if shutil.which("cmake") is None:
+        parser.error("cmake is needed to build llama.cpp (apt-get install cmake, or pip install cmake)")
+    tree = llama_cpp()
+    rows = []
+    for name in args.models.split(","):
+        rows += measure(tree, name, args.rounds, args.tokens, args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = ".venv/bin/python bench/peers.py " + " ".join(sys.argv[1:])
+    (args.out / "peers.json").write_text(json.dumps({"command": command.strip(), "rows": rows}, indent=2))
+    columns = ["model", "llama.cpp file", "layout", "ovshard tok/s", "llama.cpp tok/s", "ratio (median of rounds)"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
+    (args.out / "peers.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""Peak memory of a long prefill on a large vocabulary, with and without logits only for the rows needed.
+
+A random-weight Llama with Llama 3's 128,256-token vocabulary (hidden 256, 2 layers, int8 weights, so the
+logits dominate) in one stage; a worker process per run (``StageWorker(slice_logits=...)``), a head in
+this process that sends an 8,000-token prompt as one step and asks for the next token (``argmax@1``).
+Reported: the worker's peak RSS (``VmHWM``) over its RSS once loaded, interleaved A/B over ``--rounds``.
+Before the change the last stage computed ``logits [1, 8000, 128256]`` (4.1 GB of f32) to read one row.
+
+    CI=true .venv/bin/python bench/prefill_logits_memory.py [--tokens 8000] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+WORKER = """
+import sys
+from pathlib import Path
+from ovshard.runtime.launch import listening_line
+from ovshard.runtime.worker import StageWorker
+worker = StageWorker(Path(sys.argv[1]), 0, slice_logits=sys.argv[2] == "sliced", cache_dir=Path(sys.argv[3]))
+import threading
+print(listening_line(0, worker.listen("127.0.0.1", 0)), flush=True)
+threading.Thread(target=lambda: (sys.stdin.read(), worker.stop()), daemon=True).start()
+worker.serve_forever()
+"""
+
+
+def _kb(pid: int, key: str) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split(f"{key}:")[1].split()[0])
+
+
+def run(bundle: Path, mode: str, tokens: int, cache: Path) -> dict:
+    from ovshard.runtime.head import Head
+    from ovshard.runtime.sampler import SamplingConfig
+
+    proc = subprocess.Popen([sys.executable, "-c", WORKER, str(bundle), mode, str(cache)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        address = json.loads(proc.stdout.readline())["address"]
+        loaded = _kb(proc.pid, "VmRSS")
+        head = Head(bundle, [address], timeout=600)
+        try:
+            prompt = [(7 * i) % 128000 + 1 for i in range(tokens)]
+            out = list(head.generate(prompt, SamplingConfig(max_tokens=1)))
+        finally:
+            head.close()
+        peak = _kb(proc.pid, "VmHWM")
+        proc.stdin.close()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return {"mode": mode, "loaded_mb": round(loaded / 1024), "peak_mb": round(peak / 1024),
+            "prefill_mb": round((peak - loaded) / 1024), "token": out[0]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8000)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    from ovshard.bundle.weights import WeightFormat
+    from ovshard.compile import CompileConfig, compile_bundle
+    from ovshard.tools.synth import llama_config, write_checkpoint
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ovshard-prefill-") as tmp:
+        root = Path(tmp)
+        config = llama_config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=64, vocab_size=128256, tie_word_embeddings=False,
+                              max_position_embeddings=args.tokens + 16)
+        ckpt = write_checkpoint(root / "ckpt", config)
+        bundle = root / "bundle"
+        compile_bundle(CompileConfig(ckpt, bundle, stages=1, weights=WeightFormat("int8"), cache_dir=None))
+        for r in range(args.rounds):
+            for mode in (("all", "sliced") if r % 2 == 0 else ("sliced", "all")):
+                rows.append({"round": r, **run(bundle, mode, args.tokens, root / "ov_cache")})
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    tokens = {r["token"] for r in rows}
+    by = {m: sorted(r["prefill_mb"] for r in rows if r["mode"] == m) for m in ("all", "sliced")}
+    summary = {"tokens": args.tokens, "vocab": 128256, "same_next_token": len(tokens) == 1,
+               "prefill_mb_all_rows": by["all"], "prefill_mb_sliced": by["sliced"]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = "CI=true .venv/bin/python bench/prefill_logits_memory.py " + " ".join(sys.argv[1:])
+    (args.out / "prefill_logits_memory.json").write_text(json.dumps({"command": command.strip(), "rows": rows,
+                                                                    "summary": summary}, indent=2))
+    print("| logits computed | worker peak over loaded, MB (each round) |\n| --- | --- |")
+    print(f"| every row (before) | {', '.join(map(str, by['all']))} |")
+    print(f"| the rows asked for (after) | {', '.join(map(str, by['sliced']))} |")
+    print(f"same next token: {summary['same_next_token']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

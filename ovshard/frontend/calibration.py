@@ -1,0 +1,287 @@
+"""Calibration for data-aware INT4 (NNCF's AWQ, scale estimation, GPTQ, LoRA correction), layer by layer.
+
+The text: ``--calibration FILE`` (tokenized by the checkpoint's tokenizer, cut into samples that start
+with BOS) or ``auto``, the model's own sampled continuations of a few neutral prompts, so any model
+calibrates offline with no data set. Generation runs the checkpoint in float32 with torch, one decoder
+layer in memory at a time (each step reads every layer again, and the lm_head in row chunks): a step
+costs one pass over the weights, so ``auto`` on a multi-billion-parameter model takes minutes; a
+``FILE`` is read in a moment.
+
+The activations: :class:`Activations` holds each sample's hidden state at one layer boundary and moves it
+forward through the float32 layers as the compile asks for later layers, so a layer piece gets the
+inputs the *uncompressed* layers before it produce. That makes each layer's calibration a function of
+the checkpoint and the text alone: the same for every stage count and for a stage compiled alone with
+``--only-stage`` (which first runs the layers before it). Memory: one layer's weights plus
+``samples x tokens x hidden`` floats.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ovshard.bundle import names
+from ovshard.bundle.stage import StageSpec
+from ovshard.errors import ConfigError
+from ovshard.frontend.pieces import context_ports, matrix_rows
+from ovshard.frontend.rope import rotary_tables
+from ovshard.frontend.stage_module import Context, rms_norm, softcap_logits
+from ovshard.frontend.trace import load_layer
+from ovshard.ir.pass_manager import Piece
+
+if TYPE_CHECKING:
+    from ovshard.frontend.checkpoint import Checkpoint
+
+log = logging.getLogger(__name__)
+
+# Neutral openings for ``auto``: plain prose, code, a list, a dialogue; the model writes the rest.
+PROMPTS = ("The", "Once upon a time,", "In this article we explain", "def main():", "1. First,",
+           "Q: What is the capital of", "The history of", "Dear team,")
+SEED = 0
+TEMPERATURE, TOP_K = 0.8, 40  # sampled, not greedy: greedy text of a small model repeats itself
+MIN_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Text:
+    """Token ids of the calibration samples and how they were made (recorded in the weight format)."""
+
+    samples: tuple[tuple[int, ...], ...]
+    source: str  # "auto" or "file NAME"
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the token ids: part of every calibrated piece's cache key and of the manifest."""
+        return hashlib.sha256(repr(self.samples).encode()).hexdigest()[:16]
+
+
+def calibration_text(ckpt: Checkpoint, source: str, samples: int, tokens: int, scratch: Path) -> Text:
+    """``samples`` sequences of up to ``tokens`` token ids from ``source`` ("auto" or a text file's path)."""
+    if samples < 1 or tokens < MIN_TOKENS:
+        raise ConfigError(f"--calibration-samples {samples} of {tokens} tokens: expected at least 1 sample of at "
+                          f"least {MIN_TOKENS} tokens, e.g. --calibration-samples 8")
+    tokenizer = _tokenizer(ckpt, scratch)
+    bos = (ckpt.generation_config or {}).get("bos_token_id", ckpt.config.get("bos_token_id"))
+    if source == "auto":
+        prompts = _prompts(tokenizer, bos, samples, ckpt.dims.vocab_size)
+        return Text(_generate(ckpt, prompts, tokens, scratch), "auto")
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(f"--calibration {source}: no such file; give a UTF-8 text file, auto (the model's own "
+                          "text) or none")
+    if tokenizer is None:
+        raise ConfigError(f"--calibration {source}: {ckpt.path} has no tokenizer to read a text with; use "
+                          "--calibration auto")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--calibration {source}: cannot read it as UTF-8 text ({e})") from e
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    step = tokens - (bos is not None)
+    cut = [([bos] if bos is not None else []) + ids[k:k + step] for k in range(0, len(ids), step)][:samples]
+    cut = [c for c in cut if len(c) >= MIN_TOKENS]
+    if not cut:
+        raise ConfigError(f"--calibration {source}: {len(ids)} tokens, fewer than one sample of {MIN_TOKENS}; "
+                          "give a longer text")
+    if len(cut) < samples:
+        log.warning("--calibration %s: %d tokens make %d samples of %d tokens, not %d", source, len(ids), len(cut),
+                    tokens, samples)
+    return Text(tuple(tuple(c) for c in cut), f"file {path.name}")
+
+
+def _tokenizer(ckpt: Checkpoint, scratch: Path):  # -> transformers tokenizer | None
+    if not ckpt.has_tokenizer:
+        return None
+    from transformers import AutoTokenizer
+
+    folder = ckpt.tokenizer_folder(scratch)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _prompts(tokenizer, bos: int | None, samples: int, vocab: int) -> list[list[int]]:
+    """Token ids of ``samples`` prompts: the neutral openings in turn, or (no tokenizer) BOS and one token."""
+    rng = np.random.default_rng(SEED)
+    out = []
+    for k in range(samples):
+        if tokenizer is not None:
+            ids = list(tokenizer(PROMPTS[k % len(PROMPTS)], add_special_tokens=False)["input_ids"])
+        else:
+            ids = [int(rng.integers(0, min(256, vocab)))]
+        out.append(([bos] if bos is not None else []) + ids)
+    return out
+
+
+def _all_layers(ckpt: Checkpoint) -> StageSpec:
+    return StageSpec(0, 1, 0, ckpt.dims.num_layers)
+
+
+class _Rows:
+    """A 2-D checkpoint tensor as a float32 file in ``scratch``, written once in row chunks and read mapped:
+    generation reads the lm_head at every step, and a file-backed map costs no anonymous memory (the bound
+    of one layer), where dequantizing a GGUF table each step would cost seconds."""
+
+    def __init__(self, ckpt: Checkpoint, scratch: Path) -> None:
+        self.ckpt, self.scratch = ckpt, scratch
+        self.files: dict[str, np.ndarray] = {}
+
+    def __call__(self, name: str) -> np.ndarray:
+        if name not in self.files:
+            rows, cols = self.ckpt.tensor_info(name)[1]
+            self.scratch.mkdir(parents=True, exist_ok=True)
+            path = self.scratch / f"{name}.f32"
+            table = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(rows, cols))
+            for start, block in matrix_rows(self.ckpt, name, CHUNK_ROWS):
+                table[start:start + block.shape[0]] = block
+            table.flush()
+            del table
+            self.files[name] = np.load(path, mmap_mode="r")
+        return self.files[name]
+
+
+CHUNK_ROWS = 4096
+
+
+def _embed(ckpt: Checkpoint, ids: np.ndarray, table: np.ndarray | None = None) -> torch.Tensor:
+    """Embedding rows of ``ids`` [batch, seq] (times the family's scale): from ``table`` (a mapped copy of the
+    embedding) or, without one, by one pass over the embedding in row chunks."""
+    d, flat = ckpt.dims, ids.reshape(-1)
+    if table is not None:
+        out = np.asarray(table[flat], dtype=np.float32)
+    else:
+        out = np.zeros((flat.size, d.hidden_size), np.float32)
+        for start, block in matrix_rows(ckpt, ckpt.spec.embed, CHUNK_ROWS):
+            hit = (flat >= start) & (flat < start + block.shape[0])
+            out[hit] = block[flat[hit] - start]
+    h = torch.from_numpy(out.reshape(*ids.shape, d.hidden_size))
+    return h if ckpt.block.embed_scale is None else h * torch.tensor(ckpt.block.embed_scale, dtype=h.dtype)
+
+
+def _logits(ckpt: Checkpoint, h: torch.Tensor, head: np.ndarray) -> torch.Tensor:
+    """The lm_head (``head``, mapped) on ``h`` [batch, hidden], a chunk of rows at a time."""
+    normed = rms_norm(h, ckpt.load(ckpt.spec.final_norm), ckpt.dims.rms_norm_eps, ckpt.block.norm_offset)
+    parts = [F.linear(normed, torch.from_numpy(np.array(head[a:a + CHUNK_ROWS], dtype=np.float32)))  # a copy
+             for a in range(0, head.shape[0], CHUNK_ROWS)]
+    return softcap_logits(torch.cat(parts, dim=-1), ckpt.block)
+
+
+def _generate(ckpt: Checkpoint, prompts: list[list[int]], tokens: int,
+              scratch: Path) -> tuple[tuple[int, ...], ...]:
+    """Sample each prompt's continuation to ``tokens`` ids in all, as one left-padded batch, layer by layer."""
+    d, blk = ckpt.dims, ckpt.block
+    rows = _Rows(ckpt, scratch / "rows")
+    embed = rows(ckpt.spec.embed)
+    head = embed if ckpt.dims.tie_word_embeddings else rows(ckpt.spec.lm_head)
+    stage, rng = _all_layers(ckpt), np.random.default_rng(SEED)
+    context = Context(blk, stage.layers)
+    tables = rotary_tables(ckpt.config, blk, stage.layers, None)
+    width = max(map(len, prompts))
+    ids = np.zeros((len(prompts), width), np.int64)
+    mask = np.zeros((len(prompts), width), np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, 1
+    past: list[torch.Tensor] = [torch.zeros(len(prompts), d.num_kv_heads, 0, d.head_dim)] * (2 * d.num_layers)
+    new, started = ids, time.perf_counter()
+    log.info("calibration: the model writes %d samples of %d tokens (each token reads every layer once)",
+             len(prompts), tokens)
+    with torch.no_grad():
+        for step in range(tokens - min(map(len, prompts))):  # until the shortest prompt has ``tokens``
+            attention = torch.from_numpy(mask)
+            positions = torch.clamp(attention.cumsum(-1) - 1, min=0)[:, -new.shape[1]:]
+            values = context.build(tables, attention, positions)
+            h = _embed(ckpt, new, embed)
+            for i in stage.layers:
+                one = Context(blk, range(i, i + 1))
+                h, (past[2 * i], past[2 * i + 1]) = _layer(ckpt, i, h, _pick(context, one, values),
+                                                           (past[2 * i], past[2 * i + 1]))
+            logits = _logits(ckpt, h[:, -1], head).double() / TEMPERATURE
+            top = torch.topk(logits, min(TOP_K, logits.shape[-1]), dim=-1)
+            probs = torch.softmax(top.values, dim=-1).numpy()
+            chosen = [int(top.indices[r, rng.choice(probs.shape[1], p=probs[r] / probs[r].sum())])
+                      for r in range(len(prompts))]
+            new = np.asarray(chosen, np.int64)[:, None]
+            ids, mask = np.concatenate([ids, new], 1), np.concatenate([mask, np.ones_like(new)], 1)
+            if (step + 1) % 16 == 0:
+                log.info("calibration: token %d of %d (%.1f s)", step + 1 + min(map(len, prompts)), tokens,
+                         time.perf_counter() - started)
+    del embed, head, rows  # the mapped tables; their files go with the compile's scratch folder
+    return tuple(tuple(int(t) for t, m in zip(row, keep, strict=True) if m)[:tokens]
+                 for row, keep in zip(ids, mask, strict=True))
+
+
+def _layer(ckpt: Checkpoint, i: int, h: torch.Tensor, values: list[torch.Tensor],
+           past: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Decoder layer ``i`` in float32 on ``h``, its weights loaded for this call only: (h, its keys and values)."""
+    weights = load_layer(ckpt, i, _all_layers(ckpt))
+    h, (k, v) = Context(ckpt.block, range(i, i + 1)).run_layers(ckpt.dims, [weights], h, values, past)
+    return h, (k, v)
+
+
+def _pick(whole: Context, one: Context, values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """From the values ``whole`` built, those ``one`` (a sub-range of its layers) reads, in its order."""
+    ropes, masks = whole.split(values)
+    picked = [t for key in one.ropes for t in ropes[key]]
+    return picked + [masks[kind] for kind in one.masks]
+
+
+class Activations:
+    """Each sample's hidden state at a layer boundary, moved forward through the float32 layers on demand.
+
+    Called with a piece, returns NNCF's dataset for it: one dict of the piece's inputs per sample (its
+    hidden state, the rotary and mask values its layers read, empty past keys and values); None for the
+    embedding and the lm_head, which stay INT8 or are compressed data-free.
+    """
+
+    def __init__(self, ckpt: Checkpoint, text: Text, max_positions: int | None = None) -> None:
+        self.ckpt, self.text = ckpt, text
+        self.at = 0
+        self.hidden: list[torch.Tensor] = []
+        self.tables = rotary_tables(ckpt.config, ckpt.block, range(ckpt.dims.num_layers), max_positions)
+
+    def __call__(self, piece: Piece) -> list[dict[str, np.ndarray]] | None:
+        if piece.kind != "layers" or piece.start is None or piece.end is None:
+            return None
+        self._move_to(piece.start)
+        layers = range(piece.start, piece.end)
+        d = self.ckpt.dims
+        items = []
+        ports = [name for name, _, _ in context_ports(self.ckpt, layers)]
+        for h in self.hidden:
+            item = {names.piece_hidden(piece.start): h.numpy()}
+            item.update(zip(ports, (v.numpy() for v in self._context(layers, h.shape[1])), strict=True))
+            empty = np.zeros((1, d.num_kv_heads, 0, d.head_dim), np.float32)
+            item.update({past: empty for past, _ in names.kv_pairs(layers)})
+            items.append(item)
+        return items
+
+    def _context(self, layers: range, length: int) -> list[torch.Tensor]:
+        mask = torch.ones(1, length, dtype=torch.int64)
+        positions = torch.arange(length, dtype=torch.int64)[None]
+        tables = {key: self.tables[key] for key in Context(self.ckpt.block, layers).ropes}
+        return Context(self.ckpt.block, layers).build(tables, mask, positions)
+
+    def _move_to(self, layer: int) -> None:
+        if layer < self.at or not self.hidden:  # from the start: the embedding of every sample
+            flat = _embed(self.ckpt, np.concatenate([np.asarray(s, np.int64) for s in self.text.samples])[None])
+            bounds = np.cumsum([0, *map(len, self.text.samples)])
+            self.hidden = [flat[:, a:z].clone() for a, z in itertools.pairwise(bounds)]  # one pass for all
+            self.at = 0
+        if layer > self.at:
+            log.info("calibration: running layers [%d, %d) in float32 for the inputs of layer %d", self.at, layer,
+                     layer)
+        d = self.ckpt.dims
+        empty = torch.zeros(1, d.num_kv_heads, 0, d.head_dim)
+        with torch.no_grad():
+            while self.at < layer:
+                i = self.at
+                self.hidden = [_layer(self.ckpt, i, h, self._context(range(i, i + 1), h.shape[1]), (empty, empty))[0]
+                               for h in self.hidden]
+                self.at += 1

@@ -1,0 +1,131 @@
+"""Which decoder weights keep INT8 in an INT4 bundle: chosen once for the whole model, from the weights alone.
+
+Every decoder weight (q, k, v, o, gate, up, down of every layer) is quantized to INT4 as the compression
+pass will (NNCF's grouped min/max quantizer: asymmetric or symmetric, the same group size and fallback),
+and scored by its relative reconstruction error ``||W - Q(W)||^2 / ||W||^2``: how much of the weight
+INT4 destroys. The weights with the largest error stay INT8 (per channel), most sensitive first, while
+the bundle stays within ``budget`` times the size of the same model in all-INT4 asymmetric group-128
+(ovshard's INT4 before, with the embedding and lm_head INT8, counted as a bundle of two or more stages
+stores them: a tied embedding twice) and at least ``ratio`` of the decoder's weights stay INT4.
+Weights are read one layer at a time, so memory stays at one layer, and the choice depends on the
+checkpoint and the format only: the same for every stage count (it is kept in the manifest's weight
+format).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ovshard.bundle.dims import ModelDims
+from ovshard.bundle.stage import StageSpec
+from ovshard.bundle.weights import WeightFormat
+from ovshard.frontend.arch import linear_shapes
+
+if TYPE_CHECKING:
+    from ovshard.frontend.checkpoint import Checkpoint
+
+log = logging.getLogger(__name__)
+
+def int4_bytes(fmt: WeightFormat, out_features: int, in_features: int) -> float:
+    """Stored bytes of one weight in ``fmt``'s INT4 (4-bit codes, an f16 scale and, asymmetric, a 4-bit zero
+    point per group), or in INT8 (1-byte codes, an f16 scale and a zero point per channel) when it falls back."""
+    group = fmt.group_for(in_features)
+    if group is None:
+        return int8_bytes(out_features, in_features)
+    per_group = 2.0 + (0.5 if fmt.mode == "int4_asym" else 0.0)
+    return out_features * (in_features * 0.5 + in_features / group * per_group)
+
+
+def int8_bytes(out_features: int, in_features: int) -> float:
+    return out_features * (in_features + 3.0)
+
+
+def int4_error(weight: np.ndarray, fmt: WeightFormat) -> float:
+    """Relative squared error of ``weight`` [out, in] after NNCF-style grouped INT4 and back (0 if it falls back)."""
+    out_features, in_features = weight.shape
+    group = fmt.group_for(in_features)
+    if group is None:
+        return 0.0
+    w = weight.astype(np.float32).reshape(out_features, in_features // group, group)
+    if fmt.mode == "int4_asym":
+        low, high = w.min(axis=-1, keepdims=True), w.max(axis=-1, keepdims=True)
+        scale = np.maximum((high - low) / 15.0, np.finfo(np.float32).tiny)
+        zero = np.clip(np.round(-low / scale), 0, 15)
+        restored = (np.clip(np.round(w / scale) + zero, 0, 15) - zero) * scale
+    else:
+        scale = np.maximum(np.abs(w).max(axis=-1, keepdims=True) / 8.0, np.finfo(np.float32).tiny)
+        restored = np.clip(np.round(w / scale), -8, 7) * scale
+    return float(((w - restored) ** 2).sum() / max(float((w**2).sum()), 1e-30))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One decoder weight: its key (``"3.down"``), INT4 error and the bytes INT8 would add."""
+
+    key: str
+    error: float
+    extra_bytes: float
+    elements: int
+
+
+BASE = WeightFormat("int4_asym", 128, ratio=1.0, budget=1.0)  # ovshard's INT4 before issue 16: the budget's unit
+
+
+def all_int4_bytes(dims: ModelDims, fmt: WeightFormat = BASE) -> float:
+    """Bytes of the model's matrices with every decoder weight in ``fmt``'s INT4 and the embedding and lm_head
+    in INT8, as a bundle of two or more stages stores them (a tied embedding in the first and the last stage)."""
+    ends = 2 * (int4_bytes(fmt, dims.vocab_size, dims.hidden_size) if fmt.all_layers
+                else int8_bytes(dims.vocab_size, dims.hidden_size))
+    layer = sum(int4_bytes(fmt, o, i) for o, i in linear_shapes(dims).values())
+    return ends + dims.num_layers * layer
+
+
+def candidates(ckpt: Checkpoint, fmt: WeightFormat) -> list[Candidate]:
+    """Every decoder weight scored, read one layer at a time."""
+    from ovshard.frontend.trace import load_layer
+
+    dims, found = ckpt.dims, []
+    shapes = linear_shapes(dims)
+    whole = StageSpec(0, 1, 0, dims.num_layers)
+    for i in range(dims.num_layers):
+        layer = load_layer(ckpt, i, whole)
+        for key, (out_f, in_f) in shapes.items():
+            if fmt.group_for(in_f) is None:
+                continue  # NNCF stores it in INT8 anyway
+            weight = getattr(layer, f"{key}_weight").numpy()
+            found.append(Candidate(f"{i}.{key}", int4_error(weight, fmt),
+                                   int8_bytes(out_f, in_f) - int4_bytes(fmt, out_f, in_f), out_f * in_f))
+        del layer
+        log.debug("precision: layer %d of %d scored", i + 1, dims.num_layers)
+    return found
+
+
+def choose_int8(ckpt: Checkpoint, fmt: WeightFormat) -> tuple[str, ...]:
+    """The decoder weights kept in INT8 for ``fmt`` (sorted keys); () when the format keeps none."""
+    if not fmt.is_int4 or fmt.budget <= 1.0 or fmt.ratio >= 1.0:
+        return ()
+    scored = sorted(candidates(ckpt, fmt), key=lambda c: c.error, reverse=True)
+    base = all_int4_bytes(ckpt.dims, replace(BASE, all_layers=fmt.all_layers))
+    allowed = fmt.budget * base - all_int4_bytes(ckpt.dims, fmt)  # a smaller group size spends part of it
+    total = sum(c.elements for c in scored)
+    max_int8 = math.floor((1.0 - fmt.ratio) * total)
+    chosen, spent, int8_elements = [], 0.0, 0
+    for c in scored:
+        if spent + c.extra_bytes <= allowed and int8_elements + c.elements <= max_int8:
+            chosen.append(c.key)
+            spent += c.extra_bytes
+            int8_elements += c.elements
+    log.info("precision: %d of %d decoder weights stay INT8 (%.1f%% of their elements, +%.1f MB; budget %.2fx "
+             "the all-INT4 g128 size)", len(chosen), len(scored), 100 * int8_elements / max(total, 1), spent / 1e6,
+             fmt.budget)
+    return tuple(sorted(chosen, key=_layer_order))
+
+
+def _layer_order(key: str) -> tuple[int, str]:
+    layer, name = key.split(".")
+    return int(layer), name
