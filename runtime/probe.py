@@ -14,6 +14,7 @@ channel; int4 ``u4/i4 [N, K/g, g] -> Convert -> (Subtract) -> Multiply -> Reshap
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import statistics
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 SEED = 0
 WARMUP_STEPS = 3
+SAMPLE_S = 0.02  # the shortest timed block of decode steps: several scheduler slices (see probe_layer)
 _POOL_ELEMENTS = 1 << 20  # fp32/fp16 weights are windows of one random pool: drawing 60M normals takes 0.7 s
 
 
@@ -189,14 +191,21 @@ def probe_layer(manifest: Manifest, threads: int | None = None, steps: int = 12,
     # cache's size (~5 ms) before each timed step
     evict = np.ones(2 * _last_level_cache_bytes(), dtype=np.uint8)
     cached = layer.layer_bytes < evict.nbytes
+    for _ in range(WARMUP_STEPS):
+        t0 = time.perf_counter()
+        request.infer()
+    # A step far shorter than the scheduler's time slice runs whole inside one slice, so it cannot see another
+    # process sharing the core (a busy node would probe as fast as an idle one): time blocks of back-to-back
+    # steps lasting at least SAMPLE_S each, and take a step as a block's time over its steps
+    repeat = max(1, math.ceil(SAMPLE_S / max(time.perf_counter() - t0, 1e-6)))
     times = []
-    for k in range(WARMUP_STEPS + steps):
+    for _ in range(steps):
         if cached:
             evict.max()
         t0 = time.perf_counter()
-        request.infer()
-        if k >= WARMUP_STEPS:
-            times.append(time.perf_counter() - t0)
+        for _ in range(repeat):
+            request.infer()
+        times.append((time.perf_counter() - t0) / repeat)
     step_s = statistics.median(times)
     log.info("probe: %s layer of hidden %d, %d threads: %.2f ms a step (%.2f s in all)", manifest.weights.mode,
              manifest.architecture.hidden_size, threads or 0, step_s * 1e3, time.perf_counter() - start)
