@@ -230,6 +230,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--local", action="store_true", required=True, help="workers on this machine")
     p.add_argument("--exact", action="store_true", help="f32 inference and KV cache (parity with HF)")
     p.add_argument("--threads", type=int, help="CPU threads per worker process (default: all)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run every stage in this process instead of one worker process per stage: no sockets or "
+                        "frames per token (one prompt at a time; the README's decode-step profile)")
     _add_sampling(p)
 
 

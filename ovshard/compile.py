@@ -20,6 +20,8 @@ import openvino as ov
 
 from ovshard.bundle import names, schema, staging
 from ovshard.bundle.manifest import (
+    CPU_PLUGIN_HINTS,
+    CPU_PLUGIN_MEASURED,
     Chat,
     Generation,
     Manifest,
@@ -402,7 +404,7 @@ def compile_bundle(config: CompileConfig) -> Manifest:
             pass_log=tuple(log_records),
             tokenizer=tokenizer,
             generation=generation,
-            runtime_hints=RuntimeHints(max_positions=max_positions),
+            runtime_hints=RuntimeHints(max_positions, dict(CPU_PLUGIN_HINTS), CPU_PLUGIN_MEASURED),
             extra_files=_copy_configs(ckpt, workdir),
             dumps=str(config.dumps.dump_dir.resolve()) if config.dumps.dump_dir and _dumping(config) else None,
             chat=chat,

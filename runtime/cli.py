@@ -25,6 +25,7 @@ from ovshard.runtime.decode import Stats
 from ovshard.runtime.head import PREFILL_CHUNK, Head
 from ovshard.runtime.kv import CompactionPolicy
 from ovshard.runtime.launch import exit_with_parent, listening_line, local_workers
+from ovshard.runtime.local import LocalPipeline
 from ovshard.runtime.sampler import IncrementalDetokenizer, SamplingConfig
 from ovshard.runtime.security import (
     Credentials,
@@ -38,7 +39,7 @@ from ovshard.runtime.session import Request, Session
 from ovshard.runtime.speculative import Speculation, make_speculation
 from ovshard.runtime.stage import EXACT_HINTS
 from ovshard.runtime.transport import parse_address
-from ovshard.runtime.worker import Limits, StageWorker
+from ovshard.runtime.worker import Limits, StageWorker, model_cache
 
 log = logging.getLogger(__name__)
 
@@ -232,12 +233,14 @@ def make_head(args: argparse.Namespace, addresses: list[str]) -> Head:
                 prefill_chunk=getattr(args, "prefill_chunk", PREFILL_CHUNK))
 
 
-def _generate(args: argparse.Namespace, addresses: list[str]) -> int:
+def _generate(args: argparse.Namespace, addresses: list[str] | None) -> int:
+    """Generate through the stages at ``addresses``, or (None) through every stage in this process."""
     m = read_manifest(args.bundle)
     text = Text(args.bundle, m, chat=args.chat)
     config = sampling_config(args, text.stops)
     speculation = speculation_config(args, m)
     if args.prompts_file:
+        assert addresses is not None  # run refuses --in-process with --prompts-file
         prompts = _read_prompts(args.prompts_file)
         encoded = encode_prompts(text, prompts, args.prompts_file)
         head = make_head(args, addresses)
@@ -246,7 +249,12 @@ def _generate(args: argparse.Namespace, addresses: list[str]) -> int:
         finally:
             head.close()
     prompt = text.encode(args.prompt, args.prompt_ids)
-    head = make_head(args, addresses)
+    head: Head | LocalPipeline
+    if addresses is None:
+        head = LocalPipeline(args.bundle, config=stage_config(args.exact, args.threads), slice_logits=True,
+                             cache_dir=model_cache(None))
+    else:
+        head = make_head(args, addresses)
     stats = Stats()
     detok = IncrementalDetokenizer(text.decode)
     if text.tok is not None and args.prompt_ids is None and text.chat is None:  # a chat prints the answer only
@@ -348,6 +356,11 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.in_process:
+        if args.prompts_file:
+            raise OvshardError("--in-process runs one prompt at a time: give --prompt, or drop --in-process to "
+                               "serve --prompts-file over --streams")
+        return _generate(args, None)
     with local_workers(args.bundle, args.exact, threads=args.threads) as addresses:
         args.credentials, args.insecure = None, False  # loopback workers of this process
         return _generate(args, addresses)

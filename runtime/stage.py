@@ -17,8 +17,9 @@ from ovshard.bundle import names
 from ovshard.bundle.manifest import Manifest, StageEntry
 from ovshard.errors import BundleError
 from ovshard.runtime.kv import KVCache, StepInputs, step_inputs
+from ovshard.runtime.logit_rows import slice_logit_rows
 
-__all__ = ["EXACT_HINTS", "Stage", "step_inputs"]
+__all__ = ["EXACT_HINTS", "Stage", "plugin_config", "step_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +29,18 @@ log = logging.getLogger(__name__)
 EXACT_HINTS = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
 
 
+def plugin_config(manifest: Manifest, device: str, config: dict[str, str] | None) -> dict[str, str]:
+    """The properties a stage compiles with: on CPU the manifest's measured defaults
+    (``runtime_hints.cpu_plugin``) under the caller's ``config``, which wins key by key (--exact, --threads)."""
+    defaults = manifest.runtime_hints.cpu_plugin if device.upper() == "CPU" else {}
+    return {**defaults, **(config or {})}
+
+
 class Stage:
     """A compiled stage with one stateful InferRequest (one stream)."""
 
     def __init__(self, bundle: Path, manifest: Manifest, index: int, core: ov.Core | None = None,
-                 device: str = "CPU", config: dict[str, str] | None = None) -> None:
+                 device: str = "CPU", config: dict[str, str] | None = None, slice_logits: bool = False) -> None:
         if not 0 <= index < manifest.num_stages:
             raise BundleError(f"stage {index} does not exist: the bundle has stages 0..{manifest.num_stages - 1}")
         self.entry: StageEntry = manifest.stages[index]
@@ -40,7 +48,12 @@ class Stage:
         core = core or ov.Core()
         path = Path(bundle) / self.entry.model_xml
         log.info("stage %d: compiling %s on %s", index, path.name, device)
-        self.compiled = core.compile_model(str(path), device, config or {})
+        # a last stage loaded with slice_logits computes logits only for the rows a step asks for (logit_rows.py)
+        self.sliced = slice_logits and index == manifest.num_stages - 1
+        model = core.read_model(str(path))
+        if self.sliced:
+            model = slice_logit_rows(model, manifest.architecture.vocab_size)
+        self.compiled = core.compile_model(model, device, plugin_config(manifest, device, config))
         self.cache = KVCache(self.compiled.create_infer_request())
         self.primary = names.INPUT_IDS if index == 0 else names.HIDDEN_STATES
         # The activation output is port 0. A middle stage's output tensor is named hidden_states like
@@ -51,11 +64,14 @@ class Stage:
         self.cache.reset()
 
     def step(self, x: np.ndarray, position: int, new_mask: list[int] | None = None, rewind: int = 0,
-             compact: bool = False) -> np.ndarray:
+             compact: bool = False, rows: int | None = None) -> np.ndarray:
         """Run new tokens through the stage. x: ids [1, T] or hidden [1, T, H]; position: the first's id.
 
-        ``rewind`` hides the newest cached positions first and ``compact`` drops hidden ones (see kv.py).
+        ``rewind`` hides the newest cached positions first and ``compact`` drops hidden ones (see kv.py);
+        ``rows``: on a sliced last stage, the last rows to compute logits for (default: every row).
         """
         delta = tuple(new_mask) if new_mask is not None else (1,) * x.shape[1]
-        inputs = StepInputs(self.primary, x, position, delta, self.max_positions)
+        if self.sliced and rows is None:
+            rows = x.shape[1]
+        inputs = StepInputs(self.primary, x, position, delta, self.max_positions, rows if self.sliced else None)
         return self.cache.step(inputs, self.output, rewind, compact).copy()

@@ -38,6 +38,7 @@ from ovshard.runtime.kv import KVCache, StepInputs
 from ovshard.runtime.logit_rows import slice_logit_rows
 from ovshard.runtime.scores import Scores
 from ovshard.runtime.sessions import Limits, RequestError, SessionState
+from ovshard.runtime.stage import plugin_config
 from ovshard.runtime.transport import (
     Connection,
     StageUnreachable,
@@ -97,7 +98,7 @@ class StageWorker:
         if self.last and slice_logits:
             model = slice_logit_rows(model, self.manifest.architecture.vocab_size)
         self.sliced = self.last and slice_logits
-        self.compiled = core.compile_model(model, device, config or {})
+        self.compiled = core.compile_model(model, device, plugin_config(self.manifest, device, config))
         self.sessions: dict[str, SessionState] = {}
         self.connections: set[Connection] = set()
         self.lock = threading.Lock()  # guards sessions, connections, counters

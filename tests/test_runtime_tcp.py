@@ -105,6 +105,45 @@ def test_run_local_streams_text(bundles: dict[int, Path]) -> None:
     assert "decode_tokens_per_s" in out.stderr
 
 
+def test_stages_compile_with_the_manifests_measured_cpu_hints(bundles: dict[int, Path]) -> None:
+    """A compile records the CPU plugin defaults chosen by bench/decode_overhead.py (and that measurement) in
+    the manifest's runtime hints; a stage compiles with them, and a caller's setting (--exact) wins key by key."""
+    import dataclasses
+
+    from ovshard.bundle.manifest import CPU_PLUGIN_HINTS, read_manifest
+    from ovshard.runtime.stage import EXACT_HINTS, Stage
+
+    manifest = read_manifest(bundles[2])
+    assert manifest.runtime_hints.cpu_plugin == CPU_PLUGIN_HINTS
+    assert "decode_overhead.py" in manifest.runtime_hints.cpu_plugin_measured
+    hints = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "64", "KV_CACHE_PRECISION": "f16"}
+    edited = dataclasses.replace(manifest, runtime_hints=dataclasses.replace(manifest.runtime_hints, cpu_plugin=hints))
+    stage = Stage(bundles[2], edited, 1)
+    assert int(stage.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == 64
+    assert str(stage.compiled.get_property("KV_CACHE_PRECISION")) == "<Type: 'float16'>"
+    exact = Stage(bundles[2], edited, 1, config=EXACT_HINTS)
+    assert int(exact.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == 0
+    assert str(exact.compiled.get_property("KV_CACHE_PRECISION")) == "<Type: 'float32'>"
+
+
+def test_run_in_process_prints_the_workers_text(bundles: dict[int, Path], tmp_path: Path) -> None:
+    """`ovshard run --local --in-process` (every stage in the CLI's process, the last one computing only the
+    rows each step reads) prints what `run --local` over worker processes prints, with prompt-lookup
+    speculation and without; --prompts-file is refused with what to do instead."""
+    def run(*extra: str) -> str:
+        return subprocess.run([sys.executable, "-m", "ovshard.cli", "-q", "run", str(bundles[2]), "--local",
+                               "--exact", "--max-tokens", "40", *extra], capture_output=True, text=True,
+                              timeout=300, check=True).stdout
+
+    for speculative in ("prompt-lookup", "off"):
+        assert run("--in-process", "--speculative", speculative) == run("--speculative", speculative)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n")
+    done = subprocess.run([sys.executable, "-m", "ovshard.cli", "-q", "run", str(bundles[2]), "--local",
+                           "--in-process", "--prompts-file", str(prompts)], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "--in-process runs one prompt at a time" in done.stderr, done.stderr
+
+
 def test_llama3_rope_random_checkpoint_over_four_stages(tmp_path: Path) -> None:
     """A random-weight llama3-rope Llama split into 4 worker processes generates HF's greedy tokens."""
     from ovshard.tools.synth import llama_config, write_checkpoint

@@ -101,9 +101,24 @@ class Chat:
     end_of_turn_ids: tuple[int, ...]
 
 
+# The CPU plugin properties a stage runs with unless the user sets others (--exact, --threads), chosen by
+# bench/decode_overhead.py --part settings (README "Performance work against llama.cpp"): on the real Gemma 3
+# 270M's default compile no setting tried beat these beyond the run-to-run noise (+-15%), and the others lost
+# clearly (THROUGHPUT 0.60-0.67x, no dynamic quantization 0.73-0.95x, one thread of two 0.61-0.68x). They are
+# OpenVINO 2026.4's own CPU defaults, written down so a bundle keeps them where a plugin's defaults differ.
+# INFERENCE_PRECISION_HINT is left to the plugin (f32 here; bf16 where AMX makes it fast).
+CPU_PLUGIN_HINTS = {"PERFORMANCE_HINT": "LATENCY", "KV_CACHE_PRECISION": "u8", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "32"}
+CPU_PLUGIN_MEASURED = ("bench/decode_overhead.py --part settings, Gemma 3 270M default compile, 2 cores (AVX512-BF16, "
+                       "no AMX), OpenVINO 2026.4.1: none faster beyond noise; THROUGHPUT 0.60-0.67x, dynamic "
+                       "quantization off 0.73-0.95x")
+
+
 @dataclass(frozen=True)
 class RuntimeHints:
     max_positions: int  # rotary table length: the longest context any stage can serve
+    # CPU plugin properties a CPU stage applies by default (user settings override them); empty: the plugin's own
+    cpu_plugin: dict[str, str] = field(default_factory=dict)
+    cpu_plugin_measured: str = ""  # the measurement that chose them
 
 
 @dataclass(frozen=True)
