@@ -43,6 +43,8 @@ bench: setup
 # ovshard against llama.cpp (built once from the llama-cpp-python sdist into ~/.cache/ovshard/peers; needs cmake, g++)
 bench-peers: setup
 	$(BIN)/python bench/peers.py
+	$(BIN)/python bench/decode_overhead.py --rounds 4  # the decode-step profile and CPU plugin settings (Gemma 3 270M)
+	$(BIN)/python bench/ttft.py  # time to the first token, cold and warm, against llama-completion
 
 fuzz: setup
 	$(BIN)/python tests/fuzz_worker.py --frames 1000000

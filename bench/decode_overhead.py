@@ -9,7 +9,7 @@ Two parts, each interleaved in rounds (timings drift between processes, so only 
 - ``settings``: the bundle's stage 0 (a one-stage bundle: the whole model) under each CPU plugin setting,
   in one process, a stream of single-token steps after a short prompt: ms per step.
 
-    .venv/bin/python bench/decode_overhead.py BUNDLE [--rounds 3] [--tokens 128] [--part paths,settings]
+    .venv/bin/python bench/decode_overhead.py [BUNDLE] [--rounds 3] [--tokens 128] [--part paths,settings]
 
 Writes bench/results/decode_overhead.json and prints a table.
 """
@@ -102,11 +102,17 @@ def settings(bundle: Path, rounds: int, tokens: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("bundle", type=Path)
+    ap.add_argument("bundle", type=Path, nargs="?",
+                    help="a one-stage bundle (default: the real Gemma 3 270M's default compile, made by bench/peers.py)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--part", default="paths,settings")
     args = ap.parse_args()
+    if args.bundle is None:
+        sys.path.insert(0, str(HERE))
+        from peers import bundle
+
+        args.bundle = bundle("gemma3-270m", 1)
     report: dict = {"bundle": str(args.bundle), "tokens": args.tokens, "rounds": args.rounds}
     parts = args.part.split(",")
     if "paths" in parts:

@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CACHE = Path(os.environ.get("OVSHARD_CACHE_DIR") or Path.home() / ".cache" / "ovshard") / "peers"
 VERSION = "0.3.36"  # llama-cpp-python, whose vendor/llama.cpp is built
-TARGETS = ("llama-bench", "llama-quantize", "ggml-rpc-server")
+TARGETS = ("llama-bench", "llama-quantize", "ggml-rpc-server", "llama-completion")
 
 
 def log(message: str) -> None:
@@ -114,9 +114,10 @@ def llama_tg(tree: Path, gguf: Path, tokens: int, threads: int, rpc: str | None 
 PROMPTS = {"gemma3-270m": "2,818,5279,529,7001,563", "stories260K": "1,403,407,261,378"}
 
 
-def ovshard_tg(bundle_dir: Path, prompt: str, tokens: int, threads: int) -> float:
+def ovshard_tg(bundle_dir: Path, prompt: str, tokens: int, threads: int, in_process: bool = False) -> float:
     command = [sys.executable, "-m", "ovshard.cli", "-q", "run", str(bundle_dir), "--local", "--threads", str(threads),
-               "--prompt-ids", prompt, "--max-tokens", str(tokens), "--speculative", "off", "--stats", "json"]
+               "--prompt-ids", prompt, "--max-tokens", str(tokens), "--speculative", "off", "--stats", "json",
+               *(["--in-process"] if in_process else [])]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     stats = json.loads(done.stderr.strip().splitlines()[-1])
     return float(stats["decode_tokens_per_s"])
@@ -151,14 +152,16 @@ def measure(tree: Path, name: str, rounds: int, tokens: int, threads: int) -> li
     """One node (``threads`` each side), then two processes of one thread each (RPC against 2 stages)."""
     rows = []
     for label, gguf in gguf_files(tree, name).items():
-        for layout, stages in ((f"one node, {threads} threads", 1), ("2 processes x 1 thread (RPC / 2 stages)", 2)):
+        for layout, stages, in_process in ((f"one node, {threads} threads", 1, False),
+                                           (f"one node, {threads} threads, ovshard --in-process", 1, True),
+                                           ("2 processes x 1 thread (RPC / 2 stages)", 2, False)):
             ours = bundle(name, stages)
             samples: dict[str, list[float]] = {"ovshard": [], "llama.cpp": []}
             for r in range(rounds):
                 order = ("ovshard", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "ovshard")
                 for side in order:
                     if side == "ovshard":
-                        value = ovshard_tg(ours, PROMPTS[name], tokens, threads if stages == 1 else 1)
+                        value = ovshard_tg(ours, PROMPTS[name], tokens, threads if stages == 1 else 1, in_process)
                     elif stages == 1:
                         value = llama_tg(tree, gguf, tokens, threads)
                     else:
