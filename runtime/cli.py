@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -233,10 +234,19 @@ def make_head(args: argparse.Namespace, addresses: list[str]) -> Head:
                 prefill_chunk=getattr(args, "prefill_chunk", PREFILL_CHUNK))
 
 
-def _generate(args: argparse.Namespace, addresses: list[str] | None) -> int:
-    """Generate through the stages at ``addresses``, or (None) through every stage in this process."""
+def _text_and_prompt(args: argparse.Namespace) -> tuple[Text, list[int] | None]:
+    """The bundle's tokenizer and the encoded --prompt (None with --prompts-file). A tokenizer's first call
+    takes most of a second (the real Gemma 3: 0.8 s), so `run` does this while its stages load."""
+    text = Text(args.bundle, read_manifest(args.bundle), chat=args.chat)
+    return text, None if args.prompts_file else text.encode(args.prompt, args.prompt_ids)
+
+
+def _generate(args: argparse.Namespace, addresses: list[str] | None,
+              ready: Future[tuple[Text, list[int] | None]] | None = None) -> int:
+    """Generate through the stages at ``addresses``, or (None) through every stage in this process;
+    ``ready``: the tokenizer and prompt, prepared while the stages loaded."""
     m = read_manifest(args.bundle)
-    text = Text(args.bundle, m, chat=args.chat)
+    text, prompt = ready.result() if ready is not None else _text_and_prompt(args)
     config = sampling_config(args, text.stops)
     speculation = speculation_config(args, m)
     if args.prompts_file:
@@ -248,7 +258,7 @@ def _generate(args: argparse.Namespace, addresses: list[str] | None) -> int:
             return _generate_many(args, head, text, prompts, encoded, config, speculation)
         finally:
             head.close()
-    prompt = text.encode(args.prompt, args.prompt_ids)
+    assert prompt is not None
     head: Head | LocalPipeline
     if addresses is None:
         head = LocalPipeline(args.bundle, config=stage_config(args.exact, args.threads), slice_logits=True,
@@ -356,14 +366,19 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.in_process:
-        if args.prompts_file:
-            raise OvshardError("--in-process runs one prompt at a time: give --prompt, or drop --in-process to "
-                               "serve --prompts-file over --streams")
-        return _generate(args, None)
-    with local_workers(args.bundle, args.exact, threads=args.threads) as addresses:
-        args.credentials, args.insecure = None, False  # loopback workers of this process
-        return _generate(args, addresses)
+    if args.in_process and args.prompts_file:
+        raise OvshardError("--in-process runs one prompt at a time: give --prompt, or drop --in-process to "
+                           "serve --prompts-file over --streams")
+    with ThreadPoolExecutor(1) as pool:
+        ready = pool.submit(_text_and_prompt, args)  # while the stages compile (OpenVINO releases the GIL)
+        try:
+            if args.in_process:
+                return _generate(args, None, ready)
+            with local_workers(args.bundle, args.exact, threads=args.threads) as addresses:
+                args.credentials, args.insecure = None, False  # loopback workers of this process
+                return _generate(args, addresses, ready)
+        finally:
+            ready.cancel()
 
 
 def stage_addresses(text: str) -> list[str]:
