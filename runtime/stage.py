@@ -19,7 +19,7 @@ from ovshard.errors import BundleError
 from ovshard.runtime.kv import KVCache, StepInputs, step_inputs
 from ovshard.runtime.logit_rows import slice_logit_rows
 
-__all__ = ["EXACT_HINTS", "Stage", "plugin_config", "step_inputs"]
+__all__ = ["EXACT_HINTS", "Stage", "compile_stage", "plugin_config", "step_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,19 @@ def plugin_config(manifest: Manifest, device: str, config: dict[str, str] | None
     return {**defaults, **(config or {})}
 
 
+def compile_stage(core: ov.Core, bundle: Path, manifest: Manifest, index: int, device: str,
+                  config: dict[str, str] | None, slice_logits: bool) -> tuple[ov.CompiledModel, bool]:
+    """Stage ``index`` compiled on ``device`` with ``plugin_config``; with ``slice_logits`` a last stage's
+    lm_head gets only the rows each step asks for (logit_rows.py). Returns the model and whether it is sliced."""
+    entry = manifest.stages[index]
+    log.info("stage %d: compiling %s on %s", index, entry.model_xml, device)
+    model = core.read_model(str(Path(bundle) / entry.model_xml))
+    sliced = slice_logits and index == manifest.num_stages - 1
+    if sliced:
+        model = slice_logit_rows(model, manifest.architecture.vocab_size)
+    return core.compile_model(model, device, plugin_config(manifest, device, config)), sliced
+
+
 class Stage:
     """A compiled stage with one stateful InferRequest (one stream)."""
 
@@ -45,15 +58,8 @@ class Stage:
             raise BundleError(f"stage {index} does not exist: the bundle has stages 0..{manifest.num_stages - 1}")
         self.entry: StageEntry = manifest.stages[index]
         self.max_positions = manifest.runtime_hints.max_positions
-        core = core or ov.Core()
-        path = Path(bundle) / self.entry.model_xml
-        log.info("stage %d: compiling %s on %s", index, path.name, device)
-        # a last stage loaded with slice_logits computes logits only for the rows a step asks for (logit_rows.py)
-        self.sliced = slice_logits and index == manifest.num_stages - 1
-        model = core.read_model(str(path))
-        if self.sliced:
-            model = slice_logit_rows(model, manifest.architecture.vocab_size)
-        self.compiled = core.compile_model(model, device, plugin_config(manifest, device, config))
+        self.compiled, self.sliced = compile_stage(core or ov.Core(), bundle, manifest, index, device, config,
+                                                   slice_logits)
         self.cache = KVCache(self.compiled.create_infer_request())
         self.primary = names.INPUT_IDS if index == 0 else names.HIDDEN_STATES
         # The activation output is port 0. A middle stage's output tensor is named hidden_states like

@@ -35,10 +35,9 @@ from ovshard.runtime import protocol as p
 from ovshard.runtime.distribute import cache_root
 from ovshard.runtime.framing import MAX_HEADER_BYTES
 from ovshard.runtime.kv import KVCache, StepInputs
-from ovshard.runtime.logit_rows import slice_logit_rows
 from ovshard.runtime.scores import Scores
 from ovshard.runtime.sessions import Limits, RequestError, SessionState
-from ovshard.runtime.stage import plugin_config
+from ovshard.runtime.stage import compile_stage
 from ovshard.runtime.transport import (
     Connection,
     StageUnreachable,
@@ -93,12 +92,8 @@ class StageWorker:
         cache = model_cache(cache_dir)
         if cache is not None:
             core.set_property({"CACHE_DIR": str(cache)})
-        log.info("stage %d: compiling %s on %s", stage, self.entry.model_xml, device)
-        model = core.read_model(str(self.bundle / self.entry.model_xml))
-        if self.last and slice_logits:
-            model = slice_logit_rows(model, self.manifest.architecture.vocab_size)
-        self.sliced = self.last and slice_logits
-        self.compiled = core.compile_model(model, device, plugin_config(self.manifest, device, config))
+        self.compiled, self.sliced = compile_stage(core, self.bundle, self.manifest, stage, device, config,
+                                                   slice_logits)
         self.sessions: dict[str, SessionState] = {}
         self.connections: set[Connection] = set()
         self.lock = threading.Lock()  # guards sessions, connections, counters
