@@ -180,6 +180,26 @@ def measure(tree: Path, name: str, rounds: int, tokens: int, threads: int) -> li
     return rows
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """A bar per row: ovshard / llama.cpp tokens/s, with the parity line and the issue's one-node goal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.2))
+    labels = [f"{r['model']} {r['llama.cpp file'].split(' ')[0]}, {r['layout']}" for r in rows]
+    ax.barh(labels, [r["ratio (median of rounds)"] for r in rows])
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.axvline(1.1, color="grey", linestyle="--", linewidth=0.8, label="one-node goal 1.1x")
+    ax.invert_yaxis()
+    ax.set_xlabel("decode tok/s, ovshard / llama.cpp")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gemma3-270m,stories260K")
@@ -201,6 +221,7 @@ def main() -> int:
     lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     lines += ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
     (args.out / "peers.md").write_text("\n".join(lines) + "\n")
+    plot(rows, args.out / "peers.png")
     print("\n".join(lines))
     return 0
 
