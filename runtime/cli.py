@@ -253,11 +253,11 @@ def _generate(args: argparse.Namespace, addresses: list[str] | None,
         assert addresses is not None  # run refuses --in-process with --prompts-file
         prompts = _read_prompts(args.prompts_file)
         encoded = encode_prompts(text, prompts, args.prompts_file)
-        head = make_head(args, addresses)
+        many = make_head(args, addresses)
         try:
-            return _generate_many(args, head, text, prompts, encoded, config, speculation)
+            return _generate_many(args, many, text, prompts, encoded, config, speculation)
         finally:
-            head.close()
+            many.close()
     assert prompt is not None
     head: Head | LocalPipeline
     if addresses is None:
