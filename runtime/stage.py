@@ -77,7 +77,6 @@ class Stage:
         ``rows``: on a sliced last stage, the last rows to compute logits for (default: every row).
         """
         delta = tuple(new_mask) if new_mask is not None else (1,) * x.shape[1]
-        if self.sliced and rows is None:
-            rows = x.shape[1]
-        inputs = StepInputs(self.primary, x, position, delta, self.max_positions, rows if self.sliced else None)
+        rows = (rows or x.shape[1]) if self.sliced else None
+        inputs = StepInputs(self.primary, x, position, delta, self.max_positions, rows)
         return self.cache.step(inputs, self.output, rewind, compact).copy()
