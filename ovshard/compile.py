@@ -50,7 +50,7 @@ from ovshard.ir.instruments import (
 )
 from ovshard.ir.naming import stable_names
 from ovshard.ir.pass_manager import GraphPass, Instrument, PassContext, PassManager
-from ovshard.memory import PeakSampler
+from ovshard.memory import PeakSampler, return_freed_blocks
 from ovshard.passes import pipeline
 from ovshard.plan.costs import model_costs, rotary_table_bytes
 from ovshard.plan.partition import plan_balanced, plan_budgets, plan_layers
@@ -370,6 +370,7 @@ def _chosen_stages(plan: PartitionPlan, only_stage: int | None) -> tuple[StageSp
 def compile_bundle(config: CompileConfig) -> Manifest:
     """Compile ``config.checkpoint`` into a stage bundle at ``config.output``; return its manifest."""
     started = time.perf_counter()
+    return_freed_blocks()  # layer-sized buffers go back to the kernel when freed: memory follows one layer
     ckpt = open_source(config.checkpoint)
     ckpt.validate_tensors()
     generation = _generation(ckpt)

@@ -355,7 +355,9 @@ def prebuild(checkpoint: Path, stages: tuple[StageSpec, ...], passes_of: Callabl
 def _job(checkpoint: Path, job: Job, passes_of: Callable[[], list[GraphPass]], max_positions: int,
          cache_root: Path, scratch: Path, piece_bytes: int) -> None:
     from ovshard.frontend.source import open_source
+    from ovshard.memory import return_freed_blocks
 
+    return_freed_blocks()  # as in the main process (ovshard.compile.compile_bundle)
     ckpt = open_source(checkpoint)
     b = StageBuild(ckpt, job.stage, passes_of(), [], max_positions, scratch, cache=PieceCache(cache_root),
                    piece_bytes=piece_bytes)

@@ -41,29 +41,26 @@ def _f32_layer_bytes(config: dict) -> int:
 @pytest.fixture(scope="module")
 def peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], int]:
     """Peak RssAnon of the compiler's process tree, by (layers, mode). The streamed and whole-stage compiles
-    run four at once; the calibrated ones after them, one at a time."""
+    run four at once; the calibrated ones after them, two at once."""
     root = tmp_path_factory.mktemp("compile-memory")
     checkpoints = {layers: write_checkpoint(root / f"ckpt{layers}", llama_config(num_hidden_layers=layers, **SHAPE),
                                             dtype="bfloat16")  # as real releases: every weight loaded is a copy
                    for layers in (FEW, MANY)}
     found = _compile_all(root, checkpoints, ("streamed", "whole"))
-    # A calibrated layer's NNCF statistics make a short spike that a 50 ms probe may catch at its top or not:
-    # the 6-layer compile has three times the 2-layer one's chances. Three 2-layer compiles give both sides the
-    # same six spikes; the 2-layer figure is the highest of them.
-    few = {FEW: checkpoints[FEW]}
-    calibrated = [_compile_all(root, few, ("calibrated",), f"run{k}") for k in range(3)]
-    found[FEW, "calibrated"] = max(run[FEW, "calibrated"] for run in calibrated)
-    found.update(_compile_all(root, {MANY: checkpoints[MANY]}, ("calibrated",)))
+    # A calibrated layer's NNCF work peaks ~150 MiB over the base. With glibc's moving mmap threshold that top
+    # scattered by +-40 MiB from layer to layer and run to run (the 6-layer compile, with three times the
+    # draws, then crossed the bound now and then); the compiler now fixes the threshold
+    # (ovshard.memory.return_freed_blocks) and the peaks repeat within a few MiB.
+    found.update(_compile_all(root, checkpoints, ("calibrated",)))
     print("\npeak RssAnon MiB by (layers, mode):", {k: round(v / 2**20) for k, v in found.items()})  # -s shows it
     return found
 
 
-def _compile_all(root: Path, checkpoints: dict[int, Path], modes: tuple[str, ...],
-                 tag: str = "") -> dict[tuple[int, str], int]:
+def _compile_all(root: Path, checkpoints: dict[int, Path], modes: tuple[str, ...]) -> dict[tuple[int, str], int]:
     running = {}
     for layers, ckpt in checkpoints.items():
         for mode in modes:
-            out = root / f"bundle{layers}{mode}{tag}"
+            out = root / f"bundle{layers}{mode}"
             log = (root / f"{out.name}.log").open("w")
             cmd = [sys.executable, "-c", COMPILE, str(ckpt), str(out), mode]
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, CI="true"))
