@@ -29,6 +29,7 @@ import numpy as np
 import openvino as ov
 
 from ovshard.bundle import names
+from ovshard.bundle.checked import CHECKED_FOLDER, CheckedFiles
 from ovshard.bundle.manifest import read_manifest, verify_files
 from ovshard.errors import BundleError, OvshardError
 from ovshard.runtime import protocol as p
@@ -78,7 +79,10 @@ class StageWorker:
         self.manifest = read_manifest(self.bundle)
         if not 0 <= stage < self.manifest.num_stages:
             raise BundleError(f"--stage {stage}: the bundle has stages 0..{self.manifest.num_stages - 1}")
-        verify_files(self.bundle, self.manifest, stages=[stage])
+        cache = model_cache(cache_dir)
+        # files checked before and unchanged since are not read again (a restart's sha256 of the weights)
+        verify_files(self.bundle, self.manifest, stages=[stage],
+                     checked=CheckedFiles(cache / CHECKED_FOLDER) if cache is not None else None)
         self.stage, self.entry = stage, self.manifest.stages[stage]
         self.last = stage == self.manifest.num_stages - 1
         self.fingerprint = bundle_fingerprint(self.bundle)
@@ -89,7 +93,6 @@ class StageWorker:
         self.max_frame = min(self.limits.max_frame_bytes, MAX_HEADER_BYTES + self.max_positions * per_token)
         self.server_tls, self.client_tls = server_tls, client_tls
         core = ov.Core()
-        cache = model_cache(cache_dir)
         if cache is not None:
             core.set_property({"CACHE_DIR": str(cache)})
         self.compiled, self.sliced = compile_stage(core, self.bundle, self.manifest, stage, device, config,

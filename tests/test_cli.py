@@ -18,11 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from ovshard.bundle.checked import CHECKED_FOLDER, CheckedFiles
 from ovshard.bundle.manifest import Manifest, read_manifest, verify_files
 from ovshard.cli import main
 from ovshard.errors import BundleError
 from ovshard.frontend.checkpoint import INDEX_FILE, open_checkpoint
 from ovshard.passes import WeightFormat, pipeline
+from ovshard.runtime.worker import StageWorker
 from ovshard.tools.synth import llama_config, write_checkpoint
 
 OVSHARD = [sys.executable, "-m", "ovshard.cli"]
@@ -431,3 +433,40 @@ def test_verify_files_names_a_corrupt_stage(built: Built, tmp_path: Path) -> Non
     (bundle / "stage_0.bin").write_bytes(bytes(data))
     with pytest.raises(BundleError, match=r"stage_0\.bin has sha256 .* the manifest expects"):
         verify_files(bundle, read_manifest(bundle))
+
+
+def _flip_keeping_times(path: Path) -> None:
+    """Flip a byte in place and set the modification time back: size and mtime as before, content not."""
+    before = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(before.st_size // 2)
+        byte = f.read(1)
+        f.seek(before.st_size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def test_a_checked_record_skips_unchanged_files_and_never_hides_a_change(built: Built, tmp_path: Path) -> None:
+    """With records (a worker's restart), an unchanged file is trusted without reading it, and a file written
+    since, even with its size and modification time put back, is read again and refused."""
+    bundle, checked = copy_bundle(built, tmp_path / "b"), CheckedFiles(tmp_path / "records")
+    manifest, weights = read_manifest(bundle), bundle / "stage_0.bin"
+    digest = manifest.stages[0].sha256["stage_0.bin"]
+    assert not checked.known(weights, digest)
+    verify_files(bundle, manifest, stages=[0], checked=checked)
+    assert checked.known(weights, digest) and not checked.known(weights, "0" * 64)
+    verify_files(bundle, manifest, stages=[0], checked=checked)  # trusted from the record
+    _flip_keeping_times(weights)
+    assert not checked.known(weights, digest)  # the inode change time moved
+    with pytest.raises(BundleError, match=r"stage_0\.bin has sha256 .* the manifest expects"):
+        verify_files(bundle, manifest, stages=[0], checked=checked)
+
+
+def test_a_worker_restart_reads_a_changed_stage_file_again(built: Built, tmp_path: Path) -> None:
+    """Two starts of a real StageWorker with one cache: the second refuses a stage file changed in between."""
+    bundle, cache = copy_bundle(built, tmp_path / "b"), tmp_path / "cache"
+    StageWorker(bundle, 0, cache_dir=cache)  # never listens: nothing to stop
+    assert list((cache / CHECKED_FOLDER).glob("*.json")), "the first start recorded no checked file"
+    _flip_keeping_times(bundle / "stage_0.bin")
+    with pytest.raises(BundleError, match=r"stage_0\.bin has sha256"):
+        StageWorker(bundle, 0, cache_dir=cache)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ovshard.bundle import names, schema
+from ovshard.bundle.checked import CheckedFiles
 from ovshard.bundle.dims import ModelDims
 from ovshard.bundle.plan import PartitionPlan
 from ovshard.bundle.stage import OfStage, StageSpec, check_tiling
@@ -235,8 +236,10 @@ def shared_files(manifest: Manifest) -> dict[str, str]:
     return files
 
 
-def verify_files(bundle: str | Path, manifest: Manifest, stages: list[int] | None = None) -> None:
-    """Check the sha256 of every file the manifest names (or only the given stages' files)."""
+def verify_files(bundle: str | Path, manifest: Manifest, stages: list[int] | None = None,
+                 checked: CheckedFiles | None = None) -> None:
+    """Check the sha256 of every file the manifest names (or only the given stages' files). With ``checked``,
+    a file that matched before and has not changed since is not read again (ovshard.bundle.checked)."""
     root = Path(bundle)
     files: dict[str, str] = {}
     for entry in manifest.stages:
@@ -248,7 +251,11 @@ def verify_files(bundle: str | Path, manifest: Manifest, stages: list[int] | Non
         path = root / name
         if not path.is_file():
             raise BundleError(f"{path} is missing from the bundle; copy the whole bundle folder or recompile")
+        if checked is not None and checked.known(path, expected):
+            continue
         found = sha256_file(path)
         if found != expected:
             raise BundleError(f"{path} has sha256 {found[:12]}..., the manifest expects {expected[:12]}...; "
                               "the file is corrupt or from another compile: copy it again or recompile")
+        if checked is not None:
+            checked.remember(path, expected)
