@@ -294,7 +294,7 @@ def _kv_bytes_per_token(bench: Bench, model: ModelSpec, bundle: Path, element_by
     """KV cache read per decode step at the mean context of the measurement (grows with context)."""
     dims = read_manifest(bundle).architecture
     context = len(model.prompt) + bench.settings.tokens(model) / 2
-    return dims["num_layers"] * 2 * dims["num_kv_heads"] * dims["head_dim"] * context * element_bytes
+    return dims.num_layers * 2 * dims.num_kv_heads * dims.head_dim * context * element_bytes
 
 
 @scenario("g", "achieved decode rate vs a memory-bandwidth bound (one stage, in-process)")

@@ -144,7 +144,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="host:port (default 127.0.0.1:7000); port 0 binds a free port. Once listening, the "
                    'worker prints {"event": "listening", "stage": S, "address": "HOST:PORT"} on stdout')
     p.add_argument("--device", default="CPU", help="OpenVINO device: CPU, GPU, NPU, AUTO (default CPU)")
-    p.add_argument("--exact", action="store_true", help="f32 inference and KV cache (parity with HF)")
+    p.add_argument("--exact", action="store_true", help="f32 inference and KV cache, no dynamic quantization (parity with HF; a step of several tokens scores each row as one-token steps do)")
     p.add_argument("--wire-f32", action="store_true", help="send activations as f32 (default f16)")
     p.add_argument("--threads", type=int, help="CPU threads for this stage (default: all); give stages "
                    "that share a machine a share each")
@@ -206,7 +206,7 @@ def _add_decoding(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
                    "bundle with the same tokenizer run on this node, or off (plain decoding)")
     p.add_argument("--draft-k", default="auto", metavar="N|auto",
                    help="drafts verified per pipeline traversal; auto picks K from the acceptance rate and "
-                   "the measured step cost (default auto)")
+                   "a modelled step cost, never from timings, so output does not depend on load (default auto)")
     p.add_argument("--compact-share", type=float, default=0.5,
                    help="compact a stream's KV caches when rewound holes reach this share (default 0.5)")
     p.add_argument("--retry-s", type=float, default=30.0,
@@ -228,7 +228,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                        "loopback, then generate as `ovshard generate` would.")
     p.add_argument("bundle", type=Path)
     p.add_argument("--local", action="store_true", required=True, help="workers on this machine")
-    p.add_argument("--exact", action="store_true", help="f32 inference and KV cache (parity with HF)")
+    p.add_argument("--exact", action="store_true", help="f32 inference and KV cache, no dynamic quantization (parity with HF; a step of several tokens scores each row as one-token steps do)")
     p.add_argument("--threads", type=int, help="CPU threads per worker process (default: all)")
     p.add_argument("--in-process", action="store_true",
                    help="run every stage in this process instead of one worker process per stage: no sockets or "
