@@ -38,11 +38,13 @@ bench: setup
 	$(BIN)/python bench/placement.py --rounds 3  # ovshard up: measured placement vs equal split on an emulated unequal pair
 	CI=true $(BIN)/python bench/int4_frontier.py  # weight formats on real models: size, perplexity, agreement, compile memory
 	CI=true $(BIN)/python bench/nncf_options.py  # NNCF's own options (data-free and data-aware) on the real Gemma 3 270M
+	CI=true $(BIN)/python bench/int4_kernels.py  # decode speed of weight formats on the 1B shape (INT4 sym/asym, groups, INT8 share)
 
 # a real worker under 1,000,000 hostile frames; --workers (default: one client process per core but one) scales it
 # ovshard against llama.cpp (built once from the llama-cpp-python sdist into ~/.cache/ovshard/peers; needs cmake, g++)
 bench-peers: setup
-	$(BIN)/python bench/peers.py
+	$(BIN)/python bench/peers.py --models gemma3-270m,stories260K,llama-3.2-1b
+	$(BIN)/python bench/spec_copy.py  # prompt lookup on copy-style tasks, the real Gemma's INT4 bundle: speed-up, speculative == plain
 	$(BIN)/python bench/decode_overhead.py --rounds 4  # the decode-step profile and CPU plugin settings (Gemma 3 270M)
 	$(BIN)/python bench/ttft.py  # time to the first token, cold and warm, against llama-completion
 

@@ -8,6 +8,10 @@ llama.cpp is built once into a cache folder from the source the ``llama-cpp-pyth
   default compile of the same file (it re-quantizes: INT8 decoder, INT8 embedding);
 - ``stories260K``: the real tiny Llama, converted with llama.cpp's ``convert_hf_to_gguf.py`` to f32 and
   quantized to Q8_0 and Q4_0 (its 64-wide rows rule out the K-quants), against ovshard's default compile.
+- ``llama-3.2-1b``: the random-weight Llama-3.2-1B-shaped checkpoint of ``make bench`` (bench/compile_memory.py
+  writes it to /tmp/ovshard-bench), converted to bf16 and quantized to Q4_K_M and Q4_0, against ovshard's
+  default compile. It has no tokenizer; the converter is lent stories260K's SentencePiece model, which it pads
+  with ``[PAD]`` tokens to the 128,256 rows (decode speed does not read the vocabulary's strings).
 
 One node: ``llama-bench -p 0 -n N -t T`` (text generation only) against ``ovshard run --local --threads T
 --speculative off --stats json`` (its ``decode_tokens_per_s``: the same N tokens after a short prompt, the
@@ -15,7 +19,7 @@ worker process and loopback TCP included, as a user runs it). Two nodes on this 
 -t 1`` and ``llama-bench --rpc`` against ``ovshard run --local`` on a 2-stage bundle with ``--threads 1``.
 Rounds alternate which side goes first; reported: each side's median and the median of per-round ratios.
 
-    .venv/bin/python bench/peers.py [--models gemma3-270m,stories260K] [--rounds 3] [--tokens 128]
+    .venv/bin/python bench/peers.py [--models gemma3-270m,stories260K,llama-3.2-1b] [--rounds 3] [--tokens 128]
 """
 
 from __future__ import annotations
@@ -77,26 +81,59 @@ def gguf_files(tree: Path, name: str) -> dict[str, Path]:
         return {"Q4_K_M (as shipped)": gemma_gguf_path()}
     out = CACHE / "gguf" / name
     out.mkdir(parents=True, exist_ok=True)
-    f32 = out / "f32.gguf"
-    if not f32.is_file():
-        subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(ROOT.parent / "shared" / "models" / name),
-                        "--outtype", "f32", "--outfile", str(f32)], check=True, stdout=subprocess.DEVNULL,
+    outtype, kinds = ("bf16", ("Q4_K_M", "Q4_0")) if name == SHAPE_1B else ("f32", ("Q8_0", "Q4_0"))
+    full = out / f"{outtype}.gguf"
+    if not full.is_file():
+        log(f"converting {name} to GGUF ({outtype})")
+        partial = full.with_suffix(".partial")
+        subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(_convertible(name, out)),
+                        "--outtype", outtype, "--outfile", str(partial)], check=True, stdout=subprocess.DEVNULL,
                        env=dict(os.environ, PYTHONPATH=str(tree / "gguf-py")))
+        partial.replace(full)
     files = {}
-    for kind in ("Q8_0", "Q4_0"):
+    for kind in kinds:
         path = out / f"{kind}.gguf"
         if not path.is_file():
-            subprocess.run([str(tree / "build" / "bin" / "llama-quantize"), str(f32), str(path), kind], check=True,
+            subprocess.run([str(tree / "build" / "bin" / "llama-quantize"), str(full), str(path), kind], check=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         files[kind] = path
     return files
 
 
+SHAPE_1B = "llama-3.2-1b"
+STORIES = ROOT.parent / "shared" / "models" / "stories260K"
+
+
+def checkpoint(name: str) -> Path:
+    """The Hugging Face folder ovshard compiles: stories260K from ../shared, the 1B shape written once."""
+    if name != SHAPE_1B:
+        return ROOT.parent / "shared" / "models" / name
+    sys.path.insert(0, str(HERE))
+    from compile_memory import ensure_checkpoint  # the checkpoint make bench uses
+
+    path = Path("/tmp/ovshard-bench") / f"ckpt-{SHAPE_1B}-bfloat16"
+    ensure_checkpoint(path, SHAPE_1B, "bfloat16")
+    return path
+
+
+def _convertible(name: str, out: Path) -> Path:
+    """A folder llama.cpp's converter reads: the checkpoint, plus for the 1B shape a borrowed tokenizer."""
+    if name != SHAPE_1B:
+        return checkpoint(name)
+    folder = out / "hf"
+    folder.mkdir(exist_ok=True)
+    for f in checkpoint(name).iterdir():
+        if not (folder / f.name).exists():
+            (folder / f.name).symlink_to(f)
+    if not (folder / "tokenizer.model").exists():
+        (folder / "tokenizer.model").symlink_to(STORIES / "tokenizer.model")
+    return folder
+
+
 def bundle(name: str, stages: int) -> Path:
     out = CACHE / "bundles" / f"{name}-{stages}st-default"
     if not (out / "manifest.json").is_file():
-        source = gguf_files(Path(), name)["Q4_K_M (as shipped)"] if name == "gemma3-270m" else \
-            ROOT.parent / "shared" / "models" / name
+        source = gguf_files(Path(), name)["Q4_K_M (as shipped)"] if name == "gemma3-270m" else checkpoint(name)
         subprocess.run([sys.executable, "-m", "ovshard.cli", "-q", "compile", str(source), "-o", str(out), "--stages",
                         str(stages), "--max-positions", "1024"], check=True, stdout=subprocess.DEVNULL)
     return out
@@ -111,7 +148,8 @@ def llama_tg(tree: Path, gguf: Path, tokens: int, threads: int, rpc: str | None 
     return float(json.loads(done.stdout)[0]["avg_ts"])
 
 
-PROMPTS = {"gemma3-270m": "2,818,5279,529,7001,563", "stories260K": "1,403,407,261,378"}
+PROMPTS = {"gemma3-270m": "2,818,5279,529,7001,563", "stories260K": "1,403,407,261,378",
+           SHAPE_1B: "128000,791,4062,14198,39935,35308"}
 
 
 def ovshard_tg(bundle_dir: Path, prompt: str, tokens: int, threads: int, in_process: bool = False) -> float:

@@ -1,0 +1,100 @@
+"""Decode speed of weight formats on the Llama-3.2-1B shape: INT4 sym vs asym kernels, group size, INT8 share.
+
+Issue 17 asks for CPU settings chosen by measurement, INT4 sym against asym kernels among them. Each format
+is one ``ovshard compile`` of the random-weight 1B-shaped checkpoint (make bench's, one stage, cached under
+``--work``); all bundles are then loaded in this process (``LocalPipeline``, the CPU plugin's defaults, all
+threads) and decode ``--tokens`` greedy tokens after the suite's 16-token prompt, interleaved in rounds with
+the first format rotating. Reported: the .bin size, decode tokens/s (median) and the median of per-round
+ratios to the default compile. Accuracy is the INT4 frontier's business (README, INT4 accuracy); this is
+speed only.
+
+    CI=true .venv/bin/python bench/int4_kernels.py [--rounds 3] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from compile_memory import ensure_checkpoint  # noqa: E402  (make bench's 1B checkpoint)
+from scenarios_base import MODELS  # noqa: E402
+
+FORMATS = {  # label -> extra `ovshard compile` arguments
+    "default (int4_sym g128, budget 1.15)": [],
+    "int4_sym g128, every decoder weight INT4": ["--budget", "1.0"],
+    "int4_asym g128, every decoder weight INT4": ["--weights", "int4_asym", "--budget", "1.0"],
+    "int4_sym per channel, every decoder weight INT4": ["--group-size", "-1", "--budget", "1.0"],
+    "int4_sym g128, INT4 embedding and lm_head too": ["--budget", "1.0", "--all-layers"],
+    "int8 per channel": ["--weights", "int8"],
+}
+
+
+def compiled(checkpoint: Path, work: Path, label: str, extra: list[str]) -> Path:
+    out = work / "".join(c if c.isalnum() else "_" for c in label)[:60]
+    if not (out / "manifest.json").is_file():
+        print(f"compiling {label}", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "ovshard.cli", "-q", "compile", str(checkpoint), "-o", str(out),
+                        "--stages", "1", "--max-positions", "1024", "--no-cache", *extra], check=True,
+                       stdout=subprocess.DEVNULL)
+    return out
+
+
+def decode(pipeline, prompt: list[int], tokens: int) -> float:  # noqa: ANN001  (a LocalPipeline)
+    pipeline.reset()
+    logits = pipeline.step(prompt, 0, "argmax")
+    token, position, spent = int(logits.values[-1]), len(prompt), 0.0
+    for _ in range(tokens):
+        start = time.perf_counter()
+        token = int(pipeline.step([token], position, "argmax").values[-1])
+        spent += time.perf_counter() - start
+        position += 1
+    return tokens / spent
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/ovshard-bench/kernels"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    from ovshard.runtime.local import LocalPipeline
+
+    checkpoint = Path("/tmp/ovshard-bench/ckpt-llama-3.2-1b-bfloat16")
+    ensure_checkpoint(checkpoint, "llama-3.2-1b", "bfloat16")
+    bundles = {label: compiled(checkpoint, args.work, label, extra) for label, extra in FORMATS.items()}
+    pipelines = {label: LocalPipeline(b, slice_logits=True) for label, b in bundles.items()}
+    prompt = list(MODELS["llama-3.2-1b"].prompt)
+    labels, samples = list(FORMATS), {label: [] for label in FORMATS}
+    for label in labels:  # warm-up
+        decode(pipelines[label], prompt, 4)
+    for r in range(args.rounds):
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            samples[label].append(decode(pipelines[label], prompt, args.tokens))
+            print(f"round {r}: {label} {samples[label][-1]:.2f} tok/s", file=sys.stderr, flush=True)
+    base = labels[0]
+    rows = [{"format": label, "bin MB": round(sum(f.stat().st_size for f in bundles[label].glob("*.bin")) / 1e6),
+             "decode tok/s": round(statistics.median(samples[label]), 2),
+             "vs default (median of rounds)": round(statistics.median(
+                 [a / b for a, b in zip(samples[label], samples[base], strict=True)]), 3),
+             "samples": samples[label]} for label in labels]
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = "CI=true .venv/bin/python bench/int4_kernels.py " + " ".join(sys.argv[1:])
+    (args.out / "int4_kernels.json").write_text(json.dumps({"command": command.strip(), "rows": rows}, indent=2))
+    columns = ["format", "bin MB", "decode tok/s", "vs default (median of rounds)"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
+    (args.out / "int4_kernels.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
