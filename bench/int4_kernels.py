@@ -14,7 +14,6 @@ speed only.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import report  # noqa: E402  (bench/report.py: the suite's tables)
 from compile_memory import ensure_checkpoint  # noqa: E402  (make bench's 1B checkpoint)
 from scenarios_base import MODELS  # noqa: E402
 
@@ -85,14 +85,9 @@ def main() -> int:
              "vs default (median of rounds)": round(statistics.median(
                  [a / b for a, b in zip(samples[label], samples[base], strict=True)]), 3),
              "samples": samples[label]} for label in labels]
-    args.out.mkdir(parents=True, exist_ok=True)
     command = "CI=true .venv/bin/python bench/int4_kernels.py " + " ".join(sys.argv[1:])
-    (args.out / "int4_kernels.json").write_text(json.dumps({"command": command.strip(), "rows": rows}, indent=2))
     columns = ["format", "bin MB", "decode tok/s", "vs default (median of rounds)"]
-    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
-    lines += ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
-    (args.out / "int4_kernels.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(report.write_rows(args.out, "int4_kernels", command, rows, columns))
     return 0
 
 

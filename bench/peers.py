@@ -37,6 +37,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import report  # noqa: E402  (bench/report.py: the suite's tables)
+
 ROOT = HERE.parent
 CACHE = Path(os.environ.get("OVSHARD_CACHE_DIR") or Path.home() / ".cache" / "ovshard") / "peers"
 VERSION = "0.3.36"  # llama-cpp-python, whose vendor/llama.cpp is built
@@ -252,15 +255,10 @@ def main() -> int:
     rows = []
     for name in args.models.split(","):
         rows += measure(tree, name, args.rounds, args.tokens, args.threads)
-    args.out.mkdir(parents=True, exist_ok=True)
     command = ".venv/bin/python bench/peers.py " + " ".join(sys.argv[1:])
-    (args.out / "peers.json").write_text(json.dumps({"command": command.strip(), "rows": rows}, indent=2))
     columns = ["model", "llama.cpp file", "layout", "ovshard tok/s", "llama.cpp tok/s", "ratio (median of rounds)"]
-    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
-    lines += ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
-    (args.out / "peers.md").write_text("\n".join(lines) + "\n")
+    print(report.write_rows(args.out, "peers", command, rows, columns))
     plot(rows, args.out / "peers.png")
-    print("\n".join(lines))
     return 0
 
 

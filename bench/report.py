@@ -27,6 +27,16 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def write_rows(out: Path, stem: str, command: str, rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """A standalone benchmark's results: ``<out>/<stem>.json`` (the command and every row, samples included)
+    and ``<stem>.md`` (the chosen columns as a table); returns the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps({"command": command.strip(), "rows": rows}, indent=2))
+    table = markdown_table([{c: row[c] for c in columns} for row in rows])
+    (out / f"{stem}.md").write_text(table + "\n")
+    return table
+
+
 def _cell(value: Any) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"

@@ -23,6 +23,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import report  # noqa: E402  (bench/report.py: the suite's tables)
 from peers import bundle, log  # noqa: E402  (the same cached Gemma compile as the peer benchmark)
 
 
@@ -74,15 +75,10 @@ def main() -> int:
                          "same text every run": len(texts["plain"]) == 1 and texts["plain"] == texts["lookup"],
                          "distinct texts (plain, lookup)": [len(texts["plain"]), len(texts["lookup"])],
                          "samples": speeds})
-    args.out.mkdir(parents=True, exist_ok=True)
     command = ".venv/bin/python bench/spec_copy.py " + " ".join(sys.argv[1:])
-    (args.out / "spec_copy.json").write_text(json.dumps({"command": command.strip(), "rows": rows}, indent=2))
     columns = ["hints", "task", "plain tok/s", "lookup tok/s", "speed-up (median of rounds)", "acceptance",
                "same text every run"]
-    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
-    lines += ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
-    (args.out / "spec_copy.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(report.write_rows(args.out, "spec_copy", command, rows, columns))
     return 0
 
 
