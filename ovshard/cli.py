@@ -134,6 +134,9 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable report")
 
 
+EXACT_HELP = ("f32 inference and KV cache, no dynamic quantization (parity with HF; a step of several tokens "
+              "scores each row as one-token steps do)")
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve one stage of a bundle over TCP",
                        description="Load one stage (checking its sha256 against the manifest), compile it on "
@@ -144,7 +147,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="host:port (default 127.0.0.1:7000); port 0 binds a free port. Once listening, the "
                    'worker prints {"event": "listening", "stage": S, "address": "HOST:PORT"} on stdout')
     p.add_argument("--device", default="CPU", help="OpenVINO device: CPU, GPU, NPU, AUTO (default CPU)")
-    p.add_argument("--exact", action="store_true", help="f32 inference and KV cache, no dynamic quantization (parity with HF; a step of several tokens scores each row as one-token steps do)")
+    p.add_argument("--exact", action="store_true", help=EXACT_HELP)
     p.add_argument("--wire-f32", action="store_true", help="send activations as f32 (default f16)")
     p.add_argument("--threads", type=int, help="CPU threads for this stage (default: all); give stages "
                    "that share a machine a share each")
@@ -228,7 +231,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                        "loopback, then generate as `ovshard generate` would.")
     p.add_argument("bundle", type=Path)
     p.add_argument("--local", action="store_true", required=True, help="workers on this machine")
-    p.add_argument("--exact", action="store_true", help="f32 inference and KV cache, no dynamic quantization (parity with HF; a step of several tokens scores each row as one-token steps do)")
+    p.add_argument("--exact", action="store_true", help=EXACT_HELP)
     p.add_argument("--threads", type=int, help="CPU threads per worker process (default: all)")
     p.add_argument("--in-process", action="store_true",
                    help="run every stage in this process instead of one worker process per stage: no sockets or "
