@@ -40,7 +40,6 @@ bench: setup
 	CI=true $(BIN)/python bench/nncf_options.py  # NNCF's own options (data-free and data-aware) on the real Gemma 3 270M
 	CI=true $(BIN)/python bench/int4_kernels.py  # decode speed of weight formats on the 1B shape (INT4 sym/asym, groups, INT8 share)
 
-# a real worker under 1,000,000 hostile frames; --workers (default: one client process per core but one) scales it
 # ovshard against llama.cpp (built once from the llama-cpp-python sdist into ~/.cache/ovshard/peers; needs cmake, g++)
 bench-peers: setup
 	$(BIN)/python bench/peers.py --models gemma3-270m,stories260K,llama-3.2-1b
@@ -48,6 +47,7 @@ bench-peers: setup
 	$(BIN)/python bench/decode_overhead.py --rounds 4  # the decode-step profile and CPU plugin settings (Gemma 3 270M)
 	$(BIN)/python bench/ttft.py  # time to the first token, cold and warm, against llama-completion
 
+# a real worker under 1,000,000 hostile frames; --workers (default: one client process per core but one) scales it
 fuzz: setup
 	$(BIN)/python tests/fuzz_worker.py --frames 1000000
 

@@ -3,8 +3,6 @@ latency 0-100 ms through delaying proxies: naive pipeline decode vs streams + sp
 
 from __future__ import annotations
 
-import itertools
-import json
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -34,29 +32,6 @@ PROMPTS = {
     "stories260K": [[1, 403, 407, 261, 378], [1, 365, 261, 466, 14], [1, 92, 388, 17], [1, 261, 378, 261, 403],
                     [1, 14, 92, 14, 365], [1, 466, 14, 92], [1, 378, 259, 403], [1, 407, 261, 17, 92]],
 }
-
-
-def read_balanced_layers(checkpoint: Path, stages: int) -> str:
-    """Cut points that balance the weight bytes each stage *reads* per decode step, which sets its step
-    time when decode is memory-bound: a layer reads all its (INT4) weights, the embedding one row, the
-    head its whole (INT8) table. The planner balances bytes *held* instead (it plans what fits), and
-    puts the head's stage at twice the reads of the other on the 1B shape."""
-    config = json.loads((checkpoint / "config.json").read_text())
-    h, layers = config["hidden_size"], config["num_hidden_layers"]
-    hd = config.get("head_dim") or h // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
-    layer = (2 * h * q + 2 * h * kv + 3 * h * config["intermediate_size"]) * 0.53  # INT4 + group scales
-    head = config["vocab_size"] * h * 1.0  # INT8 (all_layers=False keeps it out of INT4)
-    best: tuple[tuple[float, float], tuple[int, ...]] | None = None
-    for cuts in itertools.combinations(range(1, layers), stages - 1):
-        bounds = (0, *cuts, layers)
-        reads = [(b - a) * layer for a, b in itertools.pairwise(bounds)]
-        reads[-1] += head
-        score = (max(reads), sum(r * r for r in reads))
-        if best is None or score < best[0]:
-            best = (score, bounds)
-    assert best is not None
-    return ",".join(f"{a}:{b}" for a, b in itertools.pairwise(best[1]))
 
 
 def _prompts(model_name: str, prompt: tuple[int, ...], n: int) -> list[list[int]]:
@@ -91,8 +66,8 @@ def stream_scaling(bench: Bench) -> dict[str, Any]:
     for model in bench.models:
         tokens = bench.settings.tokens(model)
         for stages in STAGES:
-            split = read_balanced_layers(bench.checkpoint(model), stages)
-            bundle = bench.bundle(model, stages, layers=split)
+            bundle = bench.bundle(model, stages)  # the planner's split: --balance reads, its default
+            split = ",".join(f"{e.stage.start}:{e.stage.end}" for e in read_manifest(bundle).stages)
             samples: dict[int, list[dict[str, float]]] = {n: [] for n in STREAMS}
             with local_workers(bundle, threads=THREADS_PER_STAGE) as addresses:
                 head = Head(bundle, addresses)
@@ -117,7 +92,7 @@ def stream_scaling(bench: Bench) -> dict[str, Any]:
     return {
         "target": f"2 streams on 2 stages >= {SCALING_TARGET}x one stream (the paper: 1.80x)",
         "settings": {"threads_per_stage": THREADS_PER_STAGE, "rounds": bench.settings.rounds,
-                     "split": "read-balanced layer ranges (read_balanced_layers), not the memory planner's",
+                     "split": "the planner's default (--balance reads: bytes a decode step reads)",
                      "transport": "loopback TCP, one worker process per stage", "sampling": "greedy, no speculation",
                      "new_tokens_per_stream": {m.name: bench.settings.tokens(m) for m in bench.models}},
         "rows": rows, "samples": raw,
