@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-from ovshard.bundle.checked import CHECKED_FOLDER, CheckedFiles
+from ovshard.bundle.checked import CheckedFiles
 from ovshard.bundle.manifest import read_manifest, verify_files
 from ovshard.runtime import decode
 from ovshard.runtime.decode import Stats
@@ -36,7 +36,7 @@ class LocalPipeline:
         self.manifest = read_manifest(self.bundle)
         if verify:
             verify_files(self.bundle, self.manifest,
-                         checked=CheckedFiles(cache_dir / CHECKED_FOLDER) if cache_dir is not None else None)
+                         checked=CheckedFiles.in_cache(cache_dir))
         core = ov.Core()
         if cache_dir is not None:
             core.set_property({"CACHE_DIR": str(cache_dir)})

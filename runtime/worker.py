@@ -29,7 +29,7 @@ import numpy as np
 import openvino as ov
 
 from ovshard.bundle import names
-from ovshard.bundle.checked import CHECKED_FOLDER, CheckedFiles
+from ovshard.bundle.checked import CheckedFiles
 from ovshard.bundle.manifest import read_manifest, verify_files
 from ovshard.errors import BundleError, OvshardError
 from ovshard.runtime import protocol as p
@@ -82,7 +82,7 @@ class StageWorker:
         cache = model_cache(cache_dir)
         # files checked before and unchanged since are not read again (a restart's sha256 of the weights)
         verify_files(self.bundle, self.manifest, stages=[stage],
-                     checked=CheckedFiles(cache / CHECKED_FOLDER) if cache is not None else None)
+                     checked=CheckedFiles.in_cache(cache))
         self.stage, self.entry = stage, self.manifest.stages[stage]
         self.last = stage == self.manifest.num_stages - 1
         self.fingerprint = bundle_fingerprint(self.bundle)

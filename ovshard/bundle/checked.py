@@ -39,25 +39,30 @@ class CheckedFiles:
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
 
-    def _record(self, path: Path) -> Path:
-        key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
-        return self.folder / f"{key}.json"
+    @classmethod
+    def in_cache(cls, model_cache: Path | None) -> CheckedFiles | None:
+        """The records kept in a node's compiled-model cache; None (read every file) without one."""
+        return cls(model_cache / CHECKED_FOLDER) if model_cache is not None else None
+
+    def _record(self, resolved: str) -> Path:
+        return self.folder / f"{hashlib.sha256(resolved.encode()).hexdigest()[:32]}.json"
 
     def known(self, path: Path, digest: str) -> bool:
+        resolved = str(path.resolve())
         try:
-            record = json.loads(self._record(path).read_text())
+            record = json.loads(self._record(resolved).read_text())
             return bool(record["sha256"] == digest and record["identity"] == _identity(path)
-                        and record["path"] == str(path.resolve()))
+                        and record["path"] == resolved)
         except (OSError, ValueError, KeyError, TypeError):
             return False
 
     def remember(self, path: Path, digest: str) -> None:
-        record = self._record(path)
+        resolved = str(path.resolve())
+        record = self._record(resolved)
         partial = record.with_name(f"{record.name}.{os.getpid()}.partial")
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            partial.write_text(json.dumps({"path": str(path.resolve()), "sha256": digest,
-                                           "identity": _identity(path)}))
+            partial.write_text(json.dumps({"path": resolved, "sha256": digest, "identity": _identity(path)}))
             partial.replace(record)
         except OSError as e:  # a read-only cache: the next start reads the file again
             log.debug("cannot record the check of %s in %s: %s", path, self.folder, e)
