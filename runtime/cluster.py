@@ -119,6 +119,7 @@ class Cluster:
         self.actors: list[Any] = []
         self.tmp = Path(tempfile.mkdtemp(prefix="ovshard-up-"))
         self.head_credentials: Path | None = None
+        self.probes: dict[str, Any] = {}  # what placement by measurement measured: its planner's inputs
         try:
             self.nodes, self.groups, self.plan_table, self.left_out = self._place(planner)
             tls = None if self.owned or config.insecure else self._credentials()
@@ -139,6 +140,8 @@ class Cluster:
         if planner is None:
             raise OvshardError("placement by measurement needs the planner (ovshard.plan): run `ovshard up`")
         probes, rtt = self._probe(self.alive)
+        self.probes = {"nodes": [{k: p[k] for k in ("node", "host", "seconds_per_byte", "free_bytes")} for p in probes],
+                       "rtt_s": [[a, b, s] for (a, b), s in rtt.items()], "head": self.alive[0]}
         return planner(self.manifest, probes, self.alive[0], rtt, self.config.stages, self.config.context_tokens,
                        self.config.placement)
 
@@ -284,7 +287,8 @@ def main_up(args: Any, planner: Planner | None = None) -> int:
                           "credentials": creds, "pids": [s["pid"] for s in cluster.stages],
                           "layers": [s["layers"] for s in cluster.stages],
                           "threads": [s["threads"] for s in cluster.stages],
-                          "nodes": [s["node"] for s in cluster.stages], "ray": cluster.ray_address,
+                          "nodes": [s["node"] for s in cluster.stages], "probes": cluster.probes,
+                          "ray": cluster.ray_address,
                           "up_s": round(time.perf_counter() - started, 2)}), flush=True)
         if args.api:
             from ovshard.runtime.api import main_api

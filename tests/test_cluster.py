@@ -20,6 +20,7 @@ from conftest import compile_fp32, run_greedy
 
 from ovshard.bundle import names
 from ovshard.bundle.manifest import read_manifest
+from ovshard.plan.placement import NodeProbe, plan_placement
 from ovshard.runtime.decode import Stats
 from ovshard.runtime.head import Head
 from ovshard.runtime.sampler import SamplingConfig
@@ -203,11 +204,13 @@ LAYERS = 6
 
 def test_placement_by_measurement_gives_the_faster_node_more_layers_and_nodes_pull_only_their_stages(
         pair: Pair, fine: Path, caches: dict[str, Path]) -> None:
-    """On the unequal pair (a busy loop takes most of one node's core while the nodes are probed), the probes
-    give the other node the longer run of layers of 2 stages; with --pull always each node pulls into its own cache only its stages' files,
-    verified, joins them into one model, and the pipeline's greedy tokens equal the one-stage-per-layer
-    bundle's run in-process, also when stage 1's actor is killed mid-stream and restarts from what its
-    node's cache holds."""
+    """On an unequal pair (a busy loop takes most of one node's core while the nodes are probed), the node that
+    measured faster gets the longer run of layers of 2 stages; with --pull always each node pulls into its own
+    cache only its stages' files, verified, joins them into one model, and the pipeline's greedy tokens equal
+    the one-stage-per-layer bundle's run in-process, also when stage 1's actor is killed mid-stream and
+    restarts from what its node's cache holds. (Which node measures faster depends on everything else the
+    machine runs, so the test follows what up measured; the planner's choice from given speeds is unit-tested
+    in test_placement.)"""
     with busy(pair.slow_core) as stop_busy, up(fine, pair.address, 17300, "--stages", "2", "--pull",
                                                 "always") as pipeline:
         stop_busy()  # the probes ran under it; the stages need not
@@ -215,7 +218,16 @@ def test_placement_by_measurement_gives_the_faster_node_more_layers_and_nodes_pu
         where = {node: layers for node, layers in zip(pipeline["nodes"], pipeline["layers"], strict=True)}
         by_node = {which: where[node_id[:12]] for which, node_id in pair.node_ids.items()}
         counts = {which: end - start for which, (start, end) in by_node.items()}
-        assert counts[FAST] > counts[SLOW], (counts, pipeline["table"])
+        probes = pipeline["probes"]
+        measured = [NodeProbe(**p) for p in probes["nodes"]]
+        rtt = {(a, b): seconds for a, b, seconds in probes["rtt_s"]}
+        plan = plan_placement(read_manifest(fine), measured, probes["head"], rtt, 2)
+        assert [list(r) for r in plan.ranges] == pipeline["layers"], (probes, pipeline["table"])
+        assert [n[:12] for n in plan.nodes] == pipeline["nodes"], (probes, pipeline["table"])
+        which = {node: name for name, node in pair.node_ids.items()}
+        faster, slower = sorted(measured, key=lambda p: p.seconds_per_byte)
+        if faster.seconds_per_byte < 0.5 * slower.seconds_per_byte:  # e.g. the busy loop took the slow core
+            assert counts[which[faster.node]] > counts[which[slower.node]], (counts, probes)
         expected = run_greedy(fine, PROMPT, 16)[0]
         assert greedy(pipeline, 16)[0] == expected
         cut, stats = greedy(pipeline, 16, kill=pipeline["pids"][1], after=4)  # restarted from its node's cache
