@@ -4,14 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test lint layout golden bench bench-peers fuzz clean
+.PHONY: setup demo test test-fast lint layout golden bench bench-peers fuzz clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install -qq --upgrade pip
+	$(BIN)/python -m pip install -qq -e '.[dev]'
 	touch $(STAMP)
 
 demo: setup
@@ -27,8 +27,12 @@ layout: setup
 test: lint layout
 	$(BIN)/python -m pytest -q -W ignore::DeprecationWarning
 
+# the inner loop: everything but the tests marked slow, e2e or cluster (pyproject.toml), in a few minutes
+test-fast: setup
+	$(BIN)/python -m pytest -q -W ignore::DeprecationWarning -m "not slow and not e2e and not cluster"
+
 golden: setup
-	$(BIN)/python -m pytest -q tests/test_golden.py tests/test_demo.py --update-golden
+	$(BIN)/python -m pytest -q tests/compiler/test_golden.py tests/e2e/test_demo.py --update-golden
 
 bench: setup
 	$(BIN)/python bench/compile_memory.py --stages 2,4 --monolithic

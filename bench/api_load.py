@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Load on `ovshard api`: requests/s, tokens/s, time to first token and inter-token latency at 1, 2, 4, 8
-concurrent clients, and the API's cost per token against the bare Session over the same workers.
+concurrent clients, and the API's cost per token against the bare Scheduler over the same workers.
 
 Per model it starts real processes: one ``ovshard serve`` per stage on loopback (``--threads 1`` each, as
 scenario d: one core per stage stands in for one machine per stage) and one ``ovshard api --stages ...``
@@ -10,7 +10,7 @@ speculation (``ovshard api`` runs none), same number of concurrent streams:
 
   api      N asyncio clients (``openai.AsyncOpenAI``), each a closed loop of ``--requests`` streamed
            ``/v1/completions`` requests (token-id prompts, ``stream_options.include_usage``)
-  session  N threads, each a closed loop of ``Session.submit(...).result()`` on an in-process ``Head``
+  session  N threads, each a closed loop of ``Scheduler.submit(...).result()`` on an in-process ``Head``
 
 Each round runs every client count on both sides, the side that goes first alternating; the per-token
 time (round wall / tokens generated) of api over session, per round, gives the overhead as a median of
@@ -29,7 +29,7 @@ in a subprocess on first use: ~15 s and ~2 min). ``--bundle PATH`` measures a bu
     .venv/bin/python bench/api_load.py --bundle out/ --clients 1,4 --tokens 64
 
 Besides the rates and latencies it records CPU time per generated token: of the `ovshard api` process and
-of this one during api rounds (the load generator), of this one during session rounds (head + Session),
+of this one during api rounds (the load generator), of this one during session rounds (head + Scheduler),
 and of the incremental detokenizer alone; on a 2-core machine every ms of it is taken from the workers.
 
 Writes bench/results/api_load.json (every figure, each round's samples, machine, versions, bundles and
@@ -63,13 +63,13 @@ from scenarios_base import DEFAULT_CACHE, MODELS, ROOT, Bench, ModelSpec, Settin
 from scenarios_streams import PROMPTS  # noqa: E402
 
 from ovshard.bundle.manifest import read_manifest  # noqa: E402
-from ovshard.runtime.cli import Text  # noqa: E402
-from ovshard.runtime.head import Head  # noqa: E402
-from ovshard.runtime.launch import local_workers  # noqa: E402
-from ovshard.runtime.sampler import IncrementalDetokenizer, SamplingConfig  # noqa: E402
-from ovshard.runtime.session import Session  # noqa: E402
+from ovshard.runtime.client.head import Head  # noqa: E402
+from ovshard.runtime.client.launch import local_workers  # noqa: E402
+from ovshard.runtime.client.scheduler import Scheduler  # noqa: E402
+from ovshard.runtime.client.text import Text, TextStream  # noqa: E402
+from ovshard.runtime.engine.sampler import SamplingConfig  # noqa: E402
 
-TARGET_OVERHEAD = 0.05  # API per-token time <= 1.05x the bare Session's (reported, never asserted)
+TARGET_OVERHEAD = 0.05  # API per-token time <= 1.05x the bare Scheduler's (reported, never asserted)
 SIDES = ("api", "session")
 WEIGHTS = {"stories260K": "fp32", "llama-3.2-1b": "int4_asym"}
 API_START_S = 180.0
@@ -229,8 +229,8 @@ def api_round(server: ApiServer, model: str, prompts: list[list[int]], clients: 
 
 def session_round(head: Head, text: Text, prompts: list[list[int]], clients: int, requests: int,
                   config: SamplingConfig) -> Round:
-    """``clients`` threads over a ``Session(head, clients)``, each ``requests`` generations one after another."""
-    session = Session(head, clients)
+    """``clients`` threads over a ``Scheduler(head, clients)``, each ``requests`` generations one after another."""
+    session = Scheduler(head, clients)
     replies: list[list[tuple[int, float, list[float], Any]]] = [[] for _ in range(clients)]
     errors: list[BaseException] = []
 
@@ -263,7 +263,7 @@ def session_round(head: Head, text: Text, prompts: list[list[int]], clients: int
 
 
 def _stamper(times: list[float]) -> Callable[[int | None], None]:
-    """A Session listener that notes when each token arrives (it is called with None at the end)."""
+    """A Scheduler listener that notes when each token arrives (it is called with None at the end)."""
 
     def on_token(token: int | None) -> None:
         if token is not None:
@@ -273,12 +273,10 @@ def _stamper(times: list[float]) -> Callable[[int | None], None]:
 
 
 def api_text(text: Text, prompt: list[int], tokens: list[int], eos: tuple[int, ...]) -> str:
-    """The text ``ovshard api`` streams for ``tokens`` (runtime/api.py Run: the detokenizer primed with the
+    """The text ``ovshard api`` streams for ``tokens`` (runtime/serve/api.py Run: the detokenizer primed with the
     prompt's last 8 ids, eos ids left out), to compare the two sides' outputs."""
-    detok = IncrementalDetokenizer(text.decode)
-    for token in prompt[-8:]:
-        detok.push(token)
-    return "".join(detok.push(t) for t in tokens if t not in eos) + detok.flush()
+    stream = TextStream(text, prompt, turn=False, stop_ids=eos)
+    return "".join(stream.push(t) for t in tokens) + stream.finish()
 
 
 # ------------------------------------------------------------------------------------------- measuring
@@ -379,7 +377,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     models = list(dict.fromkeys(r["model"] for r in rows))
     panels = [("generated tokens/s", [("api", "api_tok_s"), ("session", "session_tok_s")]),
               ("requests/s", [("api", "api_req_s"), ("session", "session_req_s")]),
-              ("API per-token time over Session, %", [("api / session - 1", "overhead_pct")])]
+              ("API per-token time over Scheduler, %", [("api / session - 1", "overhead_pct")])]
     fig, axes = plt.subplots(len(models), len(panels), figsize=(13, 3.6 * len(models)), squeeze=False)
     for row_axes, model in zip(axes, models, strict=True):
         mine = [r for r in rows if r["model"] == model]
@@ -398,7 +396,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
             ax.set_xlabel("concurrent clients")
             ax.set_title(f"{model}: {label}", fontsize=10)
             ax.legend(fontsize=8)
-    fig.suptitle("ovshard api under load vs the bare Session (2 stages, loopback TCP)", fontsize=10)
+    fig.suptitle("ovshard api under load vs the bare Scheduler (2 stages, loopback TCP)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -407,10 +405,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
 
 TABLE_COLUMNS = {"model": "model", "clients": "clients", "api_req_s": "req/s", "api_tok_s": "tok/s",
                  "api_ttft_p50_ms": "TTFT p50 ms", "api_ttft_p95_ms": "TTFT p95 ms", "api_itl_p50_ms": "ITL p50 ms",
-                 "session_tok_s": "Session tok/s", "session_ttft_p50_ms": "Session TTFT p50 ms",
-                 "session_itl_p50_ms": "Session ITL p50 ms", "api_server_cpu_ms_per_token": "API CPU ms/tok",
-                 "session_cpu_ms_per_token": "Session CPU ms/tok",
-                 "per_token_api_over_session": "API/Session per token", "overhead_pct": "overhead %"}
+                 "session_tok_s": "Scheduler tok/s", "session_ttft_p50_ms": "Scheduler TTFT p50 ms",
+                 "session_itl_p50_ms": "Scheduler ITL p50 ms", "api_server_cpu_ms_per_token": "API CPU ms/tok",
+                 "session_cpu_ms_per_token": "Scheduler CPU ms/tok",
+                 "per_token_api_over_session": "API/Scheduler per token", "overhead_pct": "overhead %"}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -423,11 +421,11 @@ def notes(doc: dict[str, Any]) -> list[str]:
              "one token count, text and finish reason each" if c["equal"] else
              f"{name}: the sides DIFFER on prompts {c['differing_prompts']}" for name, c in doc["same_tokens"].items()]
     lines.append("TTFT (request sent -> first text or token), ITL (between text chunks or tokens): p50/p95 over every "
-                 "request of every round, api side unless named; tok/s, req/s: medians of rounds; API/Session per "
+                 "request of every round, api side unless named; tok/s, req/s: medians of rounds; API/Scheduler per "
                  "token: median of per-round ratios of wall time per generated token; overhead = that ratio - 1. "
                  f"Target: <= {100 * TARGET_OVERHEAD:.0f}% (reported, never asserted)")
     lines += [f"{r['model']}, {r['clients']} clients, CPU ms per generated token: `ovshard api` process "
-              f"{r['api_server_cpu_ms_per_token']}, load generator {r['api_client_cpu_ms_per_token']}, bare Session "
+              f"{r['api_server_cpu_ms_per_token']}, load generator {r['api_client_cpu_ms_per_token']}, bare Scheduler "
               f"(head + slots) {r['session_cpu_ms_per_token']}; the incremental detokenizer alone "
               f"{r['detok_ms_per_token']}" for r in doc["rows"] if r["clients"] == min(x["clients"] for x in doc["rows"])]
     return lines
@@ -504,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(plan).items()}
     doc: dict[str, Any] = {
         "benchmark": "api_load", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": command.strip(),
-        "machine": facts, "target": f"API per-token time <= {1 + TARGET_OVERHEAD:.2f}x the bare Session's "
+        "machine": facts, "target": f"API per-token time <= {1 + TARGET_OVERHEAD:.2f}x the bare Scheduler's "
         "(reported, never asserted)", "settings": settings, "rows": rows, "same_tokens": checks, "runs": runs,
         "plot_file": png.name if plot(rows, png) else None}
     doc["notes"] = notes(doc)

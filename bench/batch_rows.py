@@ -53,7 +53,7 @@ def main() -> int:
     import openvino as ov
 
     from ovshard.bundle.manifest import read_manifest
-    from ovshard.runtime.stage import Stage
+    from ovshard.runtime.engine.stage import Stage
 
     bundle = args.bundle or default_bundle()
     manifest, core, rows = read_manifest(bundle), ov.Core(), []

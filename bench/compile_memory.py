@@ -114,11 +114,11 @@ def checkpoint_facts(path: Path, shape: str, dtype: str, reused: bool) -> dict[s
 
 def stage_f32_bytes(ckpt_path: Path, start: int, end: int, first: bool, last: bool) -> int:
     """Bytes of the float32 tensors ``trace_stage`` loads for layers [start, end) (see ovshard.frontend.trace)."""
-    from ovshard.frontend.arch import arch_for, layer_tensors, read_dims
+    from ovshard.frontend.arch import layer_tensors
     from ovshard.frontend.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(ckpt_path)
-    spec, dims = arch_for(ckpt.config), read_dims(ckpt.config)
+    spec, dims = ckpt.spec, ckpt.dims
     shapes: list[tuple[int, ...]] = []
     for i in range(start, end):
         shapes += layer_tensors(spec, dims, i).values()

@@ -1,4 +1,4 @@
-"""Where a decode step's time goes, and which CPU plugin settings are fastest here (issue 17).
+"""Where a decode step's time goes, and which CPU plugin settings are fastest here.
 
 Two parts, each interleaved in rounds (timings drift between processes, so only ratios within a run count):
 
@@ -77,7 +77,7 @@ def settings(bundle: Path, rounds: int, tokens: int) -> dict:
     import openvino as ov
 
     from ovshard.bundle.manifest import read_manifest
-    from ovshard.runtime.stage import Stage
+    from ovshard.runtime.engine.stage import Stage
 
     manifest = read_manifest(bundle)
     if manifest.num_stages != 1:

@@ -1,10 +1,10 @@
-"""The size/accuracy frontier of the weight formats on real models (issue 16): one compile per row.
+"""The size/accuracy frontier of the weight formats on real models: one compile per row.
 
 Each row compiles the model with ``ovshard compile`` in a process of its own (its peak RSS is the
 compile's, read from the kernel's rusage of the finished child) and measures:
 - perplexity over a fixed text, scored as llama.cpp's ``llama-perplexity`` does (``ovshard.verify.perplexity``:
   chunks of ``context`` tokens, BOS first, the second half of each chunk scored), against the fp32
-  bundle, which equals Hugging Face (tests/test_parity.py, tests/test_gguf_compile.py);
+  bundle, which equals Hugging Face (tests/compiler/test_parity.py, tests/compiler/test_gguf_compile.py);
 - top-1 agreement with fp32 along that text (teacher-forced);
 - greedy agreement: 64 free-running tokens from each prompt, the identical prefix with fp32's;
 - bundle size (all stage .bin files), compile seconds and peak RSS.
@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from ovshard.bundle.manifest import read_manifest
-from ovshard.runtime.local import LocalPipeline
-from ovshard.runtime.stage import EXACT_HINTS
+from ovshard.runtime.client.inprocess import LocalPipeline
+from ovshard.runtime.engine.stage import EXACT_HINTS
 from ovshard.verify import perplexity
 
 HERE = Path(__file__).resolve().parent
@@ -65,7 +65,7 @@ def _gemma_gguf() -> Path:
 
 
 # name -> ovshard compile flags; "fp32" is every row's reference. "b" is --budget: 1.00 = every decoder weight
-# INT4, the compiler's behaviour before issue 16 (less the per-stage INT8 of each stage's last MatMul)
+# all-INT4, the old default (less the per-stage INT8 of each stage's last MatMul)
 ROWS = {
     "fp32": ["--weights", "fp32"],
     "fp16": ["--weights", "fp16"],
@@ -92,7 +92,7 @@ ROWS = {
     "int4_asym g128 b1.15 awq+se": ["--weights", "int4_asym", "--budget", "1.15", "--calibration", "auto"],
 }
 BEFORE = "int4_asym g128 b1.00"  # sizes are relative to it
-DEFAULT = "int4_sym g128 b1.15"  # ovshard compile's default (README, "INT4 accuracy")
+DEFAULT = "int4_sym g128 b1.15"  # ovshard compile's default (docs/results/2026-12-int4-accuracy.md)
 
 
 def compile_row(model: Model, flags: list[str], out: Path) -> dict:

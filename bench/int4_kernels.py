@@ -5,7 +5,7 @@ is one ``ovshard compile`` of the random-weight 1B-shaped checkpoint (make bench
 ``--work``); all bundles are then loaded in this process (``LocalPipeline``, the CPU plugin's defaults, all
 threads) and decode ``--tokens`` greedy tokens after the suite's 16-token prompt, interleaved in rounds with
 the first format rotating. Reported: the .bin size, decode tokens/s (median) and the median of per-round
-ratios to the default compile. Accuracy is the INT4 frontier's business (README, INT4 accuracy); this is
+ratios to the default compile. Accuracy is the INT4 frontier's business (docs/results/2026-12-int4-accuracy.md); this is
 speed only.
 
     CI=true .venv/bin/python bench/int4_kernels.py [--rounds 3] [--tokens 64]
@@ -65,7 +65,7 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/ovshard-bench/kernels"))
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
-    from ovshard.runtime.local import LocalPipeline
+    from ovshard.runtime.client.inprocess import LocalPipeline
 
     checkpoint = Path("/tmp/ovshard-bench/ckpt-llama-3.2-1b-bfloat16")
     ensure_checkpoint(checkpoint, "llama-3.2-1b", "bfloat16")

@@ -15,7 +15,7 @@ counted high: :class:`Peak` counts the descendants it saw, and the benchmark tur
 ``ovshard.memory`` samples the compiling process itself (the figures ``ovshard compile`` prints); this
 module watches a compiler from outside, its whole process tree, with the same ``/proc`` parsing
 (``ovshard.memory.read_status``) and no other dependency. Used by ``bench/compile_memory.py --sweep``
-and ``tests/test_compile_memory.py``.
+and ``tests/compiler/test_compile_memory.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """NNCF's own compression options on the real Gemma 3 270M: what each buys, data-free and data-aware.
 
-The evidence behind ovshard's INT4 default (README, "INT4 accuracy"). A one-stage fp32 bundle of the
+The evidence behind ovshard's INT4 default (docs/results/2026-12-int4-accuracy.md). A one-stage fp32 bundle of the
 Q4_K_M GGUF (equal to transformers on it) is compressed whole by ``nncf.compress_weights`` with each
 option set (NNCF's rules: the embedding and the last MatMul INT8, ``ratio`` chosen by NNCF's data-free
 sensitivity within the graph), then run on CPU defaults and scored on a 191-token Eiffel Tower passage
@@ -31,8 +31,8 @@ from nncf.quantization.advanced_parameters import AdvancedCompressionParameters,
 from ovshard.bundle.manifest import read_manifest
 from ovshard.bundle.weights import WeightFormat
 from ovshard.compile import CompileConfig, compile_bundle
-from ovshard.runtime.local import LocalPipeline
-from ovshard.runtime.stage import EXACT_HINTS
+from ovshard.runtime.client.inprocess import LocalPipeline
+from ovshard.runtime.engine.stage import EXACT_HINTS
 from ovshard.verify import perplexity
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

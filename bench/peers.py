@@ -1,4 +1,4 @@
-"""ovshard against llama.cpp on the same model and threads: decode tokens/s, interleaved in rounds (issue 17).
+"""ovshard against llama.cpp on the same model and threads: decode tokens/s, interleaved in rounds.
 
 llama.cpp is built once into a cache folder from the source the ``llama-cpp-python`` sdist on PyPI vendors
 (``pip download --no-binary :all: llama-cpp-python``; cmake ``-DGGML_RPC=ON -DLLAMA_CURL=OFF``; the targets

@@ -7,7 +7,7 @@ runs at about half speed while the two stages never compete for a core; ``--emul
 stages on 2 threads, the other's on 1 ($OVSHARD_THREADS; on 2 cores the stages then compete when both work,
 as with 2 streams). A random-weight Llama (hidden 1024, 8 layers) compiled fp32 with
 one bundle stage per layer is brought up with `ovshard up --placement even` and `--placement measured` in
-alternating rounds; each round times greedy decoding with 1 stream and with 2 streams (Session), and the
+alternating rounds; each round times greedy decoding with 1 stream and with 2 streams (Scheduler), and the
 whole `ovshard up` command from its start to the first token of a request. Reports the median ratio of
 measured / even decode throughput per round.
 
@@ -30,9 +30,9 @@ from pathlib import Path
 
 from ovshard.compile import CompileConfig, compile_bundle
 from ovshard.passes import WeightFormat
-from ovshard.runtime.head import Head
-from ovshard.runtime.sampler import SamplingConfig
-from ovshard.runtime.session import Session
+from ovshard.runtime.client.head import Head
+from ovshard.runtime.client.scheduler import Scheduler
+from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.tools.synth import llama_config, write_checkpoint
 
 CLI = [sys.executable, "-m", "ovshard.cli", "-q"]
@@ -66,7 +66,7 @@ def up(fine: Path, address: str, placement: str) -> tuple[subprocess.Popen, dict
 def decode(pipeline: dict, streams: int, tokens: int) -> float:
     """Decode tokens per second over ``streams`` concurrent greedy requests (prefill excluded)."""
     head = Head(Path(pipeline["bundle"]), pipeline["stages"].split(","))
-    session = Session(head, streams=streams)
+    session = Scheduler(head, streams=streams)
     try:
         config = SamplingConfig(max_tokens=tokens)
         start = time.perf_counter()

@@ -21,8 +21,8 @@ from pathlib import Path
 WORKER = """
 import sys
 from pathlib import Path
-from ovshard.runtime.launch import listening_line
-from ovshard.runtime.worker import StageWorker
+from ovshard.runtime.client.launch import listening_line
+from ovshard.runtime.node.worker import StageWorker
 worker = StageWorker(Path(sys.argv[1]), 0, slice_logits=sys.argv[2] == "sliced", cache_dir=Path(sys.argv[3]))
 import threading
 print(listening_line(0, worker.listen("127.0.0.1", 0)), flush=True)
@@ -37,8 +37,8 @@ def _kb(pid: int, key: str) -> int:
 
 
 def run(bundle: Path, mode: str, tokens: int, cache: Path) -> dict:
-    from ovshard.runtime.head import Head
-    from ovshard.runtime.sampler import SamplingConfig
+    from ovshard.runtime.client.head import Head
+    from ovshard.runtime.engine.sampler import SamplingConfig
 
     proc = subprocess.Popen([sys.executable, "-c", WORKER, str(bundle), mode, str(cache)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)

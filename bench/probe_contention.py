@@ -1,7 +1,7 @@
-"""Does a node's probe see a shared core? ``probe_layer`` on one core, idle and beside a busy loop (issue 15).
+"""Does a node's probe see a shared core? ``probe_layer`` on one core, idle and beside a busy loop.
 
 The probe runs in a child at niceness 15 (Ray's workers' own) pinned to the last core; the busy loop is
-pinned to the same core at niceness 10, as in tests/test_cluster.py's unequal pair. Rounds alternate idle
+pinned to the same core at niceness 10, as in tests/runtime/cluster/test_cluster.py's unequal pair. Rounds alternate idle
 and busy; printed: each probe's step time and the busy/idle ratio of the medians.
 
     .venv/bin/python bench/probe_contention.py BUNDLE [--rounds 2]
@@ -22,7 +22,7 @@ def probe(bundle: Path, core: int) -> float:
     """One probe in a fresh child process at niceness 15 on ``core``: its step seconds."""
     code = ("import json, os, sys\nos.nice(15)\nos.sched_setaffinity(0, {int(sys.argv[2])})\n"
             "from pathlib import Path\nfrom ovshard.bundle.manifest import read_manifest\n"
-            "from ovshard.runtime.probe import probe_layer\n"
+            "from ovshard.runtime.cluster.probe import probe_layer\n"
             "print(json.dumps(probe_layer(read_manifest(Path(sys.argv[1])), threads=1)))\n")
     out = subprocess.run([sys.executable, "-c", code, str(bundle), str(core)], check=True, capture_output=True, text=True)
     return float(json.loads(out.stdout.splitlines()[-1])["step_s"])

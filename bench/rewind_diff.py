@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How far mask-rewind logits are from physical-trim logits (f32 hints, stories260K, one stage).
 
-Random feed / reject sequences, as tests/test_speculative.py draws them; every step compares the
+Random feed / reject sequences, as tests/runtime/decoding/test_speculative.py draws them; every step compares the
 logits of a cache rewound by mask against one trimmed physically, grouped by whether the masked cache
 has holes and whether the step feeds one token or several. Reproduce:
 
@@ -20,8 +20,8 @@ import openvino as ov
 
 from ovshard.compile import CompileConfig, compile_bundle
 from ovshard.passes import WeightFormat
-from ovshard.runtime.kv import KVCache, StepInputs
-from ovshard.runtime.stage import EXACT_HINTS
+from ovshard.runtime.engine.kv import KVCache, StepInputs
+from ovshard.runtime.engine.stage import EXACT_HINTS
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 

@@ -232,7 +232,7 @@ class LocalDecoder:
     """ovshard's in-process runtime: every stage of a bundle in this process (LocalPipeline)."""
 
     def __init__(self, bundle: Path) -> None:
-        from ovshard.runtime.local import LocalPipeline
+        from ovshard.runtime.client.inprocess import LocalPipeline
 
         self.pipeline = LocalPipeline(bundle)
 
@@ -244,13 +244,13 @@ class TcpDecoder:
     """ovshard over TCP: a Head in this process, one worker process per stage (addresses given)."""
 
     def __init__(self, bundle: Path, addresses: list[str]) -> None:
-        from ovshard.runtime.head import Head
+        from ovshard.runtime.client.head import Head
 
         self.head = Head(bundle, addresses)
 
     def greedy(self, prompt: list[int], new_tokens: int) -> Sample:
-        from ovshard.runtime.head import Stats
-        from ovshard.runtime.sampler import SamplingConfig
+        from ovshard.runtime.client.head import Stats
+        from ovshard.runtime.engine.sampler import SamplingConfig
 
         stats = Stats()
         start = time.perf_counter()

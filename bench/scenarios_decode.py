@@ -27,8 +27,8 @@ from scenarios_base import (
 
 from ovshard.bundle import names
 from ovshard.bundle.manifest import read_manifest
-from ovshard.runtime.launch import local_workers
-from ovshard.runtime.stage import step_inputs
+from ovshard.runtime.client.launch import local_workers
+from ovshard.runtime.engine.stage import step_inputs
 
 STAGE_COUNTS = (1, 2, 4)
 PIPELINE_TARGET = 0.98  # pipeline / monolithic decode tok/s (the paper: 0.96 on GPU after its fix 2)
@@ -152,7 +152,7 @@ def beam_gather(bench: Bench) -> dict[str, Any]:
                         "target": "> 1x, fusion fires only with the Gather"})
     return {
         "target": "the Gather makes the CPU fuse the KV cache into SDPA (StatefulSDPAFusion) and decode faster "
-                  "(DESIGN.md: ~14% on a 1.2B model at 70 tokens of context, ~5x on a tiny one)",
+                  "(measured: ~14% on a 1.2B model at 70 tokens of context, ~5x on a tiny one)",
         "settings": {"what": "one-stage int4_sym bundles compiled with and without InjectBeamIdxGatherPass "
                              "(CompileConfig.skip_passes), run through the same InferRequest loop feeding only the "
                              "inputs each IR declares; fusion read off compiled.get_runtime_model() (ovshard.verify.fusion)",

@@ -11,14 +11,14 @@ import numpy as np
 from scenarios_base import MODELS, Bench, median, progress, scenario
 
 from ovshard.bundle.manifest import read_manifest
-from ovshard.runtime.decode import Stats
-from ovshard.runtime.head import Head
-from ovshard.runtime.kv import CompactionPolicy, KVCache, StepInputs
-from ovshard.runtime.launch import local_workers
-from ovshard.runtime.local import LocalPipeline
-from ovshard.runtime.sampler import SamplingConfig
-from ovshard.runtime.speculative import AutoK, DraftModel, PromptLookup, Speculation
-from ovshard.runtime.stage import EXACT_HINTS
+from ovshard.runtime.client.head import Head
+from ovshard.runtime.client.inprocess import LocalPipeline
+from ovshard.runtime.client.launch import local_workers
+from ovshard.runtime.decoding.decode import Stats
+from ovshard.runtime.decoding.speculative import AutoK, DraftModel, PromptLookup, Speculation
+from ovshard.runtime.engine.kv import CompactionPolicy, KVCache, StepInputs
+from ovshard.runtime.engine.sampler import SamplingConfig
+from ovshard.runtime.engine.stage import EXACT_HINTS
 
 CACHE_LENGTHS = (64, 512, 2048)
 GENERATED = (128, 512, 2048)

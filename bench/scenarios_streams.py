@@ -11,13 +11,13 @@ from typing import Any
 from scenarios_base import MODELS, Bench, median, progress, scenario
 
 from ovshard.bundle.manifest import read_manifest
-from ovshard.runtime.head import Head
-from ovshard.runtime.kv import CompactionPolicy
-from ovshard.runtime.launch import local_workers
-from ovshard.runtime.sampler import SamplingConfig
-from ovshard.runtime.session import Session
-from ovshard.runtime.speculative import AutoK, PromptLookup, Speculation
-from ovshard.runtime.wanproxy import DelayProxy
+from ovshard.runtime.client.head import Head
+from ovshard.runtime.client.launch import local_workers
+from ovshard.runtime.client.scheduler import Scheduler
+from ovshard.runtime.decoding.speculative import AutoK, PromptLookup, Speculation
+from ovshard.runtime.engine.kv import CompactionPolicy
+from ovshard.runtime.engine.sampler import SamplingConfig
+from ovshard.runtime.wire.wanproxy import DelayProxy
 
 STREAMS = (1, 2, 4)
 STAGES = (2, 4)
@@ -43,7 +43,7 @@ def _prompts(model_name: str, prompt: tuple[int, ...], n: int) -> list[list[int]
 def _aggregate(head: Head, prompts: list[list[int]], tokens: int, streams: int,
                speculation: Speculation | None) -> dict[str, float]:
     """All prompts over ``streams`` concurrent streams: total new tokens / wall seconds."""
-    session = Session(head, streams, speculation)
+    session = Scheduler(head, streams, speculation)
     start = time.perf_counter()
     try:
         requests = session.run_all(prompts, SamplingConfig(max_tokens=tokens))
@@ -152,7 +152,7 @@ def wan_latency(bench: Bench) -> dict[str, Any]:
         "settings": {"model": model.name, "stages": 2, "hops_per_step": 3, "new_tokens_per_stream": tokens,
                      "rounds": rounds, "threads_per_stage": THREADS_PER_STAGE,
                      "naive": "1 stream, plain greedy", "full stack": "N streams, prompt lookup, K auto",
-                     "proxy": "ovshard.runtime.wanproxy.DelayProxy in front of every stage, both directions"},
+                     "proxy": "ovshard.runtime.wire.wanproxy.DelayProxy in front of every stage, both directions"},
         "rows": rows, "samples": raw,
         "summary": [{"measure": f"{r['latency_ms_per_hop']} ms/hop: full stack ({r['streams']} streams) / naive",
                      "model": model.name, "value": f"{r['ratio']}x",

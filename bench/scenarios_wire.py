@@ -2,7 +2,7 @@
 
 ``FrameRelay`` sits in front of one stage worker, passes every frame on unchanged and records it
 (connection role, direction, message kind, prefix/header/body bytes, tokens of a Step). A WAN scenario
-can chain it with ``ovshard.runtime.wanproxy.DelayProxy`` (relay -> delaying proxy -> worker).
+can chain it with ``ovshard.runtime.wire.wanproxy.DelayProxy`` (relay -> delaying proxy -> worker).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any
 
 from scenarios_base import Bench, ModelSpec, TcpDecoder, median, progress, scenario
 
-from ovshard.runtime import framing
-from ovshard.runtime import protocol as p
-from ovshard.runtime.launch import local_workers
-from ovshard.runtime.transport import parse_address
+from ovshard.runtime.client.launch import local_workers
+from ovshard.runtime.wire import framing
+from ovshard.runtime.wire import protocol as p
+from ovshard.runtime.wire.address import parse_address
 
 HOP_STAGE_COUNTS = (2, 4)
 

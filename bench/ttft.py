@@ -1,4 +1,4 @@
-"""Time to the first token of a whole process, cold and warm: ovshard against llama.cpp (issue 17).
+"""Time to the first token of a whole process, cold and warm: ovshard against llama.cpp.
 
 Each side is a fresh process that loads the model, reads a short prompt and prints one token, timed from
 launch to exit: ``ovshard run --local [--in-process] --max-tokens 1`` on the default compile and llama.cpp's

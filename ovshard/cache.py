@@ -1,6 +1,6 @@
 """The layer cache: compiled pieces of stages, stored by content, reused across splits and after a crash.
 
-A streamed compile (``ovshard.stream``) compiles each piece of a stage (a decoder layer, the embedding,
+A streamed compile (``ovshard.layerwise``) compiles each piece of a stage (a decoder layer, the embedding,
 the lm_head) on its own; the cache keeps each finished piece as OpenVINO IR under a key made of
 everything that decides its bytes: the sha256 of its tensors as stored, the model's dimensions, the
 weight format the piece gets, the layer-scoped passes, the source of the modules that build and
@@ -31,7 +31,9 @@ from pathlib import Path
 
 import openvino as ov
 
+from ovshard.bundle import staging
 from ovshard.bundle.manifest import sha256_file
+from ovshard.bundle.places import cache_root
 from ovshard.bundle.plan import format_bytes
 from ovshard.errors import OvshardError
 
@@ -48,12 +50,8 @@ _TOKENIZER_MODULES = ("ovshard/frontend/tokenizer.py", "ovshard/frontend/chat.py
 
 
 def default_cache_dir() -> Path:
-    """``$OVSHARD_CACHE_DIR``, else ``$XDG_CACHE_HOME/ovshard``, else ``~/.cache/ovshard``."""
-    chosen = os.environ.get("OVSHARD_CACHE_DIR")
-    if chosen:
-        return Path(chosen)
-    base = os.environ.get("XDG_CACHE_HOME")
-    return (Path(base) if base else Path.home() / ".cache") / "ovshard"
+    """The layer cache's folder: the one cache root (ovshard/bundle/places.py)."""
+    return cache_root()
 
 
 def _code_version(modules: tuple[str, ...] = _KEY_MODULES) -> str:
@@ -126,21 +124,29 @@ class PieceCache:
                 names = json.loads((entry / ENTRY_FILE).read_text())["files"]
                 if all((entry / n).is_file() for n in names):
                     for n in names:
-                        shutil.copyfile(entry / n, into / n)
+                        staging.copy_file(entry / n, into / n)
                     log.info("cache: %d files from %s", len(names), entry)
                     return names
             names = build(into)
-            if not names:  # nothing was made (the builder warned why): nothing to keep
-                return names
-            partial = entry.with_name(entry.name + ".partial")
-            shutil.rmtree(partial, ignore_errors=True)
+            if names:  # else nothing was made (the builder warned why): nothing to keep
+                self._keep_files(entry, into, names)
+            return names
+
+    @staticmethod
+    def _keep_files(entry: Path, into: Path, names: list[str]) -> None:
+        """Copy ``names`` from ``into`` to a partial entry, renamed to ``entry`` when whole; removed on a failure."""
+        partial = entry.with_name(entry.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        try:
             partial.mkdir(parents=True)
             for n in names:
-                shutil.copyfile(into / n, partial / n)
-            (partial / ENTRY_FILE).write_text(json.dumps({"files": names}))
+                staging.copy_file(into / n, partial / n)
+            staging.write_text(partial / ENTRY_FILE, json.dumps({"files": names}))
             shutil.rmtree(entry, ignore_errors=True)
             partial.rename(entry)
-            return names
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
 
     def get(self, key: str) -> Cached | None:
         """The entry under ``key``, or None; a damaged entry is removed (and so rebuilt by the caller)."""
@@ -184,10 +190,10 @@ class PieceCache:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            ov.save_model(model, tmp / PIECE_XML, compress_to_fp16=False)
+            staging.save_model(model, tmp / PIECE_XML)
             info = {"what": what, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "records": records,
                     "sha256": {n: sha256_file(tmp / n) for n in (PIECE_XML, PIECE_BIN)}}
-            (tmp / ENTRY_FILE).write_text(json.dumps(info, indent=1))
+            staging.write_text(tmp / ENTRY_FILE, json.dumps(info, indent=1))
             final.parent.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)

@@ -50,13 +50,13 @@ from ovshard.ir.instruments import (
 )
 from ovshard.ir.naming import stable_names
 from ovshard.ir.pass_manager import GraphPass, Instrument, PassContext, PassManager
+from ovshard.layerwise import StageBuild, build_stage, piece_bytes_within, plan_jobs, prebuild
 from ovshard.memory import PeakSampler, return_freed_blocks
 from ovshard.passes import pipeline
 from ovshard.plan.costs import model_costs, rotary_table_bytes
 from ovshard.plan.partition import plan_balanced, plan_budgets, plan_layers
 from ovshard.plan.precision import choose_int8
 from ovshard.report import StageFigures, format_report, stage_done
-from ovshard.stream import StageBuild, build_stage, piece_bytes_within, plan_jobs, prebuild
 from ovshard.verify.predict import PredictFusionInstrument
 
 log = logging.getLogger(__name__)
@@ -165,9 +165,10 @@ def _calibrate(config: CompileConfig, ckpt: Checkpoint, workdir: Path,
 
 
 def make_plan(config: CompileConfig, ckpt: Checkpoint) -> PartitionPlan:
-    tables = len(ckpt.block.used(range(ckpt.dims.num_layers))[0])
-    rotary = rotary_table_bytes(tables, ckpt.block.rotary_dim, config.max_positions or ckpt.dims.max_position_embeddings)
-    costs = model_costs(ckpt.spec, ckpt.dims, config.weights, stage_bytes=rotary)
+    model = ckpt.description
+    rotary = rotary_table_bytes(len(model.rope), model.block.rotary_dim,
+                                config.max_positions or model.dims.max_position_embeddings)
+    costs = model_costs(model.arch, model.dims, config.weights, stage_bytes=rotary)
     if config.layers is not None:
         return plan_layers(costs, config.layers, config.context_tokens)
     if config.budgets is not None:
@@ -190,13 +191,6 @@ def _instruments(config: CompileConfig) -> list[Instrument]:
     return found
 
 
-def _tensor_specs(ports: list[ov.Output]) -> tuple[TensorSpec, ...]:
-    return tuple(
-        TensorSpec(port.get_any_name(), port.get_element_type().get_type_name(), str(port.get_partial_shape()))
-        for port in ports
-    )
-
-
 def compile_stage(ckpt: Checkpoint, stage: StageSpec, config: CompileConfig, max_positions: int,
                   workdir: Path, calibration: Activations | None = None) -> tuple[StageEntry, list[PassRecord]]:
     """Build one stage (streamed or whole), save it; free everything before returning."""
@@ -216,7 +210,7 @@ def compile_stage(ckpt: Checkpoint, stage: StageSpec, config: CompileConfig, max
         model, records = PassManager(config.passes(), _instruments(config)).run(model, ctx)
     xml = names.stage_xml(stage.index, stage.num_stages)
     stable_names(model)  # counter-based default names differ between processes; the saved XML must not
-    ov.save_model(model, workdir / xml, compress_to_fp16=False)
+    staging.save_model(model, workdir / xml)
     state_variables = tuple(sorted(v.get_info().variable_id for v in model.get_variables()))
     del model, build  # the build holds the buffers the graph's chunked weights live in: free them after
     gc.collect()
@@ -228,8 +222,8 @@ def compile_stage(ckpt: Checkpoint, stage: StageSpec, config: CompileConfig, max
         model_xml=xml,
         model_bin=binary,
         sha256={xml: sha256_file(workdir / xml), binary: sha256_file(workdir / binary)},
-        inputs=_tensor_specs(list(saved.inputs)),
-        outputs=_tensor_specs(list(saved.outputs)),
+        inputs=TensorSpec.of_ports(list(saved.inputs)),
+        outputs=TensorSpec.of_ports(list(saved.outputs)),
         state_variables=state_variables,
     )
     del saved
@@ -275,9 +269,9 @@ def _generation(ckpt: Checkpoint) -> Generation:
     1-in-150 crash of LLMPipeline on a random Phi-3 config, whose default eos is 32000 of 300 tokens).
     """
     gen = ckpt.generation_config or {}
-    eos = gen.get("eos_token_id", ckpt.config.get("eos_token_id"))
+    eos = gen.get("eos_token_id", ckpt.description.eos_token_id)
     eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
-    bos = gen.get("bos_token_id", ckpt.config.get("bos_token_id"))
+    bos = gen.get("bos_token_id", ckpt.description.bos_token_id)
     vocab = ckpt.dims.vocab_size
     for key, ids in (("bos_token_id", () if bos is None else (bos,)), ("eos_token_id", eos_ids)):
         outside = [i for i in ids if not 0 <= i < vocab]
@@ -298,9 +292,9 @@ def _copy_configs(ckpt: Checkpoint, workdir: Path) -> dict[str, str]:
     for name, content in contents.items():
         source = ckpt.path / name
         if source.is_file():
-            shutil.copyfile(source, workdir / name)
+            staging.copy_file(source, workdir / name)
         elif content is not None and not ckpt.path.is_dir():
-            (workdir / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+            staging.write_text(workdir / name, json.dumps(content, indent=2, sort_keys=True) + "\n")
         else:
             continue
         copied[name] = sha256_file(workdir / name)
@@ -325,7 +319,7 @@ def _tokenizer(ckpt: Checkpoint, workdir: Path, cache: PieceCache | None) -> tup
         shutil.rmtree(scratch, ignore_errors=True)
         if not written:
             return written
-        (into / CHAT_RECORD).write_text(json.dumps(schema.encode(chat)))
+        staging.write_text(into / CHAT_RECORD, json.dumps(schema.encode(chat)))
         return [*written, CHAT_RECORD]
 
     files = convert(workdir) if cache is None else cache.files(tokenizer_key(ckpt.tokenizer_digest()), workdir, convert)
@@ -410,7 +404,7 @@ def compile_bundle(config: CompileConfig) -> Manifest:
             dumps=str(config.dumps.dump_dir.resolve()) if config.dumps.dump_dir and _dumping(config) else None,
             chat=chat,
         )
-        (workdir / names.MANIFEST_FILE).write_text(manifest.to_json())
+        staging.write_text(workdir / names.MANIFEST_FILE, manifest.to_json())
         _publish(workdir, config.output)
     except BaseException as e:
         full = staging.disk_full(e, workdir, config.output, needed)  # judged before the removal frees space

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 class OvshardError(Exception):
     """Base of every error ovshard raises on purpose; the CLI prints these without a traceback."""
@@ -43,7 +45,21 @@ class BundleError(OvshardError):
 
 
 class DiskFullError(BundleError):
-    """The file system filled up while a bundle was written; the partial bundle was removed."""
+    """The file system filled up while a bundle (or a file for it) was written; what was written is removed.
+
+    ``path`` is the file whose write failed, where known; the message names it, the space needed and the space free.
+    """
+
+    def __init__(self, message: str, path: Path | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+    def __reduce__(self) -> tuple[type[DiskFullError], tuple[str, Path | None]]:
+        return type(self), (str(self), self.path)  # survives a worker process (--jobs)
+
+
+class PagedUnsupportedError(BundleError):
+    """A stage the paged-attention conversion cannot take (or take exactly): run it on the stateful path."""
 
 
 class CredentialsError(OvshardError):

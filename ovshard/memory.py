@@ -54,7 +54,7 @@ def return_freed_blocks(threshold: int = MMAP_THRESHOLD) -> bool:
 
     glibc starts at 128 KiB and raises the threshold to the size of each mapped block freed (up to 32 MiB), so
     a compile's layer-sized buffers soon come from the heap, whose freed space stays with the process and
-    whose reuse depends on timing. Measured on ``tests/test_compile_memory.py``'s calibrated compiles (3 runs
+    whose reuse depends on timing. Measured on ``tests/compiler/test_compile_memory.py``'s calibrated compiles (3 runs
     each): peak anon 477-555 MiB at 2 layers and 535-580 at 6 with glibc's default, 424-429 and 432-440 with
     a fixed 1 MiB threshold. Setting it turns glibc's adjustment off."""
     if not sys.platform.startswith("linux"):

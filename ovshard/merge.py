@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import shutil
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from ovshard.bundle import names, staging
 from ovshard.bundle.manifest import Manifest, StageEntry, read_part_manifest, shared_files, verify_files
 from ovshard.bundle.plan import PartitionPlan, format_bytes, format_range
+from ovshard.bundle.staging import link_or_copy
 from ovshard.bundle.weights import WeightFormat
 from ovshard.errors import BundleError
 
@@ -137,8 +136,8 @@ def _write(manifest: Manifest, files: dict[str, Path], output: Path) -> None:
     needed = _bytes_to_copy(files.values(), output)
     workdir = staging.create(output.resolve(), needed)
     try:
-        linked = sum(_place(source, workdir / name) for name, source in files.items())
-        (workdir / names.MANIFEST_FILE).write_text(manifest.to_json())
+        linked = sum(link_or_copy(source, workdir / name) for name, source in files.items())
+        staging.write_text(workdir / names.MANIFEST_FILE, manifest.to_json())
         staging.publish(workdir, output)
     except BaseException as e:
         full = staging.disk_full(e, workdir, output, needed)  # judged before the removal frees space
@@ -147,16 +146,6 @@ def _write(manifest: Manifest, files: dict[str, Path], output: Path) -> None:
             raise full from e
         raise
     log.info("%d files hard-linked, %d copied", linked, len(files) - linked)
-
-
-def _place(source: Path, target: Path) -> bool:
-    """Hard-link ``source`` as ``target``, or copy it where linking fails (another file system); True if linked."""
-    try:
-        os.link(source, target)
-        return True
-    except OSError:
-        shutil.copyfile(source, target)
-        return False
 
 
 def _bytes_to_copy(sources: Iterable[Path], output: Path) -> int:

@@ -2,14 +2,6 @@
 
 from __future__ import annotations
 
-import socket
+from ovshard.runtime.wire.address import free_port
 
-
-def free_port() -> int:
-    """A loopback port nothing listened on a moment ago: for an address where no stage runs.
-
-    Racy by nature (another process may take it); a worker that must listen uses ``--listen HOST:0``.
-    """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["free_port"]

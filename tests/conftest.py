@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import subprocess
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +27,10 @@ os.environ.setdefault("OVSHARD_CACHE_DIR", tempfile.mkdtemp(prefix="ovshard-test
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
-GOLDEN = Path(__file__).resolve().parents[1] / "golden"
-# stories260K as a chat model (tests/test_chat.py explains): a ChatML template, and two tokens renamed and marked
+REPO = Path(__file__).resolve().parents[1]
+STORIES = REPO.parent / "shared" / "models" / "stories260K"
+GOLDEN = REPO / "golden"
+# stories260K as a chat model (tests/runtime/client/test_chat_template.py explains): a ChatML template, and two tokens renamed and marked
 # special so that it has <|im_start|> and <|im_end|>; the model writes " Lily" in nearly every story
 CHATML = ("{{ bos_token }}{% for message in messages %}"
           "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
@@ -34,6 +38,30 @@ CHATML = ("{{ bos_token }}{% for message in messages %}"
           "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] | trim + '<|im_end|>' + '\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 RENAMED = {"<0x00>": "<|im_start|>", "▁Lily": "<|im_end|>"}
+
+
+def free_port_base(count: int) -> int:
+    """The first of ``count`` consecutive loopback ports that are free now (for a fixed --port-base): drawn at
+    random, so that two test runs on one machine do not reach for the same ports."""
+    import random
+    import socket
+
+    draw = random.Random(os.getpid())
+    for _ in range(200):
+        base = draw.randrange(20000, 60000 - count)
+        socks = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free loopback ports found")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -52,6 +80,33 @@ def stories() -> Path:
     return STORIES
 
 
+def hf_sampled(checkpoint: Path, prompt: list[int], config: object, max_positions: int = 512) -> list[int]:
+    """The tokens the runtime's decode loop draws under ``config`` (a SamplingConfig: its seed, its rng
+    sequence) when every step's scores are Hugging Face's full rows of logits: the reference for a sampler
+    that is handed less (e.g. the top-K a last stage sends for "topk:K")."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ovshard.runtime.decoding.decode import generate
+    from ovshard.runtime.engine.scores import Scores
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+    class FullLogits:
+        vocab_size = model.config.vocab_size
+
+        def __init__(self) -> None:
+            self.max_positions, self.ids = max_positions, []
+
+        def step(self, tokens: list[int], position: int, want: str, rewind: int, compact: bool) -> Scores:
+            self.ids = self.ids[:position] + list(tokens)
+            with torch.no_grad():
+                logits = model(torch.tensor([self.ids])).logits[0, -1:].numpy()  # [1, vocab]
+            return Scores(logits)
+
+    return list(generate(FullLogits(), prompt, config))  # type: ignore[arg-type]
+
+
 def hf_greedy(checkpoint: Path, prompt: list[int], new_tokens: int) -> tuple[list[int], np.ndarray]:
     """Hugging Face greedy decoding without early stop: (new tokens, logits [new_tokens, vocab])."""
     import torch
@@ -67,19 +122,35 @@ def hf_greedy(checkpoint: Path, prompt: list[int], new_tokens: int) -> tuple[lis
     return tokens, logits
 
 
+_COMPILED: dict[str, Path] = {}  # one compile per checkpoint and options in a test run; tests get copies
+_COMPILED_ROOT = Path(tempfile.mkdtemp(prefix="ovshard-test-bundles-"))
+
+
 def compile_fp32(checkpoint: Path, output: Path, **kwargs) -> Path:
-    """Compile with exact fp32 weights; kwargs go to CompileConfig (stages=, layers=, ...)."""
+    """``checkpoint`` compiled with exact fp32 weights into ``output``; kwargs go to CompileConfig (stages=,
+    layers=, ...). The same checkpoint and options compile once per test run: later calls copy that bundle
+    (a copy, never links: tests may corrupt their bundle's files)."""
+    import shutil
+
     from ovshard.compile import CompileConfig, compile_bundle
     from ovshard.passes import WeightFormat
 
-    compile_bundle(CompileConfig(checkpoint, output, weights=WeightFormat("fp32"), **kwargs))
+    source = Path(checkpoint).resolve()
+    files = sorted(source.iterdir()) if source.is_dir() else [source]
+    stamp = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+    key = json.dumps([str(source), stamp, sorted((k, repr(v)) for k, v in kwargs.items())])
+    if key not in _COMPILED:
+        first = _COMPILED_ROOT / str(len(_COMPILED))
+        compile_bundle(CompileConfig(checkpoint, first, weights=WeightFormat("fp32"), **kwargs))
+        _COMPILED[key] = first
+    shutil.copytree(_COMPILED[key], output)
     return output
 
 
 def run_greedy(bundle: Path, prompt: list[int], new_tokens: int) -> tuple[list[int], np.ndarray]:
     """ovshard's stage-by-stage greedy run with f32 hints: (new tokens, logits [new_tokens, vocab])."""
-    from ovshard.runtime.local import LocalPipeline
-    from ovshard.runtime.stage import EXACT_HINTS
+    from ovshard.runtime.client.inprocess import LocalPipeline
+    from ovshard.runtime.engine.stage import EXACT_HINTS
 
     tokens, rows = LocalPipeline(bundle, config=EXACT_HINTS).generate_greedy(prompt, new_tokens)
     return tokens, np.stack(rows)
@@ -101,3 +172,27 @@ def chatml_checkpoint(source: Path, out: Path, template: object = CHATML) -> Pat
     config = json.loads((source / "tokenizer_config.json").read_text())
     (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
     return out
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """``small_disk("300k")``: a fresh tmpfs of that size, unmounted after the test."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        where = tmp_path / f"disk-{size}"
+        where.mkdir()
+        if os.geteuid() != 0 or shutil.which("mount") is None:
+            pytest.skip("mounting a small tmpfs needs root and mount(8); this environment has neither")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(where)
+        return where
+
+    try:
+        yield mount
+    finally:
+        for where in mounted:
+            subprocess.run(["umount", "-l", str(where)], check=False)

@@ -49,11 +49,11 @@ from typing import IO
 
 import numpy as np
 
+from ovshard.bundle.manifest import bundle_fingerprint
 from ovshard.errors import OvshardError
-from ovshard.runtime import protocol as p
-from ovshard.runtime.framing import DEFAULT_MAX_FRAME, MAX_HEADER_BYTES, PREFIX, encode, read_message
-from ovshard.runtime.launch import WorkerProcess, serve_command
-from ovshard.runtime.transport import bundle_fingerprint
+from ovshard.runtime.client.launch import WorkerProcess, serve_command
+from ovshard.runtime.wire import protocol as p
+from ovshard.runtime.wire.framing import DEFAULT_MAX_FRAME, MAX_HEADER_BYTES, PREFIX, encode, read_message
 
 STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
 PROMPT = [1, 403, 407]
@@ -751,8 +751,8 @@ def rss_mb(pid: int) -> float:
 
 
 def generate(bundle: Path, address: str) -> list[int]:
-    from ovshard.runtime.head import Head
-    from ovshard.runtime.sampler import SamplingConfig
+    from ovshard.runtime.client.head import Head
+    from ovshard.runtime.engine.sampler import SamplingConfig
 
     head = Head(bundle, [address], timeout=30, retry_s=0)
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,12 @@ class TensorSpec:
     name: str
     element_type: str  # OpenVINO type name: "i64", "f32", ...
     shape: str  # partial shape, e.g. "[?,?,64]"
+
+    @classmethod
+    def of_ports(cls, ports: Sequence[Any]) -> tuple[TensorSpec, ...]:
+        """The specs of OpenVINO ports (a saved model's inputs or outputs, as its reader names them)."""
+        return tuple(cls(p.get_any_name(), p.get_element_type().get_type_name(), str(p.get_partial_shape()))
+                     for p in ports)
 
 
 @dataclass(frozen=True)
@@ -103,7 +110,7 @@ class Chat:
 
 
 # The CPU plugin properties a stage runs with unless the user sets others (--exact, --threads), chosen by
-# bench/decode_overhead.py --part settings (README "Performance work against llama.cpp"): on the real Gemma 3
+# bench/decode_overhead.py --part settings (docs/results/2026-12-against-llama-cpp.md): on the real Gemma 3
 # 270M's default compile no setting tried beat these beyond the run-to-run noise (+-15%), and the others lost
 # clearly (THROUGHPUT 0.60-0.67x, no dynamic quantization 0.73-0.95x, one thread of two 0.61-0.68x). They are
 # OpenVINO 2026.4's own CPU defaults, written down so a bundle keeps them where a plugin's defaults differ.
@@ -198,6 +205,11 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def bundle_fingerprint(bundle: Path) -> str:
+    """What a head and a stage must agree on: the manifest's sha256 (public: not a secret)."""
+    return "sha256:" + sha256_file(Path(bundle) / names.MANIFEST_FILE)
 
 
 def read_manifest(bundle: str | Path) -> Manifest:

@@ -13,6 +13,11 @@ ATTENTION_MASK = "attention_mask"  # i64 [batch, past + seq]
 POSITION_IDS = "position_ids"  # i64 [batch, seq]
 BEAM_IDX = "beam_idx"  # i32 [batch]
 LOGITS = "logits"  # f32 [batch, seq, vocab]          last stage only
+# The paged form of a stage (converted by the runtime on loading, never stored; openvino-genai's names)
+INPUTS_EMBEDS = "inputs_embeds"  # f32 [N, H]: a later stage's input once converted
+PAST_LENS, SUBSEQUENCE_BEGINS, MAX_CONTEXT_LEN = "past_lens", "subsequence_begins", "max_context_len"
+BLOCK_INDICES, BLOCK_INDICES_BEGINS = "block_indices", "block_indices_begins"
+SAMPLED_ROWS = "sampled_tokens_indices"  # i64 [R]: the rows a sliced last stage computes logits for
 LOGIT_ROWS = "logit_rows"  # i64 [1]: the rows of logits to compute; added by the runtime on loading, never stored
 # friendly name of the constant cos/sin table PrecomputeRotaryPass writes; weight compression skips it
 ROTARY_TABLE = "rotary_table"

@@ -8,10 +8,15 @@ compile running now) alone. The lock file is made under another name, locked, th
 a ``.lock`` that can be taken always means a dead owner. A partial without ``.lock`` is being created or
 published this instant (or was left by an older ovshard); it is removed once ``GRACE_SECONDS`` old.
 
-A full disk looks different by writer: Python raises OSError ENOSPC, while OpenVINO's ``save_model``
-raises a RuntimeError saying only ``basic_ios::clear: iostream error``. :func:`disk_full` recognises
-both (the latter by the free space left), so the compile can say where, how much space it needs, and
-how much there was.
+Every file a compile writes goes through one writer here: :func:`save_model` (an OpenVINO model, its .xml
+and .bin), :func:`write_bytes` / :func:`write_text` and :func:`copy_file`. Each writes under a temporary
+name beside its target and renames it into place, so a target is whole or absent. A full disk looks
+different by writer: Python raises OSError ENOSPC, while OpenVINO's ``save_model`` raises a RuntimeError
+saying only ``basic_ios::clear: iostream error``; the writer removes what it wrote and raises
+:class:`DiskFullError` naming the file, the bytes it needed and the bytes free (a RuntimeError counts as a
+full disk when, with the partial files removed, less than that is free). :func:`disk_full` turns such an
+error (or a raw one from elsewhere) into the compile's own: where the bundle goes, how much space it
+needs, and how much there was.
 """
 
 from __future__ import annotations
@@ -23,12 +28,17 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ovshard.bundle import names
 from ovshard.bundle.plan import PartitionPlan, format_bytes
 from ovshard.errors import BundleError, DiskFullError
+
+if TYPE_CHECKING:
+    import openvino as ov
 
 try:
     import fcntl
@@ -41,6 +51,7 @@ LOCK_FILE = ".lock"
 GRACE_SECONDS = 600.0  # a partial without a lock file is left alone until this old
 FULL_SLACK = 1 << 20  # under this much free space after a failed write, the write failed for lack of space
 XML_BYTES_PER_LAYER = 128 << 10  # one decoder layer's graph text (about 100 KiB), in its piece and its stage
+XML_BYTES_PER_OP = 512  # an operation's text in a saved .xml (about 440 bytes in a stage graph)
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _locks: dict[Path, int] = {}  # partial folder -> descriptor of its locked .lock, while this process writes it
 _free_at_start: dict[Path, int] = {}  # partial folder -> bytes free beside it when it was made
@@ -130,16 +141,124 @@ def remove_stale(output: Path) -> list[Path]:
     return removed
 
 
+def save_model(model: ov.Model, xml: Path, compress_to_fp16: bool = False) -> None:
+    """``ov.save_model`` to ``xml`` and its .bin, atomically (see the module docstring); DiskFullError on a full disk."""
+    import openvino as ov
+
+    tmp_xml = xml.with_name(f".{xml.stem}.{os.getpid()}.tmp.xml")
+    pairs = [(tmp_xml.with_suffix(".bin"), xml.with_suffix(".bin")), (tmp_xml, xml)]  # the .xml appears last
+    with _replacing(pairs, lambda: model_bytes(model)):
+        ov.save_model(model, tmp_xml, compress_to_fp16=compress_to_fp16)
+
+
+def model_bytes(model: ov.Model) -> int:
+    """About what ``save_model`` writes for ``model``: its constants' bytes and its graph's text."""
+    ops = model.get_ordered_ops()
+    return sum(op.get_byte_size() for op in ops if op.get_type_name() == "Constant") + XML_BYTES_PER_OP * len(ops)
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically; DiskFullError on a full disk."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with _replacing([(tmp, path)], lambda: len(data)):
+        tmp.write_bytes(data)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8, no newline translation) to ``path`` atomically; DiskFullError on a full disk."""
+    write_bytes(path, text.encode("utf-8"))
+
+
+def copy_file(source: Path, target: Path) -> None:
+    """Copy ``source`` to ``target`` atomically; DiskFullError on a full disk."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    with _replacing([(tmp, target)], lambda: source.stat().st_size):
+        shutil.copyfile(source, tmp)
+
+
+def link_or_copy(source: Path, target: Path) -> bool:
+    """Hard-link ``source`` as ``target``, or copy it where linking fails (another file system); True if linked."""
+    try:
+        os.link(source, target)
+        return True
+    except OSError:
+        shutil.copyfile(source, target)
+        return False
+
+
+def place(source: Path, target: Path) -> bool:
+    """``source`` as ``target``, atomically: hard-linked under a temporary name and renamed, or copied where
+    linking fails (DiskFullError on a full disk); True if linked. A target that already is ``source`` stays."""
+    if target.exists() and os.path.samefile(source, target):
+        return True
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:
+        copy_file(source, target)
+        return False
+    try:
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return True
+
+
+@contextmanager
+def _replacing(pairs: list[tuple[Path, Path]], needed: Callable[[], int]) -> Iterator[None]:
+    """Run the body, which writes each pair's temporary file, then rename each onto its target in order.
+
+    On any failure the temporary files are removed; a full disk (ENOSPC, or a RuntimeError with less than
+    ``needed()`` bytes free once they are gone) becomes a DiskFullError naming the target."""
+    try:
+        yield
+        for tmp, target in pairs:
+            os.replace(tmp, target)
+    except BaseException as e:
+        for tmp, _ in pairs:
+            tmp.unlink(missing_ok=True)
+        full = _write_failed(e, pairs[-1][1], needed)
+        if full is not None:
+            raise full from e
+        raise
+
+
+def _write_failed(error: BaseException, target: Path, needed: Callable[[], int]) -> DiskFullError | None:
+    """The DiskFullError ``error`` means for a write of ``target``, or None when it is another failure."""
+    if isinstance(error, DiskFullError):
+        return None  # already said (a nested writer)
+    full_errno = isinstance(error, OSError) and error.errno in _FULL_ERRNOS
+    if not full_errno and not isinstance(error, RuntimeError):
+        return None
+    try:
+        size = needed()
+    except Exception:  # a model in a broken state: judge by the errno alone
+        size = 0
+    free = _free(target.parent)
+    if not full_errno and free >= max(size, 1):
+        return None
+    return DiskFullError(
+        f"no space left on the device while writing {target}: it needs about {format_bytes(size)} there, and "
+        f"{format_bytes(free)} is free; nothing of it was left behind. Free some space, or write to a larger file "
+        "system", path=target)
+
+
 def disk_full(error: BaseException, workdir: Path, output: Path, needed: int) -> DiskFullError | None:
     """The error to raise instead of ``error`` if it (or an error it came from) means a file system filled
     up; call it before removing ``workdir``, whose removal frees the space again."""
     where = None
     for e in _chain(error):
+        if isinstance(e, DiskFullError):  # from one of the writers above
+            if e.path is not None and _device(e.path) != _device(output.parent):
+                return DiskFullError(str(e), e.path)  # another file system (a layer cache elsewhere): it says all
+            where = e.path or workdir
+            break
         if isinstance(e, OSError) and e.errno in _FULL_ERRNOS:
             where = Path(os.fsdecode(e.filename)) if isinstance(e.filename, str | bytes) else workdir
             break
     if where is None and any(isinstance(e, RuntimeError) for e in _chain(error)) and _free(workdir) < FULL_SLACK:
-        where = workdir  # OpenVINO's save_model says "basic_ios::clear: iostream error", and nothing is free
+        where = workdir  # a save_model outside the writers above (graph dumps): an iostream error, nothing free
     if where is None:
         return None
     return _disk_full_error(where, output, needed, _free_at_start.get(workdir, _free(workdir)))

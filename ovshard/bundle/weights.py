@@ -9,7 +9,7 @@ from ovshard.errors import ConfigError
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4_sym", "int4_asym")
 MIN_INT4_GROUP = 32  # NNCF's ADJUST fallback: below this power-of-two group a weight is stored in INT8
 DATA_AWARE = ("awq", "scale_estimation", "gptq", "lora_correction")  # NNCF's methods that need calibration text
-DEFAULT_DATA_AWARE = ("awq", "scale_estimation")  # the best pair in the NNCF sweep (README, "INT4 accuracy")
+DEFAULT_DATA_AWARE = ("awq", "scale_estimation")  # the best pair in the NNCF sweep (docs/results/2026-12-int4-accuracy.md)
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class WeightFormat:
     decoder's weights stay INT4. ``int8_weights`` is that choice (``"layer.projection"`` keys, e.g.
     ``"3.down"``), made by the compiler and recorded so that every stage and every part of a bundle
     applies the same one. Default: int4_sym, group 128, budget 1.15: the measured frontier's point that
-    keeps perplexity within 4% of fp32 on every real model tried (README, "INT4 accuracy").
+    keeps perplexity within 4% of fp32 on every real model tried (docs/results/2026-12-int4-accuracy.md).
     """
 
     mode: str = "int4_sym"
@@ -36,7 +36,7 @@ class WeightFormat:
     int8_weights: tuple[str, ...] = ()
     methods: tuple[str, ...] = ()  # NNCF's data-aware methods on the INT4 weights, layer by layer (DATA_AWARE)
     calibration: str = "none"  # where their text came from: "none", "auto" or "file NAME"
-    calibration_digest: str = ""  # sha256 of the calibration token ids (ovshard.frontend.calibration.Text)
+    calibration_digest: str = ""  # sha256 of the calibration token ids (ovshard.frontend.calibration.CalibrationText)
 
     def __post_init__(self) -> None:
         if self.mode not in WEIGHT_FORMATS:

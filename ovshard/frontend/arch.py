@@ -2,8 +2,9 @@
 
 Passes, the tracer and the tensor reader never branch on ``model_type``; they read an :class:`ArchSpec`
 (what a family stores and how its block is wired) and a :class:`~ovshard.frontend.block.Block` (the
-numbers of one checkpoint's block, from its config.json). Adding a family is a table entry here, the
-config keys it wires, and tests; see the README's "Adding a family".
+numbers of one checkpoint's block), both read once from its config.json into a
+:class:`~ovshard.frontend.description.ModelDescription`. Adding a family is a table entry here, the config
+keys it wires, and tests; see docs/families.md, "Adding a family".
 """
 
 from __future__ import annotations
@@ -163,6 +164,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {t: spec for spec in FAMILIES for t in spec
 
 
 def arch_for(config: dict[str, Any]) -> ArchSpec:
+    """The family of a config.json's ``model_type``; refuses (naming the supported ones) a family not in the table."""
     model_type = str(config.get("model_type"))
     spec = ARCHITECTURES.get(model_type)
     if spec is None:
@@ -175,14 +177,13 @@ def arch_for(config: dict[str, Any]) -> ArchSpec:
         raise UnsupportedArchitectureError(
             f"config.json has model_type={model_type!r}; ovshard supports: {supported}. A new family needs an "
             "ArchSpec entry in ovshard/frontend/arch.py (tensor names, norm layout, the config keys it wires) "
-            "and a family test in tests/test_families.py; see the README's 'Adding a family'."
+            "and a family test in tests/compiler/test_families.py; see docs/families.md, 'Adding a family'."
         )
     return spec
 
 
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
+def language_config(spec: ArchSpec, config: dict[str, Any]) -> dict[str, Any]:
     """The config of the language model: ``config`` itself, or a multimodal config's ``text_config``."""
-    spec = arch_for(config)
     if not spec.text_config:
         return config
     text = config.get("text_config")
@@ -228,10 +229,8 @@ def rope_settings(config: dict[str, Any], layer_type: str | None = None) -> dict
     return params
 
 
-def read_dims(config: dict[str, Any]) -> ModelDims:
-    """Validate ``config`` against the architecture table and return its dimensions."""
-    spec = arch_for(config)
-    config = text_config(config)
+def read_dims(spec: ArchSpec, config: dict[str, Any]) -> ModelDims:
+    """The dimensions of a ``spec`` model whose language model's config is ``config`` (:func:`language_config`)."""
     try:
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])

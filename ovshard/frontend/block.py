@@ -1,10 +1,12 @@
-"""The decoder block of one checkpoint, as data: read once from config.json, followed by the stage module.
+"""The decoder block of one checkpoint, as data: read once from config.json (by
+:func:`ovshard.frontend.description.describe`), followed by the stage module.
 
 :class:`Block` holds every choice the traced math makes that differs between families: norm offset,
 q/k norms, four-norm "sandwich" layers, embedding scale, activation, attention scale and soft-capping,
 partial rotary, and per layer its attention type (full or sliding window) and rotary table. Config keys
 that change the math of some model but that this checkpoint's family does not implement are refused by
-name (:data:`UNWIRED`): nothing in config.json is silently ignored.
+name (:data:`UNWIRED`): nothing in config.json is silently ignored. :class:`RopeTable` holds the
+parameters of each rotary table the layers read.
 """
 
 from __future__ import annotations
@@ -16,16 +18,7 @@ from typing import Any
 from ovshard.bundle import names
 from ovshard.bundle.dims import ModelDims
 from ovshard.errors import UnsupportedArchitectureError
-from ovshard.frontend.arch import (
-    DYNAMIC_ROPE_TYPES,
-    STATIC_ROPE_TYPES,
-    ArchSpec,
-    activation,
-    arch_for,
-    read_dims,
-    rope_settings,
-    text_config,
-)
+from ovshard.frontend.arch import DYNAMIC_ROPE_TYPES, STATIC_ROPE_TYPES, ArchSpec, activation, rope_settings
 
 FULL, SLIDING = names.FULL_MASK, "sliding_attention"
 DEFAULT_ROPE = names.DEFAULT_TABLE  # the rotary table's key when every layer shares one
@@ -137,34 +130,40 @@ def _check_rope(spec: ArchSpec, params: dict[str, Any], where: str) -> None:
         )
 
 
-def read_block(config: dict[str, Any]) -> Block:
-    """The block of the checkpoint whose config.json is ``config``; refuses what it cannot compute exactly."""
-    spec = arch_for(config)
-    dims = read_dims(config)
-    text = text_config(config)
-    _refuse_unwired(spec, text)
-    window = text.get("sliding_window")
-    if spec.window_rule == "from_max_window_layers" and not text.get("use_sliding_window"):
+@dataclass(frozen=True)
+class RopeTable:
+    """One rotary table's parameters (``rope_parameters``, or the legacy ``rope_scaling``/``rope_theta`` keys)."""
+
+    rope_type: str  # a STATIC_ROPE_TYPES entry, or a FAMILY_ROPE_TYPES one of this family
+    theta: float
+    params: dict[str, Any]  # every parameter, as transformers' rope init function for rope_type reads them
+    original_max_positions: int | None = None  # longrope: past this length its long factors take over
+
+
+def read_block(spec: ArchSpec, config: dict[str, Any], dims: ModelDims) -> Block:
+    """The block of a ``spec`` model whose language model's config is ``config``; refuses what it cannot
+    compute exactly."""
+    _refuse_unwired(spec, config)
+    window = config.get("sliding_window")
+    if spec.window_rule == "from_max_window_layers" and not config.get("use_sliding_window"):
         window = None
-    layer_types = _layer_types(spec, text, dims.num_layers, None if window is None else int(window))
-    per_type_rope = isinstance(text.get("rope_parameters"), dict) and all(
-        isinstance(v, dict) for v in text["rope_parameters"].values()) or "rope_local_base_freq" in text
+    layer_types = _layer_types(spec, config, dims.num_layers, None if window is None else int(window))
+    per_type_rope = _per_type_rope(config)
     rope_keys = tuple(t if per_type_rope else DEFAULT_ROPE for t in layer_types)
-    for key in set(rope_keys):
-        _check_rope(spec, rope_settings(text, None if key == DEFAULT_ROPE else key),
-                    "" if key == DEFAULT_ROPE else f" of {key} layers")
-    flat_rope = text.get("rope_parameters") or {}
-    partial = text.get("partial_rotary_factor", flat_rope.get("partial_rotary_factor") if not per_type_rope else None)
-    scalar = text.get("query_pre_attn_scalar")
+    flat_rope = config.get("rope_parameters") or {}
+    partial = config.get("partial_rotary_factor",
+                         flat_rope.get("partial_rotary_factor") if not per_type_rope else None)
+    scalar = config.get("query_pre_attn_scalar")
+    final_softcap = config.get("final_logit_softcapping")
     return Block(
         norm_offset=spec.norm_offset,
         qk_norm=spec.q_norm is not None,
         sandwich_norms=spec.sandwich_norms,
         embed_scale=math.sqrt(dims.hidden_size) if spec.embed_scale else None,
-        activation=activation(spec, text),
+        activation=activation(spec, config),
         attention_scale=float(scalar if scalar is not None else dims.head_dim) ** -0.5,
         attention_softcap=dims.attention_softcap,
-        final_softcap=None if text.get("final_logit_softcapping") is None else float(text["final_logit_softcapping"]),
+        final_softcap=None if final_softcap is None else float(final_softcap),
         rotary_dim=int(dims.head_dim * float(partial or 1.0)),
         sliding_window=None if window is None or SLIDING not in layer_types else int(window),
         layer_types=layer_types,
@@ -172,6 +171,22 @@ def read_block(config: dict[str, Any]) -> Block:
     )
 
 
-def describe(config: dict[str, Any]) -> tuple[ArchSpec, ModelDims, Block]:
-    """Everything the compiler reads off a config.json: its family, dimensions and block."""
-    return arch_for(config), read_dims(config), read_block(config)
+def _per_type_rope(config: dict[str, Any]) -> bool:
+    """Whether the rotary tables differ by layer type (Gemma 3): nested rope_parameters or a local base."""
+    rope = config.get("rope_parameters")
+    nested = isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values())
+    return nested or "rope_local_base_freq" in config
+
+
+def read_rope(spec: ArchSpec, config: dict[str, Any], block: Block, dims: ModelDims) -> dict[str, RopeTable]:
+    """The rotary tables ``block``'s layers read, by key; refuses rope types no fixed table computes exactly."""
+    tables = {}
+    for key in sorted(set(block.rope_keys)):
+        params = rope_settings(config, None if key == DEFAULT_ROPE else key)
+        _check_rope(spec, params, "" if key == DEFAULT_ROPE else f" of {key} layers")
+        original = None
+        if params["rope_type"] == "longrope":
+            original = int(config.get("original_max_position_embeddings")
+                           or params.get("original_max_position_embeddings") or dims.max_position_embeddings)
+        tables[key] = RopeTable(str(params["rope_type"]), float(params["rope_theta"]), params, original)
+    return tables

@@ -52,7 +52,7 @@ MIN_TOKENS = 16
 
 
 @dataclass(frozen=True)
-class Text:
+class CalibrationText:
     """Token ids of the calibration samples and how they were made (recorded in the weight format)."""
 
     samples: tuple[tuple[int, ...], ...]
@@ -64,16 +64,16 @@ class Text:
         return hashlib.sha256(repr(self.samples).encode()).hexdigest()[:16]
 
 
-def calibration_text(ckpt: Checkpoint, source: str, samples: int, tokens: int, scratch: Path) -> Text:
+def calibration_text(ckpt: Checkpoint, source: str, samples: int, tokens: int, scratch: Path) -> CalibrationText:
     """``samples`` sequences of up to ``tokens`` token ids from ``source`` ("auto" or a text file's path)."""
     if samples < 1 or tokens < MIN_TOKENS:
         raise ConfigError(f"--calibration-samples {samples} of {tokens} tokens: expected at least 1 sample of at "
                           f"least {MIN_TOKENS} tokens, e.g. --calibration-samples 8")
     tokenizer = _tokenizer(ckpt, scratch)
-    bos = (ckpt.generation_config or {}).get("bos_token_id", ckpt.config.get("bos_token_id"))
+    bos = (ckpt.generation_config or {}).get("bos_token_id", ckpt.description.bos_token_id)
     if source == "auto":
         prompts = _prompts(tokenizer, bos, samples, ckpt.dims.vocab_size)
-        return Text(_generate(ckpt, prompts, tokens, scratch), "auto")
+        return CalibrationText(_generate(ckpt, prompts, tokens, scratch), "auto")
     path = Path(source)
     if not path.is_file():
         raise ConfigError(f"--calibration {source}: no such file; give a UTF-8 text file, auto (the model's own "
@@ -95,7 +95,7 @@ def calibration_text(ckpt: Checkpoint, source: str, samples: int, tokens: int, s
     if len(cut) < samples:
         log.warning("--calibration %s: %d tokens make %d samples of %d tokens, not %d", source, len(ids), len(cut),
                     tokens, samples)
-    return Text(tuple(tuple(c) for c in cut), f"file {path.name}")
+    return CalibrationText(tuple(tuple(c) for c in cut), f"file {path.name}")
 
 
 def _tokenizer(ckpt: Checkpoint, scratch: Path):  # -> transformers tokenizer | None
@@ -182,7 +182,7 @@ def _generate(ckpt: Checkpoint, prompts: list[list[int]], tokens: int,
     head = embed if ckpt.dims.tie_word_embeddings else rows(ckpt.spec.lm_head)
     stage, rng = _all_layers(ckpt), np.random.default_rng(SEED)
     context = Context(blk, stage.layers)
-    tables = rotary_tables(ckpt.config, blk, stage.layers, None)
+    tables = rotary_tables(ckpt.description, stage.layers, None)
     width = max(map(len, prompts))
     ids = np.zeros((len(prompts), width), np.int64)
     mask = np.zeros((len(prompts), width), np.int64)
@@ -240,11 +240,11 @@ class Activations:
     embedding and the lm_head, which stay INT8 or are compressed data-free.
     """
 
-    def __init__(self, ckpt: Checkpoint, text: Text, max_positions: int | None = None) -> None:
+    def __init__(self, ckpt: Checkpoint, text: CalibrationText, max_positions: int | None = None) -> None:
         self.ckpt, self.text = ckpt, text
         self.at = 0
         self.hidden: list[torch.Tensor] = []
-        self.tables = rotary_tables(ckpt.config, ckpt.block, range(ckpt.dims.num_layers), max_positions)
+        self.tables = rotary_tables(ckpt.description, range(ckpt.dims.num_layers), max_positions)
 
     def __call__(self, piece: Piece) -> list[dict[str, np.ndarray]] | None:
         if piece.kind != "layers" or piece.start is None or piece.end is None:

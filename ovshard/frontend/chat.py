@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ovshard.bundle import names
+from ovshard.bundle import names, staging
 from ovshard.bundle.manifest import Chat, sha256_file
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def write_chat(hf_tokenizer: Any, out_dir: Path) -> Chat | None:
         named[name] = names.named_chat_template(name)
         files[named[name]] = text
     for file, text in files.items():
-        (out_dir / file).write_bytes(text.encode("utf-8"))  # bytes: no newline translation
+        staging.write_bytes(out_dir / file, text.encode("utf-8"))  # bytes: no newline translation
     return Chat(template=names.CHAT_TEMPLATE, named=named,
                 sha256={file: sha256_file(out_dir / file) for file in files},
                 special_tokens=dict(hf_tokenizer.special_tokens_map),

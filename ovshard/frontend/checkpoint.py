@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 from ovshard.bundle.dims import ModelDims
 from ovshard.errors import CheckpointError
 from ovshard.frontend.arch import ArchSpec, model_tensors
-from ovshard.frontend.block import Block, describe
+from ovshard.frontend.block import Block
+from ovshard.frontend.description import ModelDescription, describe
 
 if TYPE_CHECKING:
     import torch
@@ -148,17 +149,30 @@ class Checkpoint:
     """An opened checkpoint directory. Only headers are in memory; tensor data is read on demand."""
 
     path: Path
-    config: dict[str, Any]
+    config: dict[str, Any]  # config.json as read: copied into bundles; the compiler reads ``description``
     generation_config: dict[str, Any] | None
     has_tokenizer: bool
-    spec: ArchSpec
-    dims: ModelDims  # validated by :func:`ovshard.frontend.arch.read_dims`
-    block: Block  # what the decoder block computes, from config.json (:func:`ovshard.frontend.block.read_block`)
+    description: ModelDescription  # everything read off config.json, once (:func:`~ovshard.frontend.description.describe`)
     weight_files: tuple[str, ...]  # safetensors files, sorted by name
     loaded: list[str] = field(default_factory=list)  # tensors whose data was read, in order
     _entries: dict[str, TensorEntry] = field(default_factory=dict, repr=False)
     _headers: dict[str, SafetensorsHeader] = field(default_factory=dict, repr=False)
     _config_bytes: bytes = field(default=b"", repr=False)  # config.json as read at open
+
+    @property
+    def spec(self) -> ArchSpec:
+        """The family's table entry (``description.arch``)."""
+        return self.description.arch
+
+    @property
+    def dims(self) -> ModelDims:
+        """The dimensions (``description.dims``)."""
+        return self.description.dims
+
+    @property
+    def block(self) -> Block:
+        """What the decoder block computes (``description.block``)."""
+        return self.description.block
 
     @property
     def quantization(self) -> str | None:
@@ -268,16 +282,13 @@ class Checkpoint:
             put(header.raw)
         return "sha256:" + digest.hexdigest()
 
-    def validate_tensors(self, spec: ArchSpec | None = None, dims: ModelDims | None = None) -> None:
+    def validate_tensors(self) -> None:
         """Check every tensor ``model_tensors(spec, dims)`` expects is present, floating, and well shaped.
-
-        ``spec`` and ``dims`` default to this checkpoint's own (from config.json).
 
         A tied checkpoint may (but need not) hold ``lm_head.weight``; an untied one must. Tensors the
         model would not read are an error too: they usually mean the config describes another model.
         """
-        spec = spec or self.spec
-        dims = dims or self.dims
+        spec, dims = self.spec, self.dims
         expected = model_tensors(spec, dims)
         missing = [name for name in expected if name not in self._entries]
         if missing:
@@ -326,7 +337,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             f"checkpoint path {root} is a file; expected the directory holding config.json and *.safetensors"
         )
     config, config_bytes = _read_json(root / CONFIG_FILE, what="config.json")
-    spec, dims, block = describe(config)
+    description = describe(config)
     generation_path = root / GENERATION_CONFIG_FILE
     generation = (
         _read_json(generation_path, what="generation_config.json")[0] if generation_path.exists() else None
@@ -340,9 +351,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         config=config,
         generation_config=generation,
         has_tokenizer=any((root / name).is_file() for name in TOKENIZER_FILES),
-        spec=spec,
-        dims=dims,
-        block=block,
+        description=description,
         weight_files=tuple(headers),
         _entries=entries,
         _headers=headers,

@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ovshard.bundle import staging
 from ovshard.errors import CheckpointError
 from ovshard.frontend.arch import ArchSpec, model_tensors
-from ovshard.frontend.block import describe
 from ovshard.frontend.checkpoint import Checkpoint
+from ovshard.frontend.description import describe
 from ovshard.frontend.gguf_config import GGUFFamily, family_of, generation_config, rebuild_config
 
 if TYPE_CHECKING:
@@ -228,9 +229,9 @@ class GGUFCheckpoint(Checkpoint):
             name = "unknown"
         return SourceQuantization(file_type=name, tensor_types=tuple(counts.most_common()))
 
-    def validate_tensors(self, spec: ArchSpec | None = None, dims: ModelDims | None = None) -> None:
+    def validate_tensors(self) -> None:
         """Check the file holds exactly the tensors the model reads, well shaped and of a type we dequantize."""
-        spec, dims = spec or self.spec, dims or self.dims
+        spec, dims = self.spec, self.dims
         expected = model_tensors(spec, dims)
         missing = [name for name in expected if name not in self._tensors]
         if missing:
@@ -281,7 +282,7 @@ class GGUFCheckpoint(Checkpoint):
             raise CheckpointError(f"{self.path} has no tokenizer metadata (tokenizer.ggml.model); "
                                   "the bundle takes and returns token ids only")
         out_dir.mkdir(parents=True, exist_ok=True)
-        model_type = str(self.config["model_type"])
+        model_type = self.dims.model_type
         # naming the class skips transformers re-reading the whole file for a config it only needs for that
         hint = {"tokenizer_type": model_type} if TOKENIZER_MAPPING_NAMES.get(model_type) else {}
         try:
@@ -291,7 +292,7 @@ class GGUFCheckpoint(Checkpoint):
                                   f"({type(e).__name__}: {e})") from e
         written = [Path(p).name for p in tokenizer.save_pretrained(out_dir)]
         for name, data in (("config.json", self.config), ("generation_config.json", self.generation_config)):
-            (out_dir / name).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+            staging.write_text(out_dir / name, json.dumps(data, indent=2, sort_keys=True) + "\n")
             written.append(name)
         return sorted(set(written))
 
@@ -306,11 +307,11 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     rope_freqs = next((t.data for t in reader.tensors if t.name == ROPE_FREQS), None)
     config = rebuild_config(path, arch, family, metadata, shapes, rope_freqs)
-    spec, dims, block = describe(config)
-    tensors, unmapped = _map_tensors(reader, arch, family, spec, dims)
+    description = describe(config)
+    tensors, unmapped = _map_tensors(reader, arch, family, description.arch, description.dims)
     ckpt = GGUFCheckpoint(
         path=path, config=config, generation_config=generation_config(metadata),
-        has_tokenizer="tokenizer.ggml.model" in metadata, spec=spec, dims=dims, block=block,
+        has_tokenizer="tokenizer.ggml.model" in metadata, description=description,
         weight_files=(path.name,), metadata=metadata, _reader=reader, _tensors=tensors, _unmapped=unmapped,
     )
     quant = ckpt.source_quantization

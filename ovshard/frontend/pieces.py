@@ -75,7 +75,7 @@ def context_ports(ckpt: Checkpoint, layers: range) -> list[Port]:
 
 def prologue_piece(ckpt: Checkpoint, stage: StageSpec, max_positions: int | None) -> ov.Model:
     """(attention_mask, position_ids) -> the rotary cos/sin and 4-D masks the stage's layers read."""
-    tables = rotary_tables(ckpt.config, ckpt.block, stage.layers, max_positions)
+    tables = rotary_tables(ckpt.description, stage.layers, max_positions)
     mask = torch.ones(_BATCH, _PAST + _SEQ, dtype=torch.int64)
     positions = torch.arange(_PAST, _PAST + _SEQ, dtype=torch.int64).expand(_BATCH, _SEQ).contiguous()
     ids = _dyn(None, None)

@@ -287,7 +287,7 @@ class EmbedScaleModule(nn.Module):
 
 
 class FinalNormModule(nn.Module):
-    """The final RMSNorm of the last stage; the lm_head MatMul is built from chunks (``ovshard.stream``)."""
+    """The final RMSNorm of the last stage; the lm_head MatMul is built from chunks (``ovshard.layerwise``)."""
 
     def __init__(self, dims: ModelDims, blk: Block, weight: torch.Tensor) -> None:
         super().__init__()

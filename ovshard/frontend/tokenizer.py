@@ -5,9 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import openvino as ov
-
-from ovshard.bundle import names
+from ovshard.bundle import names, staging
 from ovshard.bundle.manifest import Chat
 from ovshard.frontend.chat import write_chat
 from ovshard.ir.naming import stable_names
@@ -43,6 +41,6 @@ def convert_tokenizer(checkpoint_dir: Path, out_dir: Path) -> tuple[list[str], C
         if chat is not None:
             model.set_rt_info((out_dir / chat.template).read_bytes().decode("utf-8"), names.CHAT_TEMPLATE_RT_INFO)
         stable_names(model)  # counter-based default names would make the XML differ from one process to the next
-        ov.save_model(model, out_dir / xml)
+        staging.save_model(model, out_dir / xml, compress_to_fp16=True)  # ov.save_model's default
         written += [xml, xml.replace(".xml", ".bin")]
     return written, chat

@@ -105,7 +105,7 @@ def load_layer(ckpt: Checkpoint, i: int, stage: StageSpec) -> Weights:
 
 def build_stage_module(ckpt: Checkpoint, stage: StageSpec, max_positions: int | None = None) -> StageModule:
     spec, dims = ckpt.spec, ckpt.dims
-    tables = rotary_tables(ckpt.config, ckpt.block, stage.layers, max_positions)
+    tables = rotary_tables(ckpt.description, stage.layers, max_positions)
     layers = []
     for i in range(stage.start, stage.end):
         log.info("stage %d: loading layer %d (%d of %d)", stage.index, i, i - stage.start + 1, stage.end - stage.start)

@@ -59,7 +59,10 @@ def rotary_table_bytes(tables: int, rotary_dim: int, max_positions: int) -> int:
 
 def model_costs(spec: ArchSpec, dims: ModelDims, fmt: WeightFormat, stage_bytes: int = 0) -> ModelCosts:
     """The planner's view of the model: embed, one block per layer, head; ``stage_bytes`` every stage holds
-    whatever its layers (the rotary tables: ``rotary_table_bytes``)."""
+    whatever its layers (the rotary tables: ``rotary_table_bytes``).
+
+    It takes the family and dimensions only (from a :class:`~ovshard.frontend.description.ModelDescription`
+    when compiling, from a manifest's ``architecture`` when placing a compiled bundle)."""
     int8_backup = fmt.mode.startswith("int4") and not fmt.all_layers
     table = dims.vocab_size * dims.hidden_size
     # a step gathers the fed tokens' rows of the embedding: a row's bytes, against all of the lm_head's

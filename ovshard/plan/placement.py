@@ -2,7 +2,7 @@
 
 The units are the bundle's own stages (each a layer range, compiled already); a placed stage is a run of
 consecutive units on one node, so the cuts allowed are the units' boundaries. The numbers come from the
-nodes' probes (``ovshard.runtime.probe``: seconds per weight byte of a decode step, free memory) and the
+nodes' probes (``ovshard.runtime.cluster.probe``: seconds per weight byte of a decode step, free memory) and the
 bundle's plan (the weight and KV bytes recorded per unit).
 
 Time model: a decode step of one token reads each weight of the stage once, so a stage's step takes its
@@ -36,7 +36,7 @@ _COLUMNS = ("stage", "node", "host", "layers", "predicted ms", "memory @ {ctx}")
 
 @dataclass(frozen=True)
 class NodeProbe:
-    """What a node's probe measured (``ovshard.runtime.probe.probe_layer``), in plain data."""
+    """What a node's probe measured (``ovshard.runtime.cluster.probe.probe_layer``), in plain data."""
 
     node: str  # the node's id (a Ray node id)
     host: str

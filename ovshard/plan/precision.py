@@ -73,7 +73,7 @@ class Candidate:
     elements: int
 
 
-BASE = WeightFormat("int4_asym", 128, ratio=1.0, budget=1.0)  # ovshard's INT4 before issue 16: the budget's unit
+BASE = WeightFormat("int4_asym", 128, ratio=1.0, budget=1.0)  # the all-INT4 asym format: the budget's unit
 
 
 def all_int4_bytes(dims: ModelDims, fmt: WeightFormat = BASE) -> float:

@@ -50,25 +50,25 @@ def _story(bundle: Path, m: Manifest, max_new_tokens: int = 64) -> str:
 
     The workers run with f32 hints (``serve --exact``): the story is then the same on every CPU, where
     the default bf16 kernels of AVX512-BF16 and AMX machines pick different tokens."""
-    from ovshard.runtime.cli import Text
-    from ovshard.runtime.head import Head, Stats
-    from ovshard.runtime.launch import local_workers
-    from ovshard.runtime.sampler import IncrementalDetokenizer, SamplingConfig
-    from ovshard.runtime.session import Session
-    from ovshard.runtime.speculative import make_speculation
+    from ovshard.runtime.client.head import Head, Stats
+    from ovshard.runtime.client.launch import local_workers
+    from ovshard.runtime.client.scheduler import Scheduler
+    from ovshard.runtime.client.text import Text, TextStream
+    from ovshard.runtime.decoding.speculative import make_speculation
+    from ovshard.runtime.engine.sampler import SamplingConfig
 
     text = Text(bundle, m)
     prompt = text.encode(PROMPT, None) if m.tokenizer else m.generation.start_ids
     config = SamplingConfig(max_tokens=max_new_tokens, eos_token_ids=m.generation.eos_token_ids)
-    stats, spec_stats, detok = Stats(), Stats(), IncrementalDetokenizer(text.decode)
+    stats, spec_stats, shown = Stats(), Stats(), TextStream(text, [])
     with local_workers(bundle, exact=True) as addresses:
         head = Head(bundle, addresses)
         try:
             tokens = list(head.generate(prompt, config, stats))
-            story = PROMPT + "".join(detok.push(t) for t in tokens) + detok.flush()
+            story = PROMPT + "".join(shown.push(t) for t in tokens) + shown.finish()
             spec_tokens = list(head.generate(prompt, config, spec_stats, make_speculation("prompt-lookup", "auto", m)))
             prompts = [text.encode(p, None) for p in STREAM_PROMPTS] if m.tokenizer else [prompt] * 4
-            session = Session(head, streams=len(prompts))
+            session = Scheduler(head, streams=len(prompts))
             start = time.perf_counter()
             requests = session.run_all(prompts, config)
             streams_s = time.perf_counter() - start

@@ -4,7 +4,8 @@ Each family has a tiny default (the keys ``<Family>Config().to_dict()`` writes, 
 ``PretrainedConfig`` ones, with a small shape and ``initializer_range`` 0.1 for clear greedy margins);
 a preset is that default with the public model's values. Values are those of the public config.json
 files on the Hugging Face hub, written the way transformers 5 saves them (``rope_parameters``, per
-layer type for Gemma 3; ``layer_types``).
+layer type for Gemma 3; ``layer_types``), down to the ``dtype`` the weights are published in, which
+``ovshard synth`` stores unless told otherwise (the tiny defaults are float32).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import copy
 from typing import Any
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+BF16 = "bfloat16"  # the dtype most public checkpoints are published in
 
 
 def _common(architecture: str, model_type: str) -> dict[str, Any]:
@@ -118,28 +120,29 @@ def _pattern(layers: int, period: int) -> list[str]:
 
 def _qwen25(**values: Any) -> dict[str, Any]:
     layers = values["num_hidden_layers"]
-    return family_config("qwen2", bos_token_id=151643, eos_token_id=151643, initializer_range=0.02,
+    return family_config("qwen2", bos_token_id=151643, dtype=BF16, eos_token_id=151643, initializer_range=0.02,
                          layer_types=[FULL] * layers, max_window_layers=layers, rms_norm_eps=1e-6,
                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, **values)
 
 
 def _qwen3(**values: Any) -> dict[str, Any]:
     layers = values["num_hidden_layers"]
-    return family_config("qwen3", bos_token_id=151643, eos_token_id=151645, head_dim=128, initializer_range=0.02,
+    return family_config("qwen3", bos_token_id=151643, dtype=BF16, eos_token_id=151645, head_dim=128,
+                         initializer_range=0.02,
                          layer_types=[FULL] * layers, max_position_embeddings=40960, max_window_layers=layers,
                          num_key_value_heads=8, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
                          vocab_size=151936, **values)
 
 
-def _gemma2(**values: Any) -> dict[str, Any]:
-    return family_config("gemma2", head_dim=256, initializer_range=0.02,
+def _gemma2(**values: Any) -> dict[str, Any]:  # the Gemma 2 base models are published in float32
+    return family_config("gemma2", dtype="float32", head_dim=256, initializer_range=0.02,
                          layer_types=_pattern(values["num_hidden_layers"], 2), max_position_embeddings=8192,
                          query_pre_attn_scalar=256, sliding_window=4096, vocab_size=256000, **values)
 
 
 def _gemma3(*, full_rope: dict[str, Any], **values: Any) -> dict[str, Any]:
     return family_config(
-        "gemma3_text", _sliding_window_pattern=6, head_dim=256, initializer_range=0.02,
+        "gemma3_text", _sliding_window_pattern=6, dtype=BF16, head_dim=256, initializer_range=0.02,
         layer_types=_pattern(values["num_hidden_layers"], 6), query_pre_attn_scalar=256,
         rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
                          FULL: {**full_rope, "rope_theta": 1000000.0}}, **values)
@@ -150,7 +153,7 @@ def _llama3_rope(theta: float, factor: float) -> dict[str, Any]:
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-_META_LLAMA3 = {"bos_token_id": 128000, "eos_token_id": 128001, "initializer_range": 0.02,
+_META_LLAMA3 = {"bos_token_id": 128000, "dtype": BF16, "eos_token_id": 128001, "initializer_range": 0.02,
                 "max_position_embeddings": 131072, "num_key_value_heads": 8, "vocab_size": 128256}
 
 # Phi-4-mini's longrope factors: one per rotary frequency (rotary_dim / 2 = 128 * 0.75 / 2 = 48)
@@ -191,20 +194,20 @@ SHAPES: dict[str, dict[str, Any]] = {
     "mistral-7b": family_config(  # v0.3: the 32768-token vocabulary, no sliding window
         "mistral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
         head_dim=128, intermediate_size=14336, vocab_size=32768, max_position_embeddings=32768,
-        rms_norm_eps=1e-5, initializer_range=0.02, sliding_window=None,
+        rms_norm_eps=1e-5, initializer_range=0.02, sliding_window=None, dtype=BF16,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
     "phi-3-mini": family_config(  # Phi-3-mini-4k-instruct
         "phi3", hidden_size=3072, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
         intermediate_size=8192, vocab_size=32064, max_position_embeddings=4096,
         original_max_position_embeddings=4096, sliding_window=2047, initializer_range=0.02, bos_token_id=1,
-        eos_token_id=32000, pad_token_id=32000,
+        eos_token_id=32000, pad_token_id=32000, dtype=BF16,
     ),
     "phi-4-mini": family_config(  # Phi-4-mini-instruct: 3/4 of each head rotates, longrope past 4096 tokens
         "phi3", hidden_size=3072, num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8,
         intermediate_size=8192, vocab_size=200064, max_position_embeddings=131072,
         original_max_position_embeddings=4096, sliding_window=262144, tie_word_embeddings=True,
-        initializer_range=0.02, bos_token_id=199999, eos_token_id=199999, pad_token_id=199999,
+        initializer_range=0.02, bos_token_id=199999, eos_token_id=199999, pad_token_id=199999, dtype=BF16,
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                          "original_max_position_embeddings": 4096, "long_factor": _PHI4_LONG_FACTOR,
                          "short_factor": [1.0] * 48},

@@ -35,16 +35,18 @@ import numpy as np
 from ovshard.bundle.dims import ModelDims
 from ovshard.bundle.plan import format_bytes
 from ovshard.errors import CheckpointError, OvshardError, PlanError
-from ovshard.frontend.arch import ARCHITECTURES, ArchSpec, arch_for, model_tensors, read_dims
+from ovshard.frontend.arch import ARCHITECTURES, ArchSpec, model_tensors
 from ovshard.frontend.checkpoint import CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from ovshard.frontend.description import ModelDescription, describe
 from ovshard.plan.partition import parse_budgets
 from ovshard.tools.shapes import SHAPES, family_config, llama_config, preset, resize_layer_types
 
 logger = logging.getLogger(__name__)
 
 # the shapes are defined in ovshard.tools.shapes and offered here too, beside the writer
-__all__ = ["SHAPES", "CheckpointLayout", "checkpoint_layout", "family_config", "llama_config", "main_synth", "preset",
-           "shape_config", "tensor_chunks", "with_layers", "write_checkpoint"]
+__all__ = ["SHAPES", "CheckpointLayout", "SynthConfig", "checkpoint_layout", "family_config", "llama_config",
+           "main_synth", "preset", "shape_config", "storage_dtype", "synth", "tensor_chunks", "with_layers",
+           "write_checkpoint"]
 
 # config["dtype"] value -> (safetensors dtype string, little-endian numpy storage dtype)
 STORAGE_DTYPES: dict[str, tuple[str, str]] = {
@@ -120,16 +122,20 @@ def _header_bytes(
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _write_config_files(root: Path, config: dict[str, Any]) -> None:
+def _write_config_files(root: Path, config: dict[str, Any], model: ModelDescription) -> None:
     (root / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    generation = {
+    generation: dict[str, Any] = {
         "_from_model_config": True,
-        "bos_token_id": config.get("bos_token_id"),
-        "eos_token_id": config.get("eos_token_id"),
+        "bos_token_id": _json_ids(model.bos_token_id),
+        "eos_token_id": _json_ids(model.eos_token_id),
     }
-    if config.get("pad_token_id") is not None:
-        generation["pad_token_id"] = config["pad_token_id"]
+    if model.pad_token_id is not None:
+        generation["pad_token_id"] = _json_ids(model.pad_token_id)
     (root / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+
+
+def _json_ids(ids: int | tuple[int, ...] | None) -> int | list[int] | None:
+    return list(ids) if isinstance(ids, tuple) else ids
 
 
 def _initializer_range(config: dict[str, Any]) -> float:
@@ -193,7 +199,8 @@ def write_checkpoint(
     """
     if dtype not in STORAGE_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of {', '.join(STORAGE_DTYPES)}")
-    spec, dims = arch_for(config), read_dims(config)
+    model = describe(config)
+    spec, dims = model.arch, model.dims
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(
@@ -212,7 +219,7 @@ def write_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the checkpoint is an ordinary directory
     try:
-        _write_config_files(tmp, {**config, "dtype": dtype})
+        _write_config_files(tmp, {**config, "dtype": dtype}, model)
         values = _ValueSource(
             seed=seed,
             dtype=dtype,
@@ -257,7 +264,8 @@ def checkpoint_layout(config: dict[str, Any], dtype: str = "float32",
     """The files, tensor shapes, parameter count and bytes of ``config``'s checkpoint, computed from shapes alone."""
     if dtype not in STORAGE_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of {', '.join(STORAGE_DTYPES)}")
-    shapes = model_tensors(arch_for(config), read_dims(config))
+    model = describe(config)
+    shapes = model_tensors(model.arch, model.dims)
     itemsize = np.dtype(STORAGE_DTYPES[dtype][1]).itemsize
     sizes = {name: math.prod(shape) * itemsize for name, shape in shapes.items()}
     shards = _plan_shards(sizes, max_shard_bytes)
@@ -283,7 +291,7 @@ def shape_config(source: str, layers: int | None = None) -> dict[str, Any]:
                            f"{', '.join(sorted(ARCHITECTURES))}")
     if layers is not None:
         config = with_layers(config, layers)
-    read_dims(config)  # an unsupported model_type or a missing key fails here, naming what is wrong
+    describe(config)  # an unsupported model_type, key or value, or a missing key, fails here, naming what is wrong
     return config
 
 
@@ -313,26 +321,55 @@ def _read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def main_synth(args: argparse.Namespace) -> int:
-    """``ovshard synth``: write (or with ``--dry-run`` only describe) a random-weight checkpoint."""
-    config = shape_config(args.shape, args.layers)
-    legacy_dtype = config.pop("torch_dtype", None)  # written back once, as the transformers-5 "dtype"
-    dtype = args.dtype or config.get("dtype") or legacy_dtype or "float32"
+@dataclass(frozen=True)
+class SynthConfig:
+    """What ``ovshard synth`` writes: a named shape (``SHAPES``) or a config.json, where, and how."""
+
+    shape: str
+    output: Path
+    dtype: str | None = None  # None: the shape's published dtype, or the config.json's own (see storage_dtype)
+    seed: int = 0
+    layers: int | None = None  # num_hidden_layers override
+    max_shard_size: str = "2GB"
+    dry_run: bool = False
+
+
+def storage_dtype(config: dict[str, Any], override: str | None = None) -> str:
+    """The dtype to store: ``override``, else the config's ``dtype`` (a named shape's is its published model's:
+    bfloat16 for Llama 3.x, Qwen, Mistral, Phi and Gemma 3, float32 for Gemma 2), else its legacy
+    ``torch_dtype``, else float32."""
+    dtype = override or config.get("dtype") or config.get("torch_dtype") or "float32"
     if dtype not in STORAGE_DTYPES:
-        raise OvshardError(f"the config's dtype is {dtype!r}; pass --dtype with one of {', '.join(STORAGE_DTYPES)}")
-    max_shard_bytes = _parse_size(args.max_shard_size)
+        raise OvshardError(f"the config's dtype is {dtype!r}, which synth does not write; expected one of "
+                           f"{', '.join(STORAGE_DTYPES)}: pass --dtype with one of them")
+    return str(dtype)
+
+
+def main_synth(args: argparse.Namespace) -> int:
+    """``ovshard synth``: the command line's arguments as a :class:`SynthConfig`, run by :func:`synth`."""
+    return synth(SynthConfig(shape=args.shape, output=Path(args.output), dtype=getattr(args, "dtype", None),
+                             seed=args.seed, layers=args.layers, max_shard_size=args.max_shard_size,
+                             dry_run=args.dry_run))
+
+
+def synth(job: SynthConfig) -> int:
+    """Write (or with ``dry_run`` only describe) a random-weight checkpoint; print one summary line."""
+    config = shape_config(job.shape, job.layers)
+    dtype = storage_dtype(config, job.dtype)
+    config.pop("torch_dtype", None)  # written back once, as the transformers-5 "dtype"
+    max_shard_bytes = _parse_size(job.max_shard_size)
     layout = checkpoint_layout(config, dtype, max_shard_bytes)
-    logger.info("%s: %d layers, %d tensors in %d file(s)", args.shape, read_dims(config).num_layers,
+    logger.info("%s: %d layers, %d tensors in %d file(s)", job.shape, describe(config).dims.num_layers,
                 len(layout.shapes), len(layout.files))
     for file, tensors, nbytes in layout.files:
         logger.debug("%s: %d tensors, %s", file, len(tensors), format_bytes(nbytes))
-    if not args.dry_run:
+    if not job.dry_run:
         try:
-            write_checkpoint(args.output, config, seed=args.seed, dtype=dtype, max_shard_bytes=max_shard_bytes)
+            write_checkpoint(job.output, config, seed=job.seed, dtype=dtype, max_shard_bytes=max_shard_bytes)
         except FileExistsError as e:
             raise OvshardError(str(e)) from e
-    verb = "would write" if args.dry_run else "wrote"
-    print(f"{verb} {args.output}: {layout.parameters:,} parameters, {layout.nbytes:,} bytes "
+    verb = "would write" if job.dry_run else "wrote"
+    print(f"{verb} {job.output}: {layout.parameters:,} parameters, {layout.nbytes:,} bytes "
           f"({format_bytes(layout.nbytes)}, {dtype}) in {len(layout.files)} safetensors file(s)")
     return 0
 

@@ -104,7 +104,7 @@ def gpu_runtime_rows(bundle: Path, m: Manifest, core: ov.Core) -> list[Row]:
     """IndirectKVCache signature: per layer, K and V ``kv_cache`` nodes reading ``beam_idx``.
 
     Untested on hardware here (no Intel GPU on these machines); the static predictor covers the
-    GPU plugin's preconditions, and tests/test_predict.py runs this path where a GPU exists.
+    GPU plugin's preconditions, and tests/compiler/test_predict.py runs this path where a GPU exists.
     """
     rows = []
     for entry in m.stages:

@@ -19,15 +19,15 @@ import numpy as np
 
 from ovshard.bundle.manifest import Manifest
 from ovshard.errors import ConfigError
-from ovshard.runtime.local import LocalPipeline
-from ovshard.runtime.stage import EXACT_HINTS
+from ovshard.runtime.client.inprocess import LocalPipeline
+from ovshard.runtime.engine.stage import EXACT_HINTS
 from ovshard.verify import perplexity
 from ovshard.verify.rows import Row
 
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Pass bars for one weight format (README, "Accuracy gate")."""
+    """Pass bars for one weight format (docs/verify.md, "Thresholds by weight format")."""
 
     max_abs_diff: float | None  # on logits; None: reported only
     agreement: float  # teacher-forced top-1 agreement, on the greedy continuation and along the text

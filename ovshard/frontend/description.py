@@ -1,0 +1,59 @@
+"""What the compiler knows about a model, read once from its config.json into one typed object.
+
+:func:`describe` is the only reader of a config.json's keys: it finds the family (``arch_for``), takes the
+language model's config (a multimodal config's ``text_config``), and reads the dimensions, the decoder
+block, the rotary tables and the special token ids. Everything downstream (tracer, stage module, rope,
+planner, compile, stream, GGUF reader, synth) takes the :class:`ModelDescription`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from ovshard.bundle.dims import ModelDims
+from ovshard.frontend.arch import ArchSpec, arch_for, language_config, read_dims
+from ovshard.frontend.block import Block, RopeTable, read_block, read_rope
+
+TokenIds = int | tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """A checkpoint's family, dimensions, block, rotary tables and special token ids, from its config.json."""
+
+    arch: ArchSpec
+    dims: ModelDims
+    block: Block
+    rope: Mapping[str, RopeTable]  # by rotary table key (``Block.rope_keys``): the tables some layer reads
+    bos_token_id: TokenIds  # config.json's; generation_config.json, where present, takes precedence
+    eos_token_id: TokenIds
+    pad_token_id: TokenIds
+    # The language model's config as read, handed whole to transformers' rope init functions (which take a
+    # transformers config object); nothing in ovshard reads its keys.
+    language_config: Mapping[str, Any] = field(compare=False, repr=False)
+
+
+def describe(config: Mapping[str, Any]) -> ModelDescription:
+    """Read ``config`` (a config.json's object) once; refuse a family, key or value ovshard cannot compute."""
+    config = dict(config)
+    spec = arch_for(config)
+    text = language_config(spec, config)
+    dims = read_dims(spec, text)
+    block = read_block(spec, text, dims)
+    return ModelDescription(
+        arch=spec, dims=dims, block=block,
+        rope=MappingProxyType(read_rope(spec, text, block, dims)),
+        bos_token_id=_token_ids(config.get("bos_token_id")),
+        eos_token_id=_token_ids(config.get("eos_token_id")),
+        pad_token_id=_token_ids(config.get("pad_token_id")),
+        language_config=MappingProxyType(copy.deepcopy(text)),
+    )
+
+
+def _token_ids(value: Any) -> TokenIds:
+    """One id, several (a list in JSON), or None, as config.json gives them."""
+    return tuple(value) if isinstance(value, list) else value

@@ -1,0 +1,362 @@
+"""The head: drives one or more streams through a chain of stage workers and samples tokens.
+
+It connects to every stage under one fresh session (128 random bits), from the last stage back, and
+tells each stage where the next one listens, then for every step sends the new tokens to stage 0 and
+waits for the last stage's Result. An Open is acknowledged by every stage before the stream's first Step.
+
+Streams: each stream has its own InferRequest (KV cache) at every stage. Any number of threads may run
+streams at once: a reader thread per connection hands each Result to the step waiting for its ``seq``.
+
+Faults: when a stage goes away (connection lost, or a stage reports it lost the stream or its link),
+:class:`StreamTarget` reconnects the whole chain under a new session (retrying with backoff for
+``retry_s``), reopens its stream and replays the stream's visible tokens as one prefill, then repeats
+the step. The replayed cache holds the same tokens at the same positions, so a greedy stream finishes
+with the tokens of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import secrets
+import ssl
+import threading
+import time
+from collections.abc import Generator
+from pathlib import Path
+
+import numpy as np
+
+from ovshard.bundle.manifest import bundle_fingerprint, read_manifest
+from ovshard.errors import OvshardError
+from ovshard.runtime.decoding import decode
+from ovshard.runtime.decoding.decode import Stats
+from ovshard.runtime.decoding.speculative import Speculation
+from ovshard.runtime.engine.sampler import SamplingConfig
+from ovshard.runtime.engine.scores import Scores
+from ovshard.runtime.wire import protocol as p
+from ovshard.runtime.wire.transport import Connection, StageUnreachable, connect
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 30.0
+_BACKOFF_S = (0.1, 2.0)
+
+
+class StageFailure(OvshardError):
+    """A stage reported an error, or its connection failed; ``recoverable``: reconnect and replay."""
+
+    def __init__(self, message: str, recoverable: bool) -> None:
+        super().__init__(message)
+        self.recoverable = recoverable
+
+
+Reply = p.Result | p.OpenOk | p.Pong | StageFailure  # what a waiting step or open is handed
+# Tokens a prefill Step carries at most; 0: the whole prompt in one Step. Measured (bench/chunked_prefill.py,
+# the real Gemma 3 270M, 2 stages, 2,048 tokens): chunks of 128-512 take 4.4x longer to the first token
+# than one step, pipelining included: OpenVINO 2026.4's CPU attention over a cache with several new tokens
+# (4.6 s for 8 chunks of 256 against 0.8 s for one step of 2,048) and the compressed matmuls, which unpack
+# their weights on every call (2.0 s against 0.7 s). So chunking is off by default.
+PREFILL_CHUNK = 0
+
+
+def prefill_parts(count: int, chunk: int, want: str) -> list[tuple[int, int, str]]:
+    """``[start, end)`` of each chunk of ``count`` new tokens and what to ask of it: one part when ``chunk`` is
+    0 or not smaller; every chunk's rows for a bare ``argmax``; else the last chunk holds at least the rows
+    ``want`` reads and the others ask for one argmax (their answer is only an acknowledgement)."""
+    every_row = want == "argmax"
+    needed = p.rows_read(want, count)
+    if chunk == 0 or count <= chunk or (needed > chunk and not every_row):
+        return [(0, count, want)]  # short, or drafts longer than a chunk: one step
+    starts = list(range(0, count, chunk))
+    if not every_row and count - starts[-1] < needed:
+        starts.pop()  # the last chunk too short for the rows asked: it joins the one before
+    ends = [*starts[1:], count]
+    return [(a, z, want if every_row or z == count else "argmax@1") for a, z in zip(starts, ends, strict=True)]
+
+
+def _merged(results: list[p.Result], want: str) -> p.Result:
+    """One Result for a chunked step: the last chunk's, with every chunk's rows for a bare argmax."""
+    last = results[-1]
+    timings: dict[str, float] = {}
+    for r in results:
+        for stage, seconds in r.timings.items():
+            timings[stage] = timings.get(stage, 0.0) + seconds
+    tensor = last.tensor
+    if want == "argmax":  # every row was asked for: every chunk's
+        tensor = p.Tensor.from_array(np.concatenate([r.tensor.to_array() for r in results], axis=1))
+    return p.Result(last.stream, last.seq, tensor, timings, last.indices)
+
+
+class Chain:
+    """One session's connections to every stage, and the routing of their answers."""
+
+    def __init__(self, addresses: list[str], fingerprint: str, timeout: float, tls: ssl.SSLContext | None) -> None:
+        self.addresses, self.timeout = addresses, timeout
+        self.session = secrets.token_hex(16)
+        self.conns: list[Connection] = []
+        try:
+            for i in reversed(range(len(addresses))):
+                nxt = addresses[i + 1] if i + 1 < len(addresses) else None
+                self.conns.insert(0, connect(addresses[i], i, fingerprint, "head", self.session, nxt, tls=tls))
+        except OvshardError:
+            self.close()
+            raise
+        self.lock = threading.Lock()  # guards waiting and broken
+        self.waiting: dict[tuple[str, int], tuple[int, queue.Queue[Reply]]] = {}  # (what, seq|stream) -> ...
+        self.broken: StageFailure | None = None
+        for i, conn in enumerate(self.conns):
+            threading.Thread(target=self._read, args=(i, conn), daemon=True).start()
+
+    def _targets(self, msg: p.Message) -> list[queue.Queue[Reply]]:
+        if isinstance(msg, p.Result):
+            found = self.waiting.get(("step", msg.seq))
+        elif isinstance(msg, p.OpenOk):
+            found = self.waiting.get(("open", msg.stream))
+        elif isinstance(msg, p.Pong):
+            found = self.waiting.get(("ping", msg.nonce))
+        elif isinstance(msg, p.Error):
+            found = self.waiting.get(("step", msg.seq)) if msg.seq is not None else None
+            if found is None:
+                return [q for stream, q in self.waiting.values() if msg.stream in (None, stream)]
+        else:
+            return []
+        return [found[1]] if found else []
+
+    def _read(self, stage: int, conn: Connection) -> None:
+        """Route each answer to whoever waits for it; a failed connection fails everyone waiting."""
+        where = f"stage {stage} at {self.addresses[stage]}"
+        try:
+            while True:
+                msg = conn.receive()
+                answer: Reply = msg  # type: ignore[assignment]
+                if isinstance(msg, p.Error):
+                    answer = StageFailure(f"{where} reported {msg.code}: {msg.message}",
+                                          msg.code in p.RECOVERABLE_CODES)
+                with self.lock:
+                    targets = self._targets(msg)
+                for target in targets:
+                    target.put(answer)
+        except (p.ConnectionClosed, p.ProtocolError, OSError) as e:
+            with self.lock:
+                self.broken = StageFailure(f"{where} closed the connection: {e}", recoverable=True)
+                for _, target in self.waiting.values():
+                    target.put(self.broken)
+
+    def ask(self, key: tuple[str, int], stream: int, sends: list[tuple[int, p.Message]],
+            answers: int, timeout: float | None = None) -> list[p.Result | p.OpenOk | p.Pong]:
+        """Send each (stage, message), then wait for ``answers`` answers to ``key`` (``timeout`` each)."""
+        return self.ask_each([key], stream, sends, answers, timeout)[0]
+
+    def ask_each(self, keys: list[tuple[str, int]], stream: int, sends: list[tuple[int, p.Message]],
+                 answers: int = 1, timeout: float | None = None) -> list[list[p.Result | p.OpenOk | p.Pong]]:
+        """Send every message at once, then wait for ``answers`` answers to each key in turn: the chunks of a
+        pipelined prefill are all in flight while the first ones are still being answered."""
+        boxes: list[queue.Queue[Reply]] = [queue.Queue() for _ in keys]
+        with self.lock:
+            if self.broken is not None:
+                raise self.broken
+            self.waiting.update({key: (stream, box) for key, box in zip(keys, boxes, strict=True)})
+        try:
+            for stage, msg in sends:
+                try:
+                    self.conns[stage].send(msg)
+                except OSError as e:
+                    raise StageFailure(f"stage {stage} at {self.addresses[stage]}: send failed: {e}", True) from e
+            got: list[list[p.Result | p.OpenOk | p.Pong]] = []
+            for key, box in zip(keys, boxes, strict=True):
+                got.append([])
+                for _ in range(answers):
+                    try:
+                        answer = box.get(timeout=timeout or self.timeout)
+                    except queue.Empty:
+                        raise OvshardError(f"no answer to {key[0]} {key[1]} of stream {stream} within "
+                                           f"{self.timeout:.0f} s (stages {', '.join(self.addresses)})") from None
+                    if isinstance(answer, StageFailure):
+                        raise answer
+                    got[-1].append(answer)
+            return got
+        finally:
+            with self.lock:
+                for key in keys:
+                    self.waiting.pop(key, None)
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.close()
+
+
+class Head:
+    """A chain to every stage of one bundle, reconnected on demand; per-stream bookkeeping."""
+
+    def __init__(self, bundle: Path, addresses: list[str], timeout: float = 60.0, retry_s: float = RETRY_S,
+                 tls: ssl.SSLContext | None = None, prefill_chunk: int = PREFILL_CHUNK) -> None:
+        self.manifest = read_manifest(bundle)
+        if len(addresses) != self.manifest.num_stages:
+            raise OvshardError(f"--stages names {len(addresses)} addresses; the bundle has "
+                               f"{self.manifest.num_stages} stages: give one host:port per stage, in order")
+        if retry_s < 0:
+            raise OvshardError(f"--retry-s {retry_s}: expected seconds >= 0")
+        self.addresses, self.timeout, self.retry_s, self.tls = addresses, timeout, retry_s, tls
+        self.fingerprint = bundle_fingerprint(bundle)
+        self.chain = Chain(addresses, self.fingerprint, timeout, tls)
+        self.reconnects = 0
+        self._reconnect_lock = threading.Lock()
+        self.streams = itertools.count()
+        self.seq = itertools.count()
+        if prefill_chunk < 0:
+            raise OvshardError(f"--prefill-chunk {prefill_chunk}: expected tokens per prefill step, or 0 for the "
+                               f"whole prompt in one step (default {PREFILL_CHUNK})")
+        self.prefill_chunk = prefill_chunk
+
+    def close(self) -> None:
+        self.chain.close()
+
+    def reconnect(self, stale: Chain, deadline: float, cause: OvshardError) -> Chain:
+        """A new chain in place of ``stale`` (once, however many streams ask), retrying until ``deadline``."""
+        with self._reconnect_lock:
+            if self.chain is not stale:
+                return self.chain
+            stale.close()
+            pause = _BACKOFF_S[0]
+            while True:
+                try:
+                    self.chain = Chain(self.addresses, self.fingerprint, self.timeout, self.tls)
+                    self.reconnects += 1
+                    log.warning("reconnected to every stage after: %s", cause)
+                    return self.chain
+                except StageUnreachable as e:
+                    if time.monotonic() + pause > deadline:
+                        raise OvshardError(f"{cause}; gave up after {self.retry_s:.0f} s of retries "
+                                           f"(--retry-s): {e}") from e
+                    log.info("stages not reachable yet (%s); retrying in %.1f s", e, pause)
+                    time.sleep(pause)
+                    pause = min(2 * pause, _BACKOFF_S[1])
+
+    def health(self, timeout: float = 2.0) -> list[dict[str, object]]:
+        """Each stage's state: "up" with its round-trip ms (a Ping), or "down" with the reason."""
+        chain = self.chain
+        report: list[dict[str, object]] = []
+        for stage, address in enumerate(self.addresses):
+            entry: dict[str, object] = {"stage": stage, "address": address}
+            nonce = next(self.seq)
+            start = time.perf_counter()
+            try:
+                if chain.broken is None:
+                    chain.ask(("ping", nonce), -1, [(stage, p.Ping(nonce))], 1, timeout)
+                else:  # the chain is down: probe the stage on its own
+                    connect(address, stage, self.fingerprint, "head", secrets.token_hex(16), timeout=timeout,
+                            tls=self.tls).close()
+                entry.update(state="up", rtt_ms=round(1000 * (time.perf_counter() - start), 3))
+            except OvshardError as e:
+                entry.update(state="down", error=str(e))
+            report.append(entry)
+        return report
+
+    def open_stream(self, chain: Chain | None = None) -> tuple[int, Chain]:
+        """A new stream, acknowledged by every stage of ``chain`` (default: the current one)."""
+        chain = chain or self.chain
+        stream = next(self.streams)
+        stages = range(len(chain.conns))
+        chain.ask(("open", stream), stream, [(i, p.Open(stream)) for i in stages], len(chain.conns))
+        return stream, chain
+
+    def close_stream(self, stream: int, chain: Chain) -> None:
+        for conn in chain.conns:
+            try:
+                conn.send(p.Close(stream))
+            except OSError:
+                pass  # the connection is gone; so is the stream
+
+    def step(self, chain: Chain, stream: int, position: int, tokens: list[int], want: str, rewind: int = 0,
+             compact: bool = False) -> p.Result:
+        """Send new tokens through the chain; return the last stage's Result. Thread-safe.
+
+        More than ``prefill_chunk`` tokens go as consecutive Steps of a chunk each, all sent at once, so stage
+        k computes chunk i while stage k+1 computes chunk i-1 (a pipelined prefill) and no stage holds the
+        activations of the whole prompt; the answer is the last chunk's (a bare ``argmax``, which reads
+        every row, gets every chunk's rows), with each stage's compute summed over the chunks.
+        """
+        parts = prefill_parts(len(tokens), self.prefill_chunk, want)
+        seqs = [next(self.seq) for _ in parts]
+        sends: list[tuple[int, p.Message]] = []
+        for n, (seq, (a, z, part_want)) in enumerate(zip(seqs, parts, strict=True)):
+            ids = p.Tensor.from_array(np.array([tokens[a:z]], dtype=np.int64))  # [1, T]
+            sends.append((0, p.Step(stream, seq, position + a, part_want, ids, {}, rewind if n == 0 else 0,
+                                    compact and n == 0)))
+        results = [a for (a,) in chain.ask_each([("step", seq) for seq in seqs], stream, sends)
+                   if isinstance(a, p.Result)]  # a Step is only ever answered by a Result
+        assert len(results) == len(seqs)
+        return results[0] if len(results) == 1 else _merged(results, want)
+
+    def generate(self, prompt: list[int], config: SamplingConfig, stats: Stats | None = None,
+                 speculation: Speculation | None = None) -> Generator[int, None, None]:
+        """Yield sampled tokens one by one until an eos id or max_tokens, on a stream of its own."""
+        target = StreamTarget(self)
+        try:
+            yield from decode.generate(target, prompt, config, stats, speculation)
+        finally:
+            target.close()
+
+
+class StreamTarget:
+    """One stream of a Head as a decode target, which survives a stage restart by replaying its tokens."""
+
+    def __init__(self, head: Head) -> None:
+        self.head = head
+        self.max_positions = head.manifest.runtime_hints.max_positions
+        self.vocab_size = head.manifest.architecture.vocab_size
+        self.visible: list[int] = []  # the tokens every stage holds as visible, in position order
+        self.replays = 0
+        self.stream, self.chain = self._open(time.monotonic() + head.retry_s)
+
+    def _open(self, deadline: float) -> tuple[int, Chain]:
+        stale = self.head.chain
+        while True:
+            try:
+                return self.head.open_stream(stale)
+            except StageFailure as e:
+                if not e.recoverable or time.monotonic() > deadline:
+                    raise
+                time.sleep(_BACKOFF_S[0])
+                stale = self.head.reconnect(stale, deadline, e)
+
+    def step(self, tokens: list[int], position: int, want: str, rewind: int, compact: bool) -> Scores:
+        if rewind:
+            del self.visible[len(self.visible) - rewind:]
+        deadline: float | None = None
+        while True:
+            try:
+                result = self.head.step(self.chain, self.stream, position, tokens, want, rewind, compact)
+                break
+            except StageFailure as e:
+                if not e.recoverable:
+                    raise
+                deadline = deadline or time.monotonic() + self.head.retry_s
+                self._recover(deadline, e)
+                rewind, compact = 0, False  # the replayed cache is exactly self.visible
+        self.visible += tokens
+        indices = None if result.indices is None else result.indices.to_array()[0]
+        return Scores(result.tensor.to_array()[0], indices, dict(result.timings))
+
+    def _recover(self, deadline: float, cause: StageFailure) -> None:
+        """Reconnect (if no other stream did yet), reopen this stream, and replay its visible tokens."""
+        log.warning("stream %d: %s; reconnecting and replaying %d tokens", self.stream, cause, len(self.visible))
+        stale = self.chain
+        while True:
+            chain = self.head.reconnect(stale, deadline, cause)
+            try:
+                self.stream, self.chain = self.head.open_stream(chain)
+                if self.visible:
+                    self.head.step(self.chain, self.stream, 0, self.visible, "argmax@1")
+                self.replays += 1
+                return
+            except StageFailure as e:
+                if not e.recoverable or time.monotonic() > deadline:
+                    raise OvshardError(f"{cause}; recovery failed: {e}") from e
+                cause, stale = e, chain
+                time.sleep(_BACKOFF_S[0])
+
+    def close(self) -> None:
+        self.head.close_stream(self.stream, self.chain)

@@ -1,0 +1,60 @@
+"""``ovshard api``: an OpenAI-compatible HTTP server over a pipeline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from ovshard.bundle.manifest import read_manifest
+from ovshard.errors import OvshardError
+from ovshard.runtime.client.scheduler import Scheduler
+from ovshard.runtime.client.text import Text
+from ovshard.runtime.commands.options import add_http, add_pipeline, add_security, pipeline_head
+from ovshard.runtime.serve.api import Engine, serve_api
+from ovshard.runtime.wire.address import parse_address
+from ovshard.runtime.wire.tls import is_loopback
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("api", help="serve an OpenAI-compatible HTTP API over stage workers",
+                       description="One head with --streams stream slots behind an OpenAI-compatible HTTP server: "
+                       "/v1/models, /v1/chat/completions, /v1/completions (stream with server-sent events), "
+                       "/health, /metrics. Needs the api extra: pip install 'ovshard[api]'.")
+    p.add_argument("bundle", type=Path)
+    add_pipeline(p)
+    p.add_argument("--listen", default="127.0.0.1:8000", help="host:port of the HTTP server (default 127.0.0.1:8000)")
+    add_http(p)
+    p.add_argument("--exact", action="store_true", help="with --local: f32 inference and KV cache")
+    p.add_argument("--threads", type=int, help="with --local: CPU threads per worker process")
+    add_security(p)
+    p.set_defaults(func=run)
+
+
+def run(args: Any) -> int:
+    """``ovshard api``: a head over ``--stages`` (or local workers) and the HTTP server in front of it."""
+    host, port = parse_address(args.listen)
+    api_key = args.api_key or os.environ.get("OVSHARD_API_KEY") or None
+    if api_key is None and not is_loopback(host) and not args.insecure:
+        raise OvshardError(f"--listen {args.listen}: expected --api-key KEY (or $OVSHARD_API_KEY) to serve the API "
+                           "beyond this machine, found none; pass one, listen on 127.0.0.1, or pass --insecure")
+    manifest = read_manifest(args.bundle)
+    with pipeline_head(args) as head, ExitStack() as stack:
+        session = Scheduler(head, args.streams, max_queue=args.queue)
+        stack.callback(session.close)
+        text = Text(args.bundle, manifest, chat=manifest.chat is not None and manifest.tokenizer is not None)
+        engine = Engine(args.bundle, manifest, head, session, text,
+                        model=args.model or Path(args.bundle).resolve().name, default_max_tokens=args.max_tokens)
+
+        def announce(address: str) -> None:
+            print(json.dumps({"event": "listening", "api": address}), flush=True)
+            log.info("OpenAI-compatible API on http://%s/v1 (model %r)", address, engine.model)
+
+        serve_api(engine, host, port, announce, api_key)
+    return 0

@@ -1,0 +1,155 @@
+"""Choosing the next token from the last stage's logits, deciding when to stop, and streaming text.
+
+Everything here is a pure function of its arguments (plus an explicit numpy Generator), so the head
+can sample the same way whether the last stage sent the full logits row or only its top-K entries.
+
+The filters follow Hugging Face `generate` (temperature, then top-k, then top-p on the distribution
+that top-k left), with one deterministic tie rule everywhere: among equal logits the lower token id
+ranks first (it wins greedy, and it is kept by top-k when only some of the tied tokens fit).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to pick tokens and when to stop. A config that exists is valid (checked on construction)."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int | None = None
+    max_tokens: int = 128
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.eos_token_ids, tuple):  # generation_config.json may give an int or a list
+            ids = self.eos_token_ids
+            object.__setattr__(self, "eos_token_ids", (ids,) if isinstance(ids, int) else tuple(ids))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting out of range and its allowed range."""
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and self.seed >= 0):
+            raise ValueError(f"seed must be None or an integer >= 0, got {self.seed!r}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.eos_token_ids):
+            raise ValueError(f"eos_token_ids must be token ids >= 0, got {self.eos_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_rng(config: SamplingConfig) -> np.random.Generator:
+    """The generator one stream draws from: seeded runs repeat exactly, seed=None draws fresh entropy."""
+    return np.random.default_rng(config.seed)
+
+
+def _check_logits(logits: np.ndarray) -> np.ndarray:
+    row = np.asarray(logits, dtype=np.float64)
+    if row.ndim != 1 or row.size == 0:
+        raise ValueError(f"expected one non-empty logits row [vocab], got shape {row.shape}")
+    if np.isnan(row).any() or np.isposinf(row).any():
+        raise ValueError("logits contain NaN or +inf: the last stage overflowed (try f32 inference hints)")
+    if np.isneginf(row).all():
+        raise ValueError("every logit is -inf: no token can be sampled")
+    return row
+
+
+def _rank(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Positions of `logits` from most to least likely; equal logits: lower token id first."""
+    return np.lexsort((ids, -logits))
+
+
+def _support(logits: np.ndarray, ids: np.ndarray, config: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens that survive the filters and their probabilities, ordered by token id.
+
+    With z = (l - max l) / T (the shift leaves softmax unchanged and keeps every exponent <= 0, so huge
+    logits cannot overflow and -inf entries get probability 0):
+      top-k: keep the k largest z (ties: lower id first), i.e. exactly min(k, vocab) tokens;
+      top-p: with q = softmax over the kept z sorted descending, keep the first n tokens where n is the
+             smallest count with q_1 + ... + q_n >= p (n >= 1 always; the token that crosses p stays);
+      p_i = exp(z_i) / sum_kept exp(z_j) over what is left, 0 elsewhere.
+    Greedy (T = 0) is the limit T -> 0: all mass on the argmax (lowest id among ties).
+    """
+    order = _rank(logits, ids)
+    if config.greedy:
+        return ids[order[:1]], np.ones(1)
+    with np.errstate(over="ignore"):  # a logit far below the max may overflow to -inf: probability 0
+        z = (logits - logits.max()) / config.temperature
+    if config.top_k:
+        order = order[: config.top_k]
+    if config.top_p < 1:
+        q = np.exp(z[order])
+        cumulative = np.cumsum(q / q.sum())
+        n = int(np.searchsorted(cumulative, config.top_p, side="left")) + 1
+        order = order[: min(n, order.size)]
+    order = order[np.argsort(ids[order], kind="stable")]  # by token id, so both sample paths draw alike
+    p = np.exp(z[order])
+    return ids[order], p / p.sum()
+
+
+def probabilities(logits: np.ndarray, config: SamplingConfig) -> np.ndarray:
+    """The distribution `sample` draws from, float64 [vocab], summing to 1 (see `_support` for the math)."""
+    row = _check_logits(logits)
+    ids, p = _support(row, np.arange(row.size), config)
+    out = np.zeros(row.size)
+    out[ids] = p
+    return out
+
+
+def _draw(ids: np.ndarray, p: np.ndarray, rng: np.random.Generator) -> int:
+    """Inverse CDF over tokens in id order with one uniform u: token i iff c_{i-1} <= u * c_n < c_i."""
+    cumulative = np.cumsum(p)
+    i = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+    return int(ids[min(i, int(np.flatnonzero(p)[-1]))])  # rounding can put u * c_n on c_n itself
+
+
+def sample(logits: np.ndarray, config: SamplingConfig, rng: np.random.Generator) -> int:
+    """The next token: argmax when greedy (rng untouched), else one draw from `probabilities`."""
+    row = _check_logits(logits)
+    if config.greedy:
+        return int(np.argmax(row))  # numpy's argmax returns the first (lowest) index among ties
+    return _draw(*_support(row, np.arange(row.size), config), rng)
+
+
+def sample_from_topk(values: np.ndarray, indices: np.ndarray, config: SamplingConfig,
+                     rng: np.random.Generator) -> int:
+    """`sample` on the full row, computed from its top-K entries only (K >= config.top_k, any order).
+
+    Top-k keeps only tokens from the K largest logits, and softmax over the kept set needs no other
+    logit, so this is the same distribution; with the same rng state it returns the same token.
+    """
+    row = _check_logits(values)
+    ids = np.asarray(indices)
+    if ids.shape != row.shape or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"expected integer token ids shaped like the values {row.shape}, got "
+                         f"{ids.dtype} {ids.shape}")
+    if config.greedy:
+        return int(ids[_rank(row, ids)[0]])
+    return _draw(*_support(row, ids, config), rng)
+
+
+def should_stop(tokens: Sequence[int], config: SamplingConfig) -> bool:
+    """True once the last generated token is an eos id or `max_tokens` tokens have been generated.
+
+    `tokens` are the generated tokens only, not the prompt.
+    """
+    return len(tokens) > 0 and (int(tokens[-1]) in config.eos_token_ids or len(tokens) >= config.max_tokens)
+
+

@@ -1,0 +1,61 @@
+"""Prometheus metrics of an API server (``GET /metrics``), in a registry of its own.
+
+    ovshard_requests_total{endpoint, status}       requests answered, by endpoint and HTTP status
+    ovshard_prompt_tokens_total                    prompt tokens fed
+    ovshard_generated_tokens_total                 tokens generated
+    ovshard_time_to_first_token_seconds            histogram: request received -> first token
+    ovshard_inter_token_latency_seconds            histogram: between consecutive tokens of a request
+    ovshard_stage_compute_seconds{stage}           histogram: one stage's compute per decode step
+    ovshard_hop_network_seconds                    histogram: per-hop network time per decode step
+    ovshard_speculative_drafted_total / _accepted_total   draft tokens proposed and accepted
+    ovshard_queue_depth                            requests waiting for a stream slot
+    ovshard_active_streams                         requests a slot is running
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ovshard.runtime.decoding.decode import Stats
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    def __init__(self, queue_depth: Callable[[], int], active: Callable[[], int]) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("ovshard_requests", "Requests answered", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("ovshard_prompt_tokens", "Prompt tokens fed", registry=r)
+        self.generated = Counter("ovshard_generated_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("ovshard_time_to_first_token_seconds", "Request received to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("ovshard_inter_token_latency_seconds", "Time between consecutive tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.stage = Histogram("ovshard_stage_compute_seconds", "A stage's compute per decode step", ["stage"],
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.hop = Histogram("ovshard_hop_network_seconds", "Per-hop network time per decode step",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.drafted = Counter("ovshard_speculative_drafted", "Draft tokens proposed", registry=r)
+        self.accepted = Counter("ovshard_speculative_accepted", "Draft tokens accepted", registry=r)
+        Gauge("ovshard_queue_depth", "Requests waiting for a stream slot", registry=r).set_function(queue_depth)
+        Gauge("ovshard_active_streams", "Requests a stream slot is running", registry=r).set_function(active)
+
+    def observe(self, stats: Stats) -> None:
+        """One finished request's figures."""
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.generated.inc(stats.new_tokens)
+        self.drafted.inc(stats.drafted)
+        self.accepted.inc(stats.accepted)
+        for step_s, stages in zip(stats.step_s[1:], stats.stage_s[1:], strict=False):
+            for name, seconds in stages.items():
+                self.stage.labels(name.removeprefix("stage")).observe(seconds)
+            if stages:
+                self.hop.observe(max(0.0, step_s - sum(stages.values())) / (len(stages) + 1))
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,479 @@
+"""GGUF files as checkpoints: config, tensor names and values against transformers' own GGUF loader.
+
+Two sources: the real Gemma 3 270M Q4_K_M (written by llama.cpp; :mod:`real_gemma`), and tiny files
+written here with ``gguf.GGUFWriter`` the way llama.cpp's ``convert_hf_to_gguf.py`` writes them (its
+names, its q/k row permutation for llama, Gemma's norms stored as ``1 + w``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from real_gemma import gemma_gguf, gemma_hf_reference  # noqa: F401  (fixtures)
+
+from ovshard.errors import CheckpointError, UnsupportedArchitectureError
+from ovshard.frontend.description import describe
+from ovshard.frontend.gguf import GGUFCheckpoint, open_gguf
+
+pytestmark = pytest.mark.slow
+
+
+PROMPT = "The capital of France is"
+# transformers' GGUF tokenizer of the real Gemma 3 270M on PROMPT (bos first)
+PROMPT_IDS = [2, 818, 5279, 529, 7001, 563]
+
+
+# ---- tiny GGUF files, written as llama.cpp writes them ----------------------------------------------
+
+# Hugging Face name -> llama.cpp name, per family (the names in llama.cpp's gguf-py tensor table)
+LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+LLAMA_NORMS = {"post_attention_layernorm": "ffn_norm"}
+GEMMA_NORMS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}
+
+DIMS = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=128)
+# transformers reads no head size for qwen3 and no query scale for Gemma: its defaults (128; 256, the head
+# size of every Gemma but the 27B) are what these files must have for it to read them right
+FAMILIES: dict[str, dict[str, Any]] = {  # GGUF architecture, and what the tiny model has
+    "llama": dict(arch="llama", norms=LLAMA_NORMS, tied=False),
+    "mistral": dict(arch="llama", norms=LLAMA_NORMS, tied=False, name="Mistral 7B Instruct"),
+    "qwen2": dict(arch="qwen2", norms=LLAMA_NORMS, bias=True),
+    "qwen3": dict(arch="qwen3", norms=LLAMA_NORMS, qk_norm=True, dims=dict(head_dim=128)),
+    "gemma2": dict(arch="gemma2", norms=GEMMA_NORMS, gemma=True, dims=dict(head_dim=256)),
+    "gemma3": dict(arch="gemma3", norms=GEMMA_NORMS, gemma=True, qk_norm=True, dims=dict(head_dim=256)),
+}
+
+
+def dims_of(family: str, **overrides: int) -> dict[str, int]:
+    return DIMS | FAMILIES[family].get("dims", {}) | overrides
+
+
+def hf_weights(family: str, seed: int = 0, **overrides: int) -> dict[str, np.ndarray]:
+    """Random Hugging Face weights (float32) of a tiny model of ``family``."""
+    f, d = FAMILIES[family], dims_of(family, **overrides)
+    rng = np.random.default_rng(seed)
+    q, kv, h = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"], d["hidden"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (d["vocab"], h)}
+    for i in range(d["layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                   p + "mlp.gate_proj.weight": (d["ffn"], h), p + "mlp.up_proj.weight": (d["ffn"], h),
+                   p + "mlp.down_proj.weight": (h, d["ffn"]), p + "input_layernorm.weight": (h,)}
+        shapes |= {p + norm + ".weight": (h,) for norm in f["norms"]}
+        if f.get("bias"):
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+        if f.get("qk_norm"):
+            shapes |= {p + "self_attn.q_norm.weight": (d["head_dim"],), p + "self_attn.k_norm.weight": (d["head_dim"],)}
+    shapes["model.norm.weight"] = (h,)
+    if not f.get("tied", True):
+        shapes["lm_head.weight"] = (d["vocab"], h)
+    return {name: rng.standard_normal(shape).astype(np.float32) * 0.5 for name, shape in shapes.items()}
+
+
+def gguf_name(family: str, hf: str) -> str:
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    if hf in fixed:
+        return fixed[hf]
+    _, _, i, rest = hf.split(".", 3)
+    module, suffix = rest.rsplit(".", 1)
+    return f"blk.{i}.{(LAYER_NAMES | FAMILIES[family]['norms'])[module]}.{suffix}"
+
+
+def to_llama_cpp(family: str, hf: str, w: np.ndarray, d: dict[str, int]) -> np.ndarray:
+    """What convert_hf_to_gguf.py does to a tensor: llama permutes q/k rows, Gemma stores norms as 1 + w."""
+    if FAMILIES[family]["arch"] == "llama" and (".q_proj." in hf or ".k_proj." in hf):
+        heads = d["heads"] if ".q_proj." in hf else d["kv_heads"]
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    if FAMILIES[family].get("gemma") and hf.endswith("norm.weight"):
+        return w + 1
+    return w
+
+
+def write_gguf(path: Path, family: str, weights: dict[str, np.ndarray], qtype: str = "F32",
+               meta: dict[str, Any] | None = None, extra: dict[str, np.ndarray] | None = None,
+               arch: str | None = None, dims: dict[str, int] | None = None,
+               tokenizer: tuple[list[str], list[str], list[int]] | None = None) -> Path:
+    """A GGUF of ``weights`` (Hugging Face names) as llama.cpp writes one; matrices stored as ``qtype``."""
+    import gguf
+
+    f, d = FAMILIES[family], dims or dims_of(family)
+    arch = arch or f["arch"]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f.get("name", f"tiny {family}"))
+    writer.add_block_count(d["layers"])
+    writer.add_context_length(256)
+    writer.add_embedding_length(d["hidden"])
+    writer.add_feed_forward_length(d["ffn"])
+    writer.add_head_count(d["heads"])
+    writer.add_head_count_kv(d["kv_heads"])
+    writer.add_key_length(d["head_dim"])
+    writer.add_value_length(d["head_dim"])
+    writer.add_rope_dimension_count(d["head_dim"])
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(d["vocab"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_file_type(int(gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType[f"MOSTLY_{qtype}"]))
+    if f.get("gemma"):
+        writer.add_sliding_window(32)
+    if tokenizer is not None:  # (tokens, merges, token types)
+        writer.add_token_list(tokenizer[0])
+        writer.add_token_merges(tokenizer[1])
+        writer.add_token_types(tokenizer[2])
+    for key, value in (meta or {}).items():
+        (writer.add_string if isinstance(value, str) else writer.add_float32 if isinstance(value, float)
+         else writer.add_uint32)(key.format(arch=arch), value)
+    kind = gguf.GGMLQuantizationType[qtype]
+    for hf, w in weights.items():
+        data = to_llama_cpp(family, hf, w, d)
+        if data.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name(family, hf), gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(gguf_name(family, hf), data)
+    for name, data in (extra or {}).items():
+        writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def hf_reading(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """transformers' config and float32 state dict of a GGUF file."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.config.to_dict(), model.state_dict()
+
+
+def assert_config_matches(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """Every key both configs set agrees, and ovshard reads the same model off either."""
+    differ = {k: (v, theirs[k]) for k, v in ours.items() if k in theirs and theirs[k] != v}
+    assert not differ, f"config keys (ours, transformers') differ: {differ}"
+    mine, hf = describe(ours), describe(theirs)
+    assert (mine.arch, mine.dims, mine.block, dict(mine.rope)) == (hf.arch, hf.dims, hf.block, dict(hf.rope))
+
+
+# ---- the tiny families against transformers ------------------------------------------------------
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_matches_transformers(tmp_path: Path, family: str) -> None:
+    """Config and every tensor (Q8_0 matrices) equal what transformers reads from the same GGUF file."""
+    path = write_gguf(tmp_path / f"{family}.gguf", family, hf_weights(family), qtype="Q8_0")
+    ckpt = open_gguf(path)
+    ckpt.validate_tensors()
+    config, state = hf_reading(path)
+    assert_config_matches(ckpt.config, config)
+    assert set(ckpt.tensor_names()) <= set(state)
+    for name in ckpt.tensor_names():
+        assert torch.equal(ckpt.load(name), state[name]), name
+
+
+def test_llama_permutation_undone_exactly(tmp_path: Path) -> None:
+    """Float32 llama q/k rows come back in Hugging Face order, bit for bit, from llama.cpp's permuted layout."""
+    weights = hf_weights("llama")
+    ckpt = open_gguf(write_gguf(tmp_path / "llama.gguf", "llama", weights))
+    for name, w in weights.items():
+        assert torch.equal(ckpt.load(name), torch.from_numpy(w)), name
+
+
+def test_gemma_norms_stored_plus_one(tmp_path: Path) -> None:
+    """Gemma norm scales (llama.cpp's 1 + w) come back as Hugging Face's w; other tensors are untouched."""
+    weights = hf_weights("gemma3")
+    ckpt = open_gguf(write_gguf(tmp_path / "gemma3.gguf", "gemma3", weights))
+    for name, w in weights.items():
+        expected = (w + 1) - 1 if name.endswith("norm.weight") else w  # float32 rounding of the round trip
+        assert torch.equal(ckpt.load(name), torch.from_numpy(expected)), name
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "F16"])
+def test_load_rows_equals_rows_of_load(tmp_path: Path, qtype: str) -> None:
+    """load_rows returns the same rows as load, for quantized and half tensors and permuted q/k rows alike."""
+    ckpt = open_gguf(write_gguf(tmp_path / "llama.gguf", "llama", hf_weights("llama"), qtype=qtype))
+    for name in ("model.embed_tokens.weight", "model.layers.1.self_attn.q_proj.weight",
+                 "model.layers.0.self_attn.k_proj.weight", "lm_head.weight"):
+        whole = ckpt.load(name)
+        for start, end in ((0, 3), (5, 17), (whole.shape[0] - 1, whole.shape[0])):
+            assert torch.equal(ckpt.load_rows(name, start, end), whole[start:end]), (name, start, end)
+
+
+def test_reader_fields_equal_gguf_reader(tmp_path: Path) -> None:
+    """The faster reader yields the metadata and tensor bytes gguf.GGUFReader does."""
+    import gguf
+
+    from ovshard.frontend.gguf import _reader_class
+
+    path = write_gguf(tmp_path / "llama.gguf", "llama", hf_weights("llama"), qtype="Q8_0")
+    writer_extra = gguf.GGUFWriter(str(tmp_path / "arrays.gguf"), "llama")
+    writer_extra.add_token_list([f"tok{i}" for i in range(50)])
+    writer_extra.add_token_scores([float(i) / 3 for i in range(50)])
+    writer_extra.add_token_types([i % 4 for i in range(50)])
+    writer_extra.write_header_to_file()
+    writer_extra.write_kv_data_to_file()
+    writer_extra.close()
+    for p in (path, tmp_path / "arrays.gguf"):
+        ours, theirs = _reader_class()(p), gguf.GGUFReader(p)
+        assert {k: f.contents() for k, f in ours.fields.items()} == {k: f.contents() for k, f in theirs.fields.items()}
+        for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+            assert (a.name, a.tensor_type, a.data_offset) == (b.name, b.tensor_type, b.data_offset)
+            assert np.array_equal(a.data, b.data)
+
+
+def test_fingerprint_and_digests(tmp_path: Path) -> None:
+    """The fingerprint is stable across opens and follows the metadata; a tensor digest follows its bytes."""
+    weights = hf_weights("qwen3")
+    first = open_gguf(write_gguf(tmp_path / "a.gguf", "qwen3", weights))
+    again = open_gguf(tmp_path / "a.gguf")
+    assert first.fingerprint() == again.fingerprint() and first.fingerprint().startswith("sha256:")
+    other = open_gguf(write_gguf(tmp_path / "b.gguf", "qwen3", weights, meta={"{arch}.context_length": 512}))
+    assert other.fingerprint() != first.fingerprint()
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert other.tensor_digest(name) == first.tensor_digest(name)
+    weights[name] = weights[name] * 2
+    changed = open_gguf(write_gguf(tmp_path / "c.gguf", "qwen3", weights))
+    assert changed.tensor_digest(name) != first.tensor_digest(name)
+    assert changed.tensor_digest("model.norm.weight") == first.tensor_digest("model.norm.weight")
+
+
+def test_quantized_file_warns_and_reports(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A quantized file logs the compounding-error warning and reports its types; a float file does neither."""
+    with caplog.at_level(logging.WARNING, logger="ovshard.frontend.gguf"):
+        quantized = open_gguf(write_gguf(tmp_path / "q.gguf", "llama", hf_weights("llama"), qtype="Q8_0"))
+    assert any("--weights fp16" in r.getMessage() for r in caplog.records)
+    quant = quantized.source_quantization
+    assert quant.file_type == "Q8_0" and quant.quantized
+    assert dict(quant.tensor_types) == {"Q8_0": 16, "F32": 5}
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ovshard.frontend.gguf"):
+        plain = open_gguf(write_gguf(tmp_path / "f.gguf", "llama", hf_weights("llama"), qtype="F16"))
+    assert not caplog.records
+    assert plain.source_quantization.file_type == "F16" and not plain.source_quantization.quantized
+
+
+def test_llama3_rope_table_read_as_llama3_parameters(tmp_path: Path) -> None:
+    """Llama 3's rope_freqs table becomes llama3 rope_parameters; a table they do not reproduce is refused."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    hf = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, rope_parameters=params)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    plain = 1.0 / 10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)
+    table = (plain / scaled).numpy().astype(np.float32)  # llama.cpp divides each frequency by its factor
+    ckpt = open_gguf(write_gguf(tmp_path / "l3.gguf", "llama", hf_weights("llama"), extra={"rope_freqs.weight": table}))
+    assert ckpt.config["rope_parameters"] == params
+    ckpt.validate_tensors()
+    table[3] *= 1.5
+    with pytest.raises(UnsupportedArchitectureError, match="rope_freqs"):
+        open_gguf(write_gguf(tmp_path / "bad.gguf", "llama", hf_weights("llama"), extra={"rope_freqs.weight": table}))
+
+
+def test_yarn_rope_scaling_read(tmp_path: Path) -> None:
+    """llama.cpp's yarn keys (Qwen's long-context files) become yarn rope_parameters."""
+    meta = {"{arch}.rope.scaling.type": "yarn", "{arch}.rope.scaling.factor": 4.0,
+            "{arch}.rope.scaling.original_context_length": 32768}
+    ckpt = open_gguf(write_gguf(tmp_path / "q.gguf", "qwen2", hf_weights("qwen2"), meta=meta))
+    assert ckpt.config["rope_parameters"] == {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                              "original_max_position_embeddings": 32768}
+    assert ckpt.dims.rope_type == "yarn"
+
+
+def test_gemma_27b_query_scale(tmp_path: Path) -> None:
+    """Gemma 3 27B (62 layers) scales queries by hidden / heads as llama.cpp does; the others by head_dim."""
+    d = dims_of("gemma3", layers=62, heads=2, kv_heads=1, head_dim=16)
+    ckpt = open_gguf(write_gguf(tmp_path / "g27.gguf", "gemma3", hf_weights("gemma3", **d), dims=d))
+    assert ckpt.config["query_pre_attn_scalar"] == 32 and ckpt.block.attention_scale == 32 ** -0.5
+    d = dims_of("gemma3", heads=2, kv_heads=1, head_dim=16)
+    ckpt = open_gguf(write_gguf(tmp_path / "g.gguf", "gemma3", hf_weights("gemma3", **d), dims=d))
+    assert ckpt.config["query_pre_attn_scalar"] == 16
+
+
+def test_gemma_rope_scaling_and_generation_ids(tmp_path: Path) -> None:
+    """Linear rope scaling applies to Gemma 3's full layers only; eos and end-of-turn both end generation."""
+    meta = {"{arch}.rope.scaling.type": "linear", "{arch}.rope.scaling.factor": 8.0, "tokenizer.ggml.eot_token_id": 106}
+    ckpt = open_gguf(write_gguf(tmp_path / "g.gguf", "gemma3", hf_weights("gemma3"), meta=meta))
+    assert ckpt.config["rope_parameters"] == {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 8.0},
+    }
+    assert ckpt.generation_config == {"eos_token_id": [2, 106], "bos_token_id": 1}
+
+
+CHATML_GGUF = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+
+
+def chatml_gguf(path: Path) -> Path:
+    """A tiny qwen3 GGUF with a BPE vocabulary whose last three tokens are control tokens, and a ChatML template."""
+    tokens = [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["Ġ", "Ġt", "th", "<|endoftext|>", "<|im_start|>",
+                                                               "<|im_end|>"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.chat_template": CHATML_GGUF,
+            "tokenizer.ggml.eot_token_id": 31}
+    return write_gguf(path, "qwen3", hf_weights("qwen3"), meta=meta, tokenizer=(tokens, ["Ġ t", "t h"], [1] * 29 + [3] * 3))
+
+
+def test_tokenizer_export_with_chat_template(tmp_path: Path) -> None:
+    """A BPE tokenizer and chat template export as transformers reads them; a file without one is refused."""
+    from transformers import AutoTokenizer
+
+    template = CHATML_GGUF
+    path = chatml_gguf(tmp_path / "q.gguf")
+    ckpt = open_gguf(path)
+    assert ckpt.has_tokenizer and "chat_template.jinja" in ckpt.export_tokenizer(tmp_path / "out")
+    exported = AutoTokenizer.from_pretrained(tmp_path / "out")
+    direct = AutoTokenizer.from_pretrained(tmp_path, gguf_file="q.gguf")
+    assert exported("the cat sat").input_ids == direct("the cat sat").input_ids
+    assert exported.chat_template == template
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text())["eos_token_id"] == [2, 31]
+    bare = open_gguf(write_gguf(tmp_path / "bare.gguf", "qwen3", hf_weights("qwen3")))
+    with pytest.raises(CheckpointError, match="no tokenizer"):
+        bare.export_tokenizer(tmp_path / "bare")
+
+
+def test_gguf_chat_template_reaches_the_chat_record(tmp_path: Path) -> None:
+    """The file's tokenizer.chat_template becomes the bundle's chat_template.jinja, and <|im_end|> (a control
+    token written after each message) the end of a turn."""
+    from ovshard.frontend.tokenizer import convert_tokenizer
+
+    ckpt = open_gguf(chatml_gguf(tmp_path / "q.gguf"))
+    (tmp_path / "out").mkdir()
+    files, chat = convert_tokenizer(ckpt.tokenizer_folder(tmp_path / "scratch"), tmp_path / "out")
+    assert chat is not None and chat.end_of_turn_ids == (31,) and chat.template in files
+    assert (tmp_path / "out" / chat.template).read_text() == CHATML_GGUF
+
+
+def test_open_source_tells_gguf_from_folders(tmp_path: Path) -> None:
+    """A .gguf name or GGUF bytes (an Ollama blob has no suffix) open as GGUF; anything else as a folder."""
+    from ovshard.frontend.source import open_source
+
+    path = write_gguf(tmp_path / "m.gguf", "qwen3", hf_weights("qwen3"))
+    blob = tmp_path / "sha256-0123abcd"
+    blob.write_bytes(path.read_bytes())
+    assert isinstance(open_source(path), GGUFCheckpoint) and isinstance(open_source(blob), GGUFCheckpoint)
+    with pytest.raises(CheckpointError, match="expected a Hugging Face model directory"):
+        open_source(tmp_path / "no-such-model")
+
+
+# ---- refusals ---------------------------------------------------------------------------------------
+
+def test_missing_folder_and_foreign_files(tmp_path: Path) -> None:
+    """A missing path, a folder and a file that is not GGUF are refused with what was expected."""
+    with pytest.raises(CheckpointError, match="missing; expected a .gguf file"):
+        open_gguf(tmp_path / "none.gguf")
+    (tmp_path / "dir.gguf").mkdir()
+    with pytest.raises(CheckpointError, match="is a folder"):
+        open_gguf(tmp_path / "dir.gguf")
+    (tmp_path / "text.gguf").write_text("<html>404 Not Found</html>")
+    with pytest.raises(CheckpointError, match="not a GGUF file: it starts with b'<htm'"):
+        open_gguf(tmp_path / "text.gguf")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="not a GGUF file"):
+        open_gguf(tmp_path / "empty.gguf")
+
+
+def test_truncated_file_refused(tmp_path: Path) -> None:
+    """A file cut anywhere (header, metadata, tensor table, tensor data) is a CheckpointError, not a traceback."""
+    whole = write_gguf(tmp_path / "whole.gguf", "qwen2", hf_weights("qwen2"), qtype="Q8_0").read_bytes()
+    for cut in (6, 30, 200, len(whole) // 3, len(whole) - 1):
+        (tmp_path / "cut.gguf").write_bytes(whole[:cut])
+        with pytest.raises(CheckpointError, match="truncated or corrupt"):
+            open_gguf(tmp_path / "cut.gguf")
+
+
+def test_unsupported_architectures_refused(tmp_path: Path) -> None:
+    """An architecture outside the table, and Mixtral written as "llama", name what is supported."""
+    with pytest.raises(UnsupportedArchitectureError, match=r"architecture 'phi2'.*gemma2, gemma3, llama, qwen2, qwen3"):
+        open_gguf(write_gguf(tmp_path / "phi2.gguf", "llama", hf_weights("llama"), arch="phi2"))
+    with pytest.raises(UnsupportedArchitectureError, match="mixture-of-experts"):
+        open_gguf(write_gguf(tmp_path / "moe.gguf", "llama", hf_weights("llama"), meta={"{arch}.expert_count": 8}))
+    with pytest.raises(UnsupportedArchitectureError, match="rope.scaling.type='longrope'"):
+        open_gguf(write_gguf(tmp_path / "lr.gguf", "llama", hf_weights("llama"),
+                             meta={"{arch}.rope.scaling.type": "longrope"}))
+
+
+def test_incomplete_or_foreign_tensors_refused(tmp_path: Path) -> None:
+    """A missing layer tensor or a tensor no Hugging Face name maps to fails validate_tensors by name."""
+    weights = hf_weights("qwen3")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    with pytest.raises(CheckpointError, match=r"lacks 1 of the .* model.layers.1.mlp.down_proj.weight"):
+        open_gguf(write_gguf(tmp_path / "short.gguf", "qwen3", weights)).validate_tensors()
+    extra = {"v.blk.0.attn_q.weight": np.zeros((4, 4), np.float32)}
+    with pytest.raises(CheckpointError, match="does not use, e.g. v.blk.0.attn_q.weight"):
+        open_gguf(write_gguf(tmp_path / "extra.gguf", "qwen3", hf_weights("qwen3"), extra=extra)).validate_tensors()
+
+
+# ---- the real Gemma 3 270M ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gemma(gemma_gguf: Path) -> GGUFCheckpoint:  # noqa: F811
+    return open_gguf(gemma_gguf)
+
+
+def test_real_gemma_config_matches_transformers(gemma: GGUFCheckpoint, gemma_hf_reference: Path) -> None:  # noqa: F811
+    """The rebuilt config.json agrees with transformers' on every key both set, and describes the same model."""
+    from transformers import AutoConfig
+
+    assert_config_matches(gemma.config, AutoConfig.from_pretrained(gemma_hf_reference).to_dict())
+    assert gemma.dims.model_type == "gemma3_text" and gemma.dims.num_layers == 18
+    assert gemma.block.layer_types.count("full_attention") == 3 and gemma.block.sliding_window == 512
+
+
+def test_real_gemma_tensors_equal_transformers(gemma: GGUFCheckpoint, gemma_hf_reference: Path) -> None:  # noqa: F811
+    """Every tensor, dequantized one at a time, equals transformers' float32 state dict bit for bit."""
+    from safetensors import safe_open
+
+    gemma.validate_tensors()
+    with safe_open(str(gemma_hf_reference / "model.safetensors"), framework="pt") as reference:
+        assert set(gemma.tensor_names()) == set(reference.keys())
+        for name in gemma.tensor_names():
+            ours, theirs = gemma.load(name), reference.get_tensor(name)
+            assert ours.dtype == torch.float32 and torch.equal(ours, theirs), name
+
+
+def test_real_gemma_load_rows(gemma: GGUFCheckpoint) -> None:
+    """Rows of the Q8_0 embedding and a Q5_0 projection equal the same rows of the whole tensor."""
+    for name in ("model.embed_tokens.weight", "model.layers.3.self_attn.q_proj.weight"):
+        whole = gemma.load(name)
+        for start, end in ((0, 1), (300, 617), (whole.shape[0] - 7, whole.shape[0])):
+            assert torch.equal(gemma.load_rows(name, start, end), whole[start:end]), (name, start, end)
+
+
+def test_real_gemma_identity(gemma: GGUFCheckpoint, gemma_gguf: Path) -> None:  # noqa: F811
+    """Fingerprint stable across opens; source quantization Q4_K_M over all 236 tensors."""
+    assert gemma.fingerprint() == open_gguf(gemma_gguf).fingerprint()
+    quant = gemma.source_quantization
+    assert quant.file_type == "Q4_K_M" and quant.quantized
+    assert sum(n for _, n in quant.tensor_types) == 236 and dict(quant.tensor_types)["Q4_K"] == 27
+    assert gemma.generation_config == {"bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
+
+
+def test_real_gemma_tokenizer_export(gemma: GGUFCheckpoint, gemma_hf_reference: Path, tmp_path: Path) -> None:  # noqa: F811
+    """The exported folder holds transformers' GGUF tokenizer file for file, and it encodes as transformers does."""
+    from transformers import AutoTokenizer
+
+    written = gemma.export_tokenizer(tmp_path)
+    assert set(written) == {"tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"}
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # as AutoTokenizer.from_pretrained(dir, gguf_file=...) saves
+        assert (tmp_path / name).read_bytes() == (gemma_hf_reference / name).read_bytes(), name
+    exported = AutoTokenizer.from_pretrained(tmp_path)
+    assert exported(PROMPT).input_ids == PROMPT_IDS
+    text = "Ollama and LM Studio ship GGUF files: naïve café, 東京, emoji 🙂, code `x = 1`.\n"
+    assert exported.decode(exported(text).input_ids, skip_special_tokens=True) == text
+    assert json.loads((tmp_path / "config.json").read_text()) == gemma.config
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == gemma.generation_config

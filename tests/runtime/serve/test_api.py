@@ -1,0 +1,309 @@
+"""`ovshard api` against real clients: the official `openai` package, curl, raw HTTP; real workers behind it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import openai
+import pytest
+from conftest import compile_fp32
+
+from ovshard.runtime.client.launch import WorkerProcess, serve_command
+
+CLI = [sys.executable, "-m", "ovshard.cli"]
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def bundle(stories: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return compile_fp32(stories, tmp_path_factory.mktemp("api") / "stories", stages=2)
+
+
+class Api:
+    """Stage workers plus an `ovshard api` process in front of them."""
+
+    def __init__(self, bundle: Path, *options: str) -> None:
+        self.workers = [WorkerProcess(serve_command(bundle, i, "127.0.0.1:0", ["--exact"]), i) for i in range(2)]
+        stages = ",".join(w.wait_listening(120) for w in self.workers)
+        self.process = subprocess.Popen([*CLI, "-q", "api", str(bundle), "--stages", stages, "--listen",
+                                         "127.0.0.1:0", *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        assert line, self.process.stderr.read() if self.process.stderr else ""
+        self.address = json.loads(line)["api"]
+        self.url = f"http://{self.address}"
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(30)
+        for w in self.workers:
+            w.stop()
+
+
+@contextmanager
+def api(bundle: Path, *options: str) -> Iterator[Api]:
+    server = Api(bundle, *options)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(bundle: Path) -> Iterator[Api]:
+    with api(bundle, "--streams", "4", "--queue", "8", "--retry-s", "1") as running:
+        yield running
+
+
+def run_text(bundle: Path, tokens: int) -> str:
+    """What `ovshard run --local` prints after the prompt, greedy, for the same bundle."""
+    out = subprocess.run([*CLI, "-q", "run", str(bundle), "--local", "--exact", "--prompt", PROMPT, "--max-tokens",
+                          str(tokens), "--speculative", "off"], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.startswith(PROMPT)
+    return out.stdout[len(PROMPT):].rstrip("\n")
+
+
+def test_models_lists_the_bundle(server: Api) -> None:
+    """GET /v1/models names the one model this server serves."""
+    assert [m.id for m in server.client.models.list().data] == ["stories"]
+
+
+def test_greedy_completion_equals_ovshard_run_and_counts_usage(server: Api, bundle: Path) -> None:
+    """A greedy completion is `ovshard run`'s text without the prompt; usage counts prompt and new tokens."""
+    answer = server.client.completions.create(model="stories", prompt=PROMPT, max_tokens=30, temperature=0)
+    assert answer.choices[0].text == run_text(bundle, 30)
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage is not None and (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (5, 30)
+
+
+def test_streamed_chat_equals_the_whole_answer(server: Api) -> None:
+    """Chat streamed as server-sent events adds up to the non-streamed answer; usage comes last when asked."""
+    messages = [{"role": "user", "content": PROMPT}]
+    whole = server.client.chat.completions.create(model="stories", messages=messages, max_tokens=25, temperature=0)
+    chunks = list(server.client.chat.completions.create(model="stories", messages=messages, max_tokens=25,
+                                                        temperature=0, stream=True,
+                                                        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and text.startswith(", there was")
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 25
+
+
+def test_seeded_sampling_is_reproducible(server: Api) -> None:
+    """The same seed gives the same sampled text; another seed gives another."""
+    def sample(seed: int) -> str:
+        return server.client.completions.create(model="stories", prompt=PROMPT, max_tokens=30, temperature=1.0,
+                                                top_p=0.9, seed=seed).choices[0].text
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+
+
+def test_stop_strings_end_the_answer(server: Api) -> None:
+    """The answer ends before the first of several stop strings, with finish reason stop."""
+    answer = server.client.completions.create(model="stories", prompt=PROMPT, max_tokens=60, temperature=0,
+                                              stop=["Lily", "zzz"])
+    assert answer.choices[0].text == ", there was a little girl named "
+    assert answer.choices[0].finish_reason == "stop"
+
+
+def test_four_concurrent_requests_each_equal_their_solo_answer(server: Api) -> None:
+    """Four clients at once get exactly what each gets alone."""
+    prompts = [PROMPT, "The cat", "Lily saw", "One day"]
+    solo = [server.client.completions.create(model="stories", prompt=q, max_tokens=40, temperature=0).choices[0].text
+            for q in prompts]
+    together: list[str] = [""] * 4
+
+    def ask(i: int) -> None:
+        together[i] = server.client.completions.create(model="stories", prompt=prompts[i], max_tokens=40,
+                                                       temperature=0).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert together == solo
+
+
+def test_bad_requests_get_openai_shaped_errors(server: Api) -> None:
+    """n=2 and logprobs are 400 naming the field, an unknown model is 404, a non-JSON body is 400."""
+    with pytest.raises(openai.BadRequestError, match="n=2"):
+        server.client.completions.create(model="stories", prompt=PROMPT, n=2)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        server.client.completions.create(model="gpt-4o", prompt=PROMPT)
+    request = urllib.request.Request(f"{server.url}/v1/chat/completions", data=b"{not json",
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=30)
+    assert e.value.code == 400 and json.loads(e.value.read())["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_sees_server_sent_event_framing(server: Api) -> None:
+    """`curl -N` receives `data: {json}` events separated by blank lines and ending in `data: [DONE]`."""
+    body = json.dumps({"model": "stories", "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True})
+    out = subprocess.run(["curl", "-sN", f"{server.url}/v1/completions", "-H", "Content-Type: application/json",
+                          "-d", body], capture_output=True, text=True, timeout=60, check=True).stdout
+    events = out.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: {") for e in events[:-2])
+    assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-2]) == ", there was a little"
+
+
+def test_metrics_and_health(server: Api) -> None:
+    """/metrics parses as Prometheus text with requests, tokens, latencies, stage and hop times; /health
+    reports every stage up."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server.client.completions.create(model="stories", prompt=PROMPT, max_tokens=10, temperature=0)
+    text = urllib.request.urlopen(f"{server.url}/metrics", timeout=30).read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("ovshard_requests", "ovshard_generated_tokens", "ovshard_time_to_first_token_seconds",
+                 "ovshard_inter_token_latency_seconds", "ovshard_stage_compute_seconds", "ovshard_hop_network_seconds",
+                 "ovshard_speculative_accepted", "ovshard_queue_depth", "ovshard_active_streams"):
+        assert name in families, name
+    generated = [s.value for s in families["ovshard_generated_tokens"].samples if s.name.endswith("_total")]
+    assert generated and generated[0] >= 10
+    stages = {s.labels.get("stage") for s in families["ovshard_stage_compute_seconds"].samples}
+    assert {"0", "1"} <= stages
+    health = json.loads(urllib.request.urlopen(f"{server.url}/health", timeout=30).read())
+    assert health["status"] == "ok" and [s["state"] for s in health["stages"]] == ["up", "up"]
+
+
+def test_a_client_that_disconnects_frees_its_slot(bundle: Path) -> None:
+    """With one slot, a streamed request abandoned mid-way is cancelled: the next request is served at once."""
+    with api(bundle, "--streams", "1", "--queue", "0") as one:
+        stream = one.client.completions.create(model="stories", prompt=PROMPT, max_tokens=480, temperature=0,
+                                               stream=True)
+        next(iter(stream))
+        stream.close()
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                answer = one.client.completions.create(model="stories", prompt=PROMPT, max_tokens=5, temperature=0)
+                break
+            except openai.RateLimitError:
+                assert time.monotonic() < deadline, "the abandoned request still holds the slot"
+                time.sleep(0.1)
+        assert answer.choices[0].text == ", there was a little"
+
+
+def test_busy_is_429_and_a_dead_stage_is_503(bundle: Path) -> None:
+    """With one slot and no queue a second request is 429; with a stage gone, requests are 503 naming it and
+    /health says which stage is down."""
+    with api(bundle, "--streams", "1", "--queue", "0", "--retry-s", "1") as one:
+        stream = one.client.completions.create(model="stories", prompt=PROMPT, max_tokens=480, temperature=0,
+                                               stream=True)
+        next(iter(stream))
+        with pytest.raises(openai.RateLimitError, match="busy"):
+            one.client.completions.create(model="stories", prompt=PROMPT, max_tokens=5)
+        stream.close()
+        one.workers[1].process.kill()
+        one.workers[1].process.wait()
+        deadline = time.monotonic() + 20
+        with pytest.raises(openai.InternalServerError, match="stage 1 at 127.0.0.1"):
+            while time.monotonic() < deadline:  # until the abandoned request has left the slot
+                try:
+                    one.client.completions.create(model="stories", prompt=PROMPT, max_tokens=5)
+                except openai.RateLimitError:
+                    time.sleep(0.1)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"{one.url}/health", timeout=30)
+        health = json.loads(e.value.read())
+        assert e.value.code == 503 and [s["state"] for s in health["stages"]] == ["up", "down"]
+
+
+def test_an_api_key_is_required_when_given(bundle: Path) -> None:
+    """With --api-key, a client without it (or with another) gets 401; with it, an answer; /health and the page
+    (static, it asks for the key) stay open, the page's live view /v1/pipeline does not."""
+    with api(bundle, "--api-key", "s3cret") as keyed:
+        with pytest.raises(openai.AuthenticationError, match="api-key"):
+            keyed.client.models.list()
+        good = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="s3cret", max_retries=0, timeout=60)
+        assert good.completions.create(model="stories", prompt=PROMPT, max_tokens=5, temperature=0).choices[0].text \
+            == ", there was a little"
+        assert json.loads(urllib.request.urlopen(f"{keyed.url}/health", timeout=30).read())["status"] == "ok"
+        assert b"<title>ovshard</title>" in urllib.request.urlopen(f"{keyed.url}/", timeout=30).read()
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"{keyed.url}/v1/pipeline", timeout=30)
+        assert e.value.code == 401
+
+
+def test_listening_beyond_loopback_needs_an_api_key(bundle: Path) -> None:
+    """`ovshard api --listen 0.0.0.0:0` without --api-key refuses to start, naming --api-key and --insecure."""
+    out = subprocess.run([*CLI, "api", str(bundle), "--stages", "127.0.0.1:1,127.0.0.1:2", "--listen", "0.0.0.0:0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--api-key" in out.stderr and "--insecure" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    """Debian's headless chromium through its chromium-driver (installed by .ci/run; never a download)."""
+    if CHROMIUM is None or CHROMEDRIVER is None:
+        pytest.skip("chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def test_the_web_page_streams_a_chat_answer_and_shows_each_stage(server: Api, browser: object) -> None:
+    """The page at / sends a message, streams the greedy answer the openai client gets, and shows one box per
+    stage with its address, layers and a measured compute time."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.remote.webdriver import WebDriver
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver: WebDriver = browser  # type: ignore[assignment]
+    expected = server.client.chat.completions.create(model="stories", messages=[{"role": "user", "content": PROMPT}],
+                                                     max_tokens=40, temperature=0).choices[0].message.content
+    driver.get(f"{server.url}/")
+    WebDriverWait(driver, 30).until(lambda d: "stories" in d.find_element(By.ID, "model").text)
+    for field, value in (("temperature", "0"), ("max-tokens", "40")):
+        box = driver.find_element(By.ID, field)
+        box.clear()
+        box.send_keys(value)
+    driver.find_element(By.ID, "input").send_keys(PROMPT)
+    driver.find_element(By.ID, "send").click()
+    answer = WebDriverWait(driver, 60).until(
+        lambda d: d.find_element(By.CSS_SELECTOR, ".message.assistant[data-state=done]"))
+    assert answer.find_element(By.CLASS_NAME, "text").text == expected
+    # the live view re-renders the stage table as it polls: read it in one script call, never through
+    # element handles the next render makes stale
+    def stage_rows() -> list[dict[str, str]]:
+        return [{k: v.strip() for k, v in row.items()} for row in driver.execute_script(
+            "return [...document.querySelectorAll('.stage')].map(s => ({host: s.querySelector('.host').innerText,"
+            " layers: s.querySelector('.layers').innerText, compute: s.querySelector('.compute').innerText}))")]
+
+    rows = WebDriverWait(driver, 30).until(
+        lambda _: (r := stage_rows()) and all("-" not in x["compute"] for x in r) and r)
+    assert [r["host"] for r in rows] == [w.address for w in server.workers]
+    layers = [r["layers"] for r in rows]
+    assert layers[0].startswith("layers [0, ") and layers[-1].endswith(", 5) of 5"), layers
+    for row in rows:
+        compute = row["compute"]
+        assert float(compute.split()[0]) > 0, compute
