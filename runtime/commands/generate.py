@@ -9,23 +9,22 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, closing, nullcontext
 from pathlib import Path
 
 from ovshard.bundle.manifest import read_manifest
 from ovshard.errors import OvshardError
 from ovshard.runtime.client.head import Head
 from ovshard.runtime.client.inprocess import LocalPipeline
-from ovshard.runtime.client.launch import local_workers
 from ovshard.runtime.client.scheduler import Request, Scheduler
 from ovshard.runtime.client.text import Text, TextStream, encode_prompts
 from ovshard.runtime.commands.options import (
     EXACT_HELP,
     add_sampling,
     add_security,
-    make_head,
+    pipeline_head,
     sampling_config,
     speculation_config,
-    stage_addresses,
 )
 from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.decoding.speculative import Speculation
@@ -66,30 +65,33 @@ def _text_and_prompt(args: argparse.Namespace) -> tuple[Text, list[int] | None]:
     return text, None if args.prompts_file else text.encode(args.prompt, args.prompt_ids)
 
 
-def _generate(args: argparse.Namespace, addresses: list[str] | None,
+def _generate(args: argparse.Namespace, open_head: Callable[[], AbstractContextManager[Head]] | None,
               ready: Future[tuple[Text, list[int] | None]] | None = None) -> int:
-    """Generate through the stages at ``addresses``, or (None) through every stage in this process;
-    ``ready``: the tokenizer and prompt, prepared while the stages loaded."""
+    """Generate through the head ``open_head`` gives (opened once the prompts are read and checked), or (None)
+    through every stage in this process; ``ready``: the tokenizer and prompt, prepared while the stages loaded."""
     m = read_manifest(args.bundle)
     text, prompt = ready.result() if ready is not None else _text_and_prompt(args)
     config = sampling_config(args, text.stops)
     speculation = speculation_config(args, m)
     if args.prompts_file:
-        assert addresses is not None  # run refuses --in-process with --prompts-file
+        assert open_head is not None  # run refuses --in-process with --prompts-file
         prompts = _read_prompts(args.prompts_file)
         encoded = encode_prompts(text, prompts, args.prompts_file)
-        many = make_head(args, addresses)
-        try:
-            return _generate_many(args, many, text, prompts, encoded, config, speculation)
-        finally:
-            many.close()
+        with open_head() as head:
+            return _generate_many(args, head, text, prompts, encoded, config, speculation)
     assert prompt is not None
-    head: Head | LocalPipeline
-    if addresses is None:
-        head = LocalPipeline(args.bundle, config=stage_config(args.exact, args.threads), slice_logits=True,
-                             cache_dir=model_cache(None))
-    else:
-        head = make_head(args, addresses)
+    if open_head is None:
+        local = LocalPipeline(args.bundle, config=stage_config(args.exact, args.threads), slice_logits=True,
+                              cache_dir=model_cache(None))
+        with closing(local):
+            return _generate_one(args, local, text, prompt, config, speculation)
+    with open_head() as head:
+        return _generate_one(args, head, text, prompt, config, speculation)
+
+
+def _generate_one(args: argparse.Namespace, head: Head | LocalPipeline, text: Text, prompt: list[int],
+                  config: SamplingConfig, speculation: Speculation | None) -> int:
+    """One prompt's completion streamed to stdout as it is sampled; the stats on stderr."""
     stats = Stats()
     echo = text.tok is not None and args.prompt_ids is None and text.chat is None  # a chat prints the answer only
     if echo:
@@ -105,8 +107,6 @@ def _generate(args: argparse.Namespace, addresses: list[str] | None,
         sys.stdout.flush()
         _print_stats(args, {**stats.to_dict(), "finish_reason": "error"})
         raise OvshardError(f"generation failed after {stats.new_tokens} tokens (printed above): {e}") from e
-    finally:
-        head.close()
     _print_stats(args, stats.to_dict())
     return 0
 
@@ -186,7 +186,7 @@ def _print_completion(text: Text, prompts: list[str], encoded: list[list[int]], 
 
 
 def generate(args: argparse.Namespace) -> int:
-    return _generate(args, stage_addresses(args.stages))
+    return _generate(args, lambda: pipeline_head(args))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -198,8 +198,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             if args.in_process:
                 return _generate(args, None, ready)
-            with local_workers(args.bundle, args.exact, threads=args.threads) as addresses:
-                args.credentials, args.insecure = None, False  # loopback workers of this process
-                return _generate(args, addresses, ready)
+            with pipeline_head(args) as head:  # the workers start now, the tokenizer loads beside them
+                return _generate(args, lambda: nullcontext(head), ready)
         finally:
             ready.cancel()

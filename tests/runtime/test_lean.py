@@ -36,3 +36,20 @@ print(",".join(sorted(m for m in {HEAVY!r} if m in sys.modules)))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"runtime imported {out.stdout.strip()}"
+
+
+def test_the_command_line_starts_without_any_extra() -> None:
+    """A node with the base install only (no compile, api, cluster or secure extra) gets its `ovshard` command:
+    the parser of every subcommand builds, and `serve --help` answers, with none of those packages importable."""
+    extras = ["torch", "transformers", "nncf", "onnx", "networkx", "safetensors", "gguf", "starlette", "uvicorn",
+              "jinja2", "prometheus_client", "ray", "cryptography"]
+    script = f"""
+import sys
+for name in {extras!r}:
+    sys.modules[name] = None  # an import of it raises ImportError, as on a node without the extra
+from ovshard.cli import main
+sys.exit(main(["serve", "--help"]))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "--stage" in out.stdout
