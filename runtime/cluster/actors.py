@@ -197,8 +197,7 @@ class StageActor:
         entry, worker = self.worker.entry.stage, self.worker
         with worker.lock:
             steps, compute_s = worker.steps, worker.compute_s
-            streams = sum(len(s.streams) for s in worker.sessions.values())
-            sessions = len(worker.sessions)
+        sessions, streams = worker.heads.counts()
         _, port = self.address.rsplit(":", 1)
         return {"stage": self.order.index, "address": _node_address(self.order.host, int(port)),
                 "node": ray.get_runtime_context().get_node_id()[:12], "host": socket.gethostname(),

@@ -35,7 +35,7 @@ from ovshard.errors import BundleError, OvshardError
 from ovshard.runtime.engine.kv import KVCache, StepInputs
 from ovshard.runtime.engine.stage import compile_on_device
 from ovshard.runtime.node.config import Limits, model_cache
-from ovshard.runtime.node.heads import RequestError, SessionState
+from ovshard.runtime.node.heads import HeadTable, RequestError, SessionState
 from ovshard.runtime.node.steps import answer, check_step, step_input
 from ovshard.runtime.wire import protocol as p
 from ovshard.runtime.wire.framing import MAX_HEADER_BYTES
@@ -78,13 +78,12 @@ class StageWorker:
             core.set_property({"CACHE_DIR": str(cache)})
         self.compiled, self.sliced = compile_on_device(core, self.bundle, self.manifest, stage, device, config,
                                                    slice_logits)
-        self.sessions: dict[str, SessionState] = {}
+        self.heads = HeadTable(stage, self.limits)
         self.connections: set[Connection] = set()
-        self.lock = threading.Lock()  # guards sessions, connections, counters
+        self.lock = threading.Lock()  # guards connections and counters
         self.in_flight = 0
         self.steps, self.compute_s = 0, 0.0  # Steps run and their compute time, for `ovshard status`
         self.idle = threading.Condition(self.lock)  # notified when in_flight drops
-        self.draining = False
         self.server: socket.socket | None = None
         self._stopping = False
 
@@ -154,8 +153,7 @@ class StageWorker:
     def drain(self, timeout: float | None = None) -> int:
         """Refuse new sessions and streams, stop accepting, wait for in-flight steps (at most ``timeout``,
         default Limits.drain_s), then close every connection. Returns the steps still running at the end."""
-        with self.lock:
-            self.draining = True
+        self.heads.drain()
         self.stop()
         with self.idle:
             self.idle.wait_for(lambda: self.in_flight == 0, timeout=self.limits.drain_s if timeout is None else timeout)
@@ -247,7 +245,7 @@ class StageWorker:
         if hello.bundle_fingerprint != self.fingerprint:
             raise RequestError("refused", f"bundle mismatch: this node serves {self.fingerprint[:19]}..., the peer "
                                           f"has {hello.bundle_fingerprint[:19]}...; copy the same bundle to every node")
-        if self.draining:
+        if self.heads.draining:
             raise RequestError("draining", "this worker is shutting down")
         wanted = {"head": "head", "upstream": "stage"}[hello.role]
         if conn.identity is not None and conn.identity[0] != wanted:
@@ -257,13 +255,7 @@ class StageWorker:
             raise RequestError("refused", "only a head names a next_hop")
 
     def _open_session(self, conn: Connection, hello: p.Hello) -> SessionState:
-        session = SessionState(hello.session, conn)
-        with self.lock:
-            if hello.session in self.sessions:
-                raise RequestError("refused", "session id in use; a head picks a fresh random one per connection")
-            if len(self.sessions) >= self.limits.max_sessions:
-                raise RequestError("busy", f"{self.limits.max_sessions} sessions open (--max-sessions); try later")
-            self.sessions[hello.session] = session
+        session = self.heads.admit(hello.session, conn)
         if hello.next_hop is not None and not self.last:
             try:
                 self._link(session, hello.next_hop)
@@ -281,10 +273,7 @@ class StageWorker:
         threading.Thread(target=self._drain_downstream, args=(session, downstream), daemon=True).start()
 
     def _attach_upstream(self, conn: Connection, hello: p.Hello) -> SessionState:
-        with self.lock:
-            session = self.sessions.get(hello.session)
-        if session is None:
-            raise RequestError("refused", "unknown session: its head must connect to this stage first")
+        session = self.heads.get(hello.session)
         with session.lock:
             if session.upstream:
                 raise RequestError("refused", "this session has its upstream link already")
@@ -301,14 +290,7 @@ class StageWorker:
 
     def _drop(self, session: SessionState) -> None:
         """The head is gone: free the session's streams and close its links."""
-        with self.lock:
-            if self.sessions.get(session.id) is session:
-                del self.sessions[session.id]
-        with session.lock:
-            freed = len(session.streams)
-            session.streams.clear()
-        for link in session.links():
-            link.close()
+        freed = self.heads.drop(session)
         log.info("stage %d: session %s... ended, %d streams freed", self.stage, session.id[:8], freed)
 
     def _where(self) -> str:
@@ -342,10 +324,10 @@ class StageWorker:
         elif role != "head":
             raise p.ProtocolError("unknown_kind", f"an upstream link carries Step and Ping, not {type(msg).__name__}")
         elif isinstance(msg, p.Open):
-            self._open(session, msg.stream)
+            self.heads.open_stream(session, msg.stream, lambda: KVCache(self.compiled.create_infer_request()))
             conn.send(p.OpenOk(msg.stream))
         elif isinstance(msg, p.Reset):
-            self._stream(session, msg.stream).reset()
+            self.heads.stream(session, msg.stream).reset()
         elif isinstance(msg, p.Close):
             with session.lock:
                 session.streams.pop(msg.stream, None)
@@ -353,28 +335,6 @@ class StageWorker:
             raise RequestError("refused", f"stage {self.stage} takes Steps from stage {self.stage - 1}, not the head")
         else:
             raise p.ProtocolError("unknown_kind", f"stage {self.stage} does not take {type(msg).__name__}")
-
-    def _open(self, session: SessionState, stream: int) -> None:
-        with self.lock:
-            total = sum(len(s.streams) for s in self.sessions.values())
-            if self.draining:
-                raise RequestError("draining", "this worker is shutting down")
-        with session.lock:
-            if stream in session.streams:
-                raise RequestError("refused", f"stream {stream} is open already")
-            if len(session.streams) >= self.limits.max_streams_per_session:
-                raise RequestError("busy", f"{self.limits.max_streams_per_session} streams open in this session "
-                                           "(--max-streams-per-session)")
-            if total >= self.limits.max_streams:
-                raise RequestError("busy", f"{self.limits.max_streams} streams open on this worker (--max-streams)")
-            session.streams[stream] = KVCache(self.compiled.create_infer_request())
-
-    def _stream(self, session: SessionState, stream: int) -> KVCache:
-        with session.lock:
-            cache = session.streams.get(stream)
-        if cache is None:
-            raise RequestError("no_stream", f"stream {stream} is not open at stage {self.stage}; send Open first")
-        return cache
 
     def _begin(self) -> None:
         with self.lock:
@@ -389,7 +349,7 @@ class StageWorker:
             self.idle.notify_all()
 
     def _step(self, session: SessionState, msg: p.Step) -> None:
-        cache = self._stream(session, msg.stream)
+        cache = self.heads.stream(session, msg.stream)
         x = step_input(msg, self.stage, self.manifest.architecture)
         check_step(msg, x.shape[1], cache, self.stage, self.max_positions)
         self._begin()
