@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -124,14 +125,13 @@ def hf_greedy(checkpoint: Path, prompt: list[int], new_tokens: int) -> tuple[lis
 
 _COMPILED: dict[str, Path] = {}  # one compile per checkpoint and options in a test run; tests get copies
 _COMPILED_ROOT = Path(tempfile.mkdtemp(prefix="ovshard-test-bundles-"))
+atexit.register(shutil.rmtree, _COMPILED_ROOT, ignore_errors=True)
 
 
 def compile_fp32(checkpoint: Path, output: Path, **kwargs) -> Path:
     """``checkpoint`` compiled with exact fp32 weights into ``output``; kwargs go to CompileConfig (stages=,
     layers=, ...). The same checkpoint and options compile once per test run: later calls copy that bundle
     (a copy, never links: tests may corrupt their bundle's files)."""
-    import shutil
-
     from ovshard.compile import CompileConfig, compile_bundle
     from ovshard.passes import WeightFormat
 

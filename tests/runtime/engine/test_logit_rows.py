@@ -13,7 +13,7 @@ import numpy as np
 import openvino as ov
 import pytest
 from conftest import compile_fp32
-from test_families import FAMILIES, write_random_checkpoint
+from families import FAMILIES, write_random_checkpoint
 
 from ovshard.bundle import names
 from ovshard.bundle.manifest import read_manifest

@@ -1,0 +1,143 @@
+"""Tiny random-weight checkpoints of every model family of the architecture table (the family tests and the
+logit-row tests compile them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3Config,
+    Gemma3TextConfig,
+    MistralConfig,
+    Phi3Config,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+SEED_STD = 0.2  # weights ~ N(0, 0.2^2); norm scales and biases get the same noise added
+ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family variant: its tiny transformers config and how it is compiled."""
+
+    config: Callable[[], PretrainedConfig]
+    max_positions: int | None = None  # CompileConfig.max_positions; None: the config's max_position_embeddings
+    # Gemma multiplies the embedding by sqrt(hidden) = 8: an 8x smaller one starts the residual stream at the
+    # other families' scale (a full-size tied one makes the model repeat its last input token)
+    embed_std: float = SEED_STD
+    seed: int = 0
+    explicit_attention: bool = False  # attention soft-capping (Gemma 2) has no SDPA form: no layer fuses
+
+
+def _qwen2() -> PretrainedConfig:
+    # q/k/v biases; head_dim 12 = 48 / 4; layers from max_window_layers=1 on slide over 8 tokens; tied
+    return Qwen2Config(vocab_size=320, eos_token_id=319, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+                       max_window_layers=1, tie_word_embeddings=True, max_position_embeddings=128,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
+
+def _qwen3() -> PretrainedConfig:
+    # per-head q/k RMSNorm; head_dim 24 != 64 / 4; GQA 4:2; untied
+    return Qwen3Config(vocab_size=384, eos_token_id=383, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False,
+                       max_position_embeddings=128, rope_parameters=ROPE)
+
+
+def _mistral() -> PretrainedConfig:
+    # every layer slides over 16 tokens; head_dim 16 != 64 / 8; GQA 8:2; untied
+    return MistralConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                         tie_word_embeddings=False, max_position_embeddings=128, rope_parameters=ROPE)
+
+
+def phi3() -> PretrainedConfig:
+    # Phi-3-mini's block: fused qkv_proj and gate_up_proj, MHA, untied, every layer slides (over 8 tokens here)
+    return Phi3Config(vocab_size=300, eos_token_id=299, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=4, sliding_window=8, tie_word_embeddings=False,
+                      max_position_embeddings=128, original_max_position_embeddings=128,
+                      rope_parameters={**ROPE, "partial_rotary_factor": 1.0}, pad_token_id=0)
+
+
+def _phi4_mini_like() -> PretrainedConfig:
+    # Phi-4-mini's block: fused qkv_proj and gate_up_proj; 3/4 of each 16-wide head rotates (6 frequencies) with
+    # longrope; GQA; tied; a sliding window of 8 as well. The bundle holds 64
+    # positions = original_max_position_embeddings, below which longrope uses its short factors
+    factors = {"short_factor": [1.0, 1.05, 1.1, 1.2, 1.4, 1.8], "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}
+    return Phi3Config(vocab_size=320, eos_token_id=319, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, sliding_window=8, tie_word_embeddings=True,
+                      max_position_embeddings=256, original_max_position_embeddings=64, pad_token_id=0,
+                      rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                       "original_max_position_embeddings": 64, **factors})
+
+
+def _gemma2() -> PretrainedConfig:
+    # sandwich norms x * (1 + w), sqrt(hidden) embedding scale, GELU-tanh; query_pre_attn_scalar 24 != head_dim 32;
+    # softcaps small enough to bend the logits; sliding (8 tokens) and full layers alternate; tied
+    return Gemma2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+                        attn_logit_softcapping=2.0, final_logit_softcapping=3.0, sliding_window=8,
+                        layer_types=[SLIDING, FULL, SLIDING], tie_word_embeddings=True,
+                        max_position_embeddings=128, rope_parameters=ROPE)
+
+
+def _gemma3_text_config(**overrides: object) -> dict[str, object]:
+    # q/k norms; local rope (10000) on sliding layers, global (1e6, linear x2) on full ones; MQA; head_dim 32
+    config: dict[str, object] = dict(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=20, sliding_window=8,
+        layer_types=[SLIDING, SLIDING, FULL], max_position_embeddings=128,
+        rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+                         FULL: {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}},
+    )
+    config.update(overrides)
+    return config
+
+
+def _gemma3_text() -> PretrainedConfig:
+    return Gemma3TextConfig(**_gemma3_text_config(), tie_word_embeddings=False)
+
+
+def _gemma3_multimodal() -> PretrainedConfig:
+    # Gemma3ForConditionalGeneration with a one-layer SigLIP tower: ovshard compiles its language model
+    text = _gemma3_text_config(layer_types=[SLIDING, FULL, SLIDING])
+    vision = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=300,
+                        eoi_token_index=301, image_token_index=302, tie_word_embeddings=True)
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen2": Family(_qwen2),
+    "qwen3": Family(_qwen3),
+    "mistral": Family(_mistral),
+    "phi3": Family(phi3),
+    "phi3_partial_longrope": Family(_phi4_mini_like, max_positions=64, seed=2),
+    "gemma2": Family(_gemma2, embed_std=SEED_STD / 8, explicit_attention=True),
+    "gemma3_text": Family(_gemma3_text, embed_std=SEED_STD / 8),
+    "gemma3": Family(_gemma3_multimodal, embed_std=SEED_STD / 8, seed=2),  # seed 0 emits the image token
+}
+
+
+def write_random_checkpoint(family: Family, root: Path) -> Path:
+    """``save_pretrained`` of a seeded random model: matrices N(0, 0.2^2), 1-D tensors (norms, biases) + noise."""
+    torch.manual_seed(family.seed)
+    model = AutoModelForCausalLM.from_config(family.config())
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim >= 2:
+                param.normal_(0.0, SEED_STD)
+            else:  # ones for w * x norms, zeros for Gemma's x * (1 + w) norms and for biases: all get noise
+                param.add_(torch.randn_like(param) * SEED_STD)
+        model.get_input_embeddings().weight.normal_(0.0, family.embed_std)
+    model.save_pretrained(root)
+    return root
