@@ -57,6 +57,7 @@ STORAGE_DTYPES: dict[str, tuple[str, str]] = {
 # elements generated at once: bounds memory to ~4 MiB of float32 whatever the tensor size
 CHUNK_ELEMENTS = 1 << 20
 
+
 def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
     """Round float32 values to bfloat16 (nearest, ties to even); return the uint16 bit patterns."""
     bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)

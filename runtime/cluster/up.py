@@ -104,7 +104,7 @@ class Cluster:
         self.manifest = read_manifest(self.bundle)
         self.owned = config.ray == "local"
         self.host = "127.0.0.1" if self.owned else "0.0.0.0"  # what probes and stages bind
-        _join(config.ray)
+        join_ray(config.ray)
         self.alive = _alive_nodes()  # this command's node first
         self.actors: list[Any] = []
         self.tmp = Path(tempfile.mkdtemp(prefix="ovshard-up-"))
@@ -255,7 +255,7 @@ def actor_states() -> list[dict[str, Any]]:
             for a in state.actors().values() if str(a.get("Name") or "").startswith(PREFIX)]
 
 
-def _join(address: str) -> None:
+def join_ray(address: str) -> None:
     """Join the Ray cluster at ``address`` ("local": start a private instance owned by this process)."""
     import ray
 

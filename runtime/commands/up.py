@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from ovshard.errors import OvshardError
-from ovshard.runtime.cluster.up import Cluster, Planner, UpConfig, _join, actor_states
+from ovshard.runtime.cluster.up import Cluster, Planner, UpConfig, actor_states, join_ray
 from ovshard.runtime.commands.options import add_http, add_security
 
 log = logging.getLogger(__name__)
+
 
 def add_up_parser(sub: argparse._SubParsersAction, planner: Planner | None = None) -> None:
     """`up`; ``planner`` places by measurement (the compiler's ovshard.plan, handed in by the CLI)."""
@@ -123,7 +124,7 @@ def main_status(args: Any) -> int:
 
     import ray
 
-    _join(args.ray)
+    join_ray(args.ray)
     try:
         rows = []
         for state in sorted(actor_states(), key=lambda s: s["name"]):
@@ -148,7 +149,7 @@ def main_down(args: Any) -> int:
     """``ovshard down --ray ADDRESS``: stop every ovshard stage actor (no restart); a waiting `up` then leaves."""
     import ray
 
-    _join(args.ray)
+    join_ray(args.ray)
     try:
         stopped = 0
         for state in actor_states():
