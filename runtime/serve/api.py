@@ -106,9 +106,9 @@ class Run:
 
     def __init__(self, engine: Engine, ids: list[int], params: Params, events: Events,
                  stop_ids: tuple[int, ...]) -> None:
-        self.engine, self.ids, self.params, self.events, self.stop_ids = engine, ids, params, events, stop_ids
+        self.engine, self.ids, self.params, self.events = engine, ids, params, events
         self.request: Request | None = None
-        self.text = TextStream(engine.text, ids, turn=False, stop_ids=stop_ids, stop_strings=params.stop)
+        self.stream = TextStream(engine.text, ids, turn=False, stop_ids=stop_ids, stop_strings=params.stop)
         self.received = time.perf_counter()
         self.last: float | None = None
         self.completion_tokens = 0
@@ -125,11 +125,11 @@ class Run:
         self.last = now
         if self.request is not None:
             self.steps_seen = self.engine.view.record(self.request.stats, self.steps_seen)
-        if self.text.stopped:
+        if self.stream.stopped:
             return
         self.completion_tokens += 1
-        self._send(self.text.push(token))
-        if self.text.stopped:  # a stop string ended the text: the rest is not wanted
+        self._send(self.stream.push(token))
+        if self.stream.stopped:  # a stop string ended the text: the rest is not wanted
             assert self.request is not None
             self.request.cancel()
 
@@ -140,7 +140,7 @@ class Run:
     def _finish(self) -> None:
         request = self.request
         assert request is not None
-        self._send(self.text.finish())
+        self._send(self.stream.finish())
         self.engine.metrics.observe(request.stats)
         self.engine.view.record(request.stats, self.steps_seen)
         self.engine.view.finished(request.stats)
@@ -148,7 +148,7 @@ class Run:
         if request.error is not None:
             self.events.put("error", ApiError(503, f"the pipeline failed: {request.error}", kind="server_error",
                                               code="stage_unavailable"))
-        finish = "stop" if self.text.stopped or request.stats.finish_reason == "stop" else "length"
+        finish = "stop" if self.stream.stopped or request.stats.finish_reason == "stop" else "length"
         self.events.put("end", (finish, usage))
 
 
