@@ -30,9 +30,12 @@ import numpy as np
 
 from ovshard.bundle.manifest import bundle_fingerprint, read_manifest
 from ovshard.errors import OvshardError
+from ovshard.runtime.client.batcher import Batcher, BatchFailure, batch_config
 from ovshard.runtime.decoding import decode
 from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.decoding.speculative import Speculation
+from ovshard.runtime.engine.batching import BatchConfig
+from ovshard.runtime.engine.blocks import BlockManager
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.engine.scores import Scores
 from ovshard.runtime.wire import protocol as p
@@ -59,6 +62,9 @@ Reply = p.Result | p.OpenOk | p.Pong | StageFailure  # what a waiting step or op
 # (4.6 s for 8 chunks of 256 against 0.8 s for one step of 2,048) and the compressed matmuls, which unpack
 # their weights on every call (2.0 s against 0.7 s). So chunking is off by default.
 PREFILL_CHUNK = 0
+# The scheduler of a chain of paged stages (client/batcher.py): up to 32 sequences hold KV blocks at once, and
+# a prompt is prefilled in chunks of at most 512 tokens, pipelined over the stages
+BATCHING = batch_config(max_seqs=32, max_chunk=512)
 
 
 def prefill_parts(count: int, chunk: int, want: str) -> list[tuple[int, int, str]]:
@@ -92,14 +98,18 @@ def _merged(results: list[p.Result], want: str) -> p.Result:
 class Chain:
     """One session's connections to every stage, and the routing of their answers."""
 
-    def __init__(self, addresses: list[str], fingerprint: str, timeout: float, tls: ssl.SSLContext | None) -> None:
+    def __init__(self, addresses: list[str], fingerprint: str, timeout: float, tls: ssl.SSLContext | None,
+                 batching: BatchConfig | None = None) -> None:
         self.addresses, self.timeout = addresses, timeout
         self.session = secrets.token_hex(16)
         self.conns: list[Connection] = []
+        kv = None if batching is None else 0  # paged stages grant every free block
         try:
             for i in reversed(range(len(addresses))):
                 nxt = addresses[i + 1] if i + 1 < len(addresses) else None
-                self.conns.insert(0, connect(addresses[i], i, fingerprint, "head", self.session, nxt, tls=tls))
+                self.conns.insert(0, connect(addresses[i], i, fingerprint, "head", self.session, nxt, tls=tls,
+                                             kv_blocks=kv))
+            self.batcher = None if batching is None else self._batcher(batching)
         except OvshardError:
             self.close()
             raise
@@ -108,6 +118,26 @@ class Chain:
         self.broken: StageFailure | None = None
         for i, conn in enumerate(self.conns):
             threading.Thread(target=self._read, args=(i, conn), daemon=True).start()
+
+    def _batcher(self, config: BatchConfig) -> Batcher | None:
+        """A Batcher when every stage runs paged with one block size, over the fewest blocks any granted."""
+        welcomes = [c.welcome for c in self.conns]
+        sizes = {w.block_size if w else 0 for w in welcomes}
+        if sizes == {0}:
+            return None
+        if len(sizes) != 1:
+            raise OvshardError(f"the stages disagree on their KV cache (block sizes {sorted(sizes)}, 0 = stateful): "
+                               "start every worker with the same --kv (paged or stateful)")
+        blocks = min(w.kv_blocks for w in welcomes if w)
+        log.info("every stage runs paged KV: %d blocks of %d positions for this session", blocks, sizes.pop())
+        return Batcher(self._send_batch, BlockManager(blocks, welcomes[0].block_size), config,
+                       depth=len(self.conns), timeout=self.timeout)
+
+    def _send_batch(self, msg: p.Batch) -> None:
+        try:
+            self.conns[0].send(msg)
+        except OSError as e:
+            raise StageFailure(f"stage 0 at {self.addresses[0]}: send failed: {e}", True) from e
 
     def _targets(self, msg: p.Message) -> list[queue.Queue[Reply]]:
         if isinstance(msg, p.Result):
@@ -130,6 +160,8 @@ class Chain:
         try:
             while True:
                 msg = conn.receive()
+                if self.batcher is not None and self.batcher.takes(msg):
+                    continue
                 answer: Reply = msg  # type: ignore[assignment]
                 if isinstance(msg, p.Error):
                     answer = StageFailure(f"{where} reported {msg.code}: {msg.message}",
@@ -143,6 +175,8 @@ class Chain:
                 self.broken = StageFailure(f"{where} closed the connection: {e}", recoverable=True)
                 for _, target in self.waiting.values():
                     target.put(self.broken)
+            if self.batcher is not None:
+                self.batcher.fail(BatchFailure(str(self.broken), recoverable=True))
 
     def ask(self, key: tuple[str, int], stream: int, sends: list[tuple[int, p.Message]],
             answers: int, timeout: float | None = None) -> list[p.Result | p.OpenOk | p.Pong]:
@@ -183,6 +217,8 @@ class Chain:
                     self.waiting.pop(key, None)
 
     def close(self) -> None:
+        if getattr(self, "batcher", None) is not None:
+            self.batcher.close()
         for conn in self.conns:
             conn.close()
 
@@ -191,7 +227,8 @@ class Head:
     """A chain to every stage of one bundle, reconnected on demand; per-stream bookkeeping."""
 
     def __init__(self, bundle: Path, addresses: list[str], timeout: float = 60.0, retry_s: float = RETRY_S,
-                 tls: ssl.SSLContext | None = None, prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 tls: ssl.SSLContext | None = None, prefill_chunk: int = PREFILL_CHUNK,
+                 batching: BatchConfig | None = BATCHING) -> None:
         self.manifest = read_manifest(bundle)
         if len(addresses) != self.manifest.num_stages:
             raise OvshardError(f"--stages names {len(addresses)} addresses; the bundle has "
@@ -200,7 +237,8 @@ class Head:
             raise OvshardError(f"--retry-s {retry_s}: expected seconds >= 0")
         self.addresses, self.timeout, self.retry_s, self.tls = addresses, timeout, retry_s, tls
         self.fingerprint = bundle_fingerprint(bundle)
-        self.chain = Chain(addresses, self.fingerprint, timeout, tls)
+        self.batching = batching
+        self.chain = Chain(addresses, self.fingerprint, timeout, tls, batching)
         self.reconnects = 0
         self._reconnect_lock = threading.Lock()
         self.streams = itertools.count()
@@ -222,7 +260,7 @@ class Head:
             pause = _BACKOFF_S[0]
             while True:
                 try:
-                    self.chain = Chain(self.addresses, self.fingerprint, self.timeout, self.tls)
+                    self.chain = Chain(self.addresses, self.fingerprint, self.timeout, self.tls, self.batching)
                     self.reconnects += 1
                     log.warning("reconnected to every stage after: %s", cause)
                     return self.chain
@@ -293,7 +331,7 @@ class Head:
     def generate(self, prompt: list[int], config: SamplingConfig, stats: Stats | None = None,
                  speculation: Speculation | None = None) -> Generator[int, None, None]:
         """Yield sampled tokens one by one until an eos id or max_tokens, on a stream of its own."""
-        target = StreamTarget(self)
+        target: StreamTarget | PagedTarget = PagedTarget(self) if self.chain.batcher else StreamTarget(self)
         try:
             yield from decode.generate(target, prompt, config, stats, speculation)
         finally:
@@ -360,3 +398,55 @@ class StreamTarget:
 
     def close(self) -> None:
         self.head.close_stream(self.stream, self.chain)
+
+
+class PagedTarget:
+    """One stream of a Head over paged stages, batched with every other stream (client/batcher.py). A failed
+    tick or a refused row starts the stream again as a new sequence holding its whole history (on a new chain
+    when the old one broke): a greedy stream finishes with the tokens of an uninterrupted run."""
+
+    def __init__(self, head: Head) -> None:
+        self.head, self.chain = head, head.chain
+        self.max_positions = head.manifest.runtime_hints.max_positions
+        self.vocab_size = head.manifest.architecture.vocab_size
+        self.visible: list[int] = []  # the tokens whose KV every stage holds, in position order
+        self.replays = 0
+        self.stream, self.fresh = next(head.streams), True
+
+    def step(self, tokens: list[int], position: int, want: str, rewind: int, compact: bool) -> Scores:
+        del compact  # a paged cache holds no hidden positions
+        if rewind:
+            del self.visible[len(self.visible) - rewind:]
+        if position != len(self.visible):
+            raise OvshardError(f"stream {self.stream}: step at position {position}, but {len(self.visible)} "
+                               "tokens are cached")
+        deadline: float | None = None
+        feed = tokens
+        while True:
+            batcher = self.chain.batcher
+            if batcher is None:
+                raise OvshardError("the stages restarted with a stateful KV cache; restart the head")
+            try:
+                scores = batcher.step(self.stream, feed, want, rewind, self.fresh)
+                break
+            except (BatchFailure, StageFailure) as e:
+                if not e.recoverable:
+                    raise
+                deadline = deadline or time.monotonic() + self.head.retry_s
+                if time.monotonic() > deadline:
+                    raise OvshardError(f"{e}; gave up after {self.head.retry_s:.0f} s (--retry-s)") from e
+                log.warning("stream %d: %s; starting it again with its %d tokens", self.stream, e,
+                            len(self.visible) + len(tokens))
+                batcher.leave(self.stream)
+                if batcher.broken is not None:
+                    time.sleep(_BACKOFF_S[0])
+                    self.chain = self.head.reconnect(self.chain, deadline, e)
+                self.stream, self.fresh, self.replays = next(self.head.streams), True, self.replays + 1
+                feed, rewind = self.visible + tokens, 0
+        self.fresh = False
+        self.visible += tokens
+        return scores
+
+    def close(self) -> None:
+        if self.chain.batcher is not None:
+            self.chain.batcher.leave(self.stream)

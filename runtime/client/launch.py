@@ -158,9 +158,11 @@ class LocalWorkers:
     Inside the ``with``, ``addresses[i]`` is where stage i listens and ``processes[i]`` is its process.
     """
 
-    def __init__(self, bundle: Path, exact: bool = False, timeout: float = 120.0, threads: int | None = None) -> None:
+    def __init__(self, bundle: Path, exact: bool = False, timeout: float = 120.0, threads: int | None = None,
+                 kv: str = "auto") -> None:
         self.bundle, self.timeout = Path(bundle), timeout
-        self.options = (["--exact"] if exact else []) + (["--threads", str(threads)] if threads else [])
+        self.options = (["--exact"] if exact else []) + (["--threads", str(threads)] if threads else []) + \
+            (["--kv", kv] if kv != "auto" else [])
         self.workers: list[WorkerProcess] = []
         self.addresses: list[str] = []
 
@@ -198,7 +200,7 @@ class LocalWorkers:
 
 @contextmanager
 def local_workers(bundle: Path, exact: bool = False, timeout: float = 120.0,
-                  threads: int | None = None) -> Iterator[list[str]]:
+                  threads: int | None = None, kv: str = "auto") -> Iterator[list[str]]:
     """One ``ovshard serve`` process per stage on loopback; yields their addresses; stops them after."""
-    with LocalWorkers(bundle, exact, timeout, threads) as workers:
+    with LocalWorkers(bundle, exact, timeout, threads, kv) as workers:
         yield workers.addresses

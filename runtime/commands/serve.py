@@ -34,6 +34,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "that share a machine a share each")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="stop when stdin closes: used by `ovshard run --local` so its workers die with it")
+    p.add_argument("--kv", choices=("auto", "paged", "stateful"), default="auto",
+                   help="KV cache: paged (every head's streams batched into one inference a tick; "
+                        "prefix reuse), stateful (one cache a stream), auto (default: paged where the stage's "
+                        "attention converts, else stateful, logged)")
+    p.add_argument("--kv-blocks", type=int, metavar="N",
+                   help="paged KV blocks of 32 positions this stage holds for all its heads (default: 16 "
+                        "sequences of the bundle's max positions, at most 65,536 positions)")
     p.add_argument("--cache-dir", type=Path, help="compiled-model cache (default: $OVSHARD_CACHE_DIR/ov_cache or "
                    "~/.cache/ovshard/ov_cache; the bundle may be read-only)")
     add_security(p)
@@ -65,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
                          cache_dir=args.cache_dir, wire_dtype="f32" if args.wire_f32 else "f16",
                          limits=worker_limits(args),
                          server_tls=server_context(creds) if creds else None,
-                         client_tls=client_context(creds) if creds else None)
+                         client_tls=client_context(creds) if creds else None, kv=args.kv,
+                         kv_blocks=args.kv_blocks)
     address = worker.listen(host, port)
     print(listening_line(args.stage, address), flush=True)  # how a launcher learns a port 0 address
     if getattr(args, "exit_with_parent", False):

@@ -186,6 +186,7 @@ class _Seq:
     awaiting: bool = False
     admission: int = -1
     preempted: bool = False
+    last: PlannedRows | None = None  # rows whose logits went to a sampler that has not resumed yet
 
     @property
     def pending(self) -> int:
@@ -226,8 +227,9 @@ class StageScheduler:
         self._rows = self._seq_rows = self._last_rows = self._last_seqs = 0
         self._preemptions = self._dropped = 0
 
-    def add(self, seq: Hashable, ids: Sequence[int]) -> None:
-        """A new sequence with its prompt ``ids``; it waits for admission in arrival order."""
+    def add(self, seq: Hashable, ids: Sequence[int], drafts: int = 0) -> None:
+        """A new sequence with its prompt ``ids`` (its last ``drafts`` ids are drafts to verify: the first
+        tick's logits cover them too); it waits for admission in arrival order."""
         size = self.blocks.block_size
         if seq in self._seqs:
             raise BatchError(f"sequence {seq!r} is already scheduled; cancel it first or use a new id")
@@ -236,8 +238,10 @@ class StageScheduler:
         if blocks_for(len(ids), size) > self.blocks.num_blocks:
             raise BatchError(f"sequence {seq!r}: {len(ids)} ids need {blocks_for(len(ids), size)} blocks of "
                              f"{size}, the pool has {self.blocks.num_blocks}: shorten the prompt or grow the pool")
+        if not 0 <= drafts < len(ids):
+            raise BatchError(f"sequence {seq!r}: {drafts} drafts in {len(ids)} ids; expected 0..{len(ids) - 1}")
         keys = prefix_keys(ids[:len(ids) - 1], size, self.blocks.root) if self.blocks.prefix_cache else []
-        self._seqs[seq] = _Seq(seq, list(ids), self._arrivals, keys)
+        self._seqs[seq] = _Seq(seq, list(ids), self._arrivals, keys, drafts)
         self._arrivals += 1
 
     def cancel(self, seq: Hashable) -> None:
@@ -279,7 +283,8 @@ class StageScheduler:
         return plan
 
     def finish_tick(self, plan: TickPlan, results: Mapping[Hashable, Sampled]) -> tuple[SeqView, ...]:
-        """The oldest plan in flight ran: ``results`` holds a Sampled for each sequence it wanted logits of.
+        """The oldest plan in flight ran: ``results`` holds a Sampled for sequences it wanted logits of; one
+        left out waits for :meth:`resume` (its sampler runs elsewhere, e.g. a stream's own thread).
         Returns the sequences that finished, as they ended."""
         if not plan.seqs:
             return ()
@@ -295,12 +300,31 @@ class StageScheduler:
                 if live:
                     self.blocks.commit(s.id, rows.end)
                 continue
+            if rows.seq not in results:
+                if live:  # the fed rows before the drafts hold KV of kept ids whatever the sampler decides
+                    self.blocks.commit(s.id, rows.end - rows.drafts)
+                s.last = rows
+                continue
             sampled = results[rows.seq]
             self._accept(s, rows, sampled, live)
             if sampled.finished:
                 done.append(self.view(s.id))
                 self._remove(s)
         return tuple(done)
+
+    def resume(self, seq: Hashable, sampled: Sampled) -> None:
+        """What the head sampled from ``seq``'s rows of a finished tick left out of ``finish_tick``'s results."""
+        s = self._get(seq)
+        rows = s.last
+        if rows is None or not s.awaiting:
+            raise BatchError(f"sequence {seq!r} awaits no result: resume it once after finish_tick left it out")
+        if not 0 <= sampled.accepted <= rows.drafts or sampled.token < 0 or any(d < 0 for d in sampled.drafts):
+            raise BatchError(f"sequence {seq!r} verified {rows.drafts} drafts; expected 0..{rows.drafts} accepted "
+                             f"and token ids >= 0, found {sampled}")
+        s.last = None
+        self._accept(s, rows, sampled, s.admitted and s.admission == rows.admission)
+        if sampled.finished:
+            self._remove(s)
 
     def _decode_step(self, tick: _Tick) -> None:
         """Step 1: the tails of running sequences, oldest first; drafts cut to leave a row for each later one."""
@@ -426,10 +450,9 @@ class StageScheduler:
                              f"got tick {plan.tick}; finish the oldest plan in flight first")
         wanted = {rows.seq: rows for rows in plan.seqs if rows.want}
         extra = [seq for seq in results if seq not in wanted]
-        missing = [seq for seq in wanted if seq in self._seqs and seq not in results]
-        if extra or missing:
-            raise BatchError(f"tick {plan.tick} wanted logits of {sorted(map(repr, wanted))}; results lack "
-                             f"{missing} and hold {extra} besides: give one Sampled per sequence with want > 0")
+        if extra:
+            raise BatchError(f"tick {plan.tick} wanted logits of {sorted(map(repr, wanted))}; results hold "
+                             f"{extra} besides: give at most one Sampled per sequence with want > 0")
         for seq, sampled in results.items():
             drafts = wanted[seq].drafts
             if not 0 <= sampled.accepted <= drafts or sampled.token < 0 or any(d < 0 for d in sampled.drafts):

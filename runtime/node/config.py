@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from ovshard.bundle.manifest import Manifest
 from ovshard.bundle.places import cache_root
 from ovshard.errors import OvshardError
 from ovshard.runtime.engine.stage import EXACT_HINTS
@@ -36,6 +37,18 @@ class Limits:
                 raise OvshardError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected at least 1")
         if self.frame_timeout_s <= 0 or self.handshake_timeout_s <= 0:
             raise OvshardError("--frame-timeout and the handshake timeout must be positive seconds")
+
+
+KV_POOL_SEQUENCES = 16  # full-length sequences a paged stage's pool holds by default
+KV_POOL_MAX_TOKENS = 1 << 16  # ... but at most this many positions (memory, not a limit on any sequence)
+
+
+def kv_pool_blocks(manifest: Manifest, block_size: int = 32) -> int:
+    """The default paged KV pool of a stage: room for KV_POOL_SEQUENCES sequences of the bundle's
+    max_positions, capped at KV_POOL_MAX_TOKENS positions but never below one full-length sequence. The
+    caches are zeroed lazily by the OS, so blocks never written take no memory."""
+    full = -(-manifest.runtime_hints.max_positions // block_size)
+    return max(full, min(KV_POOL_SEQUENCES * full, KV_POOL_MAX_TOKENS // block_size))
 
 
 def stage_config(exact: bool, threads: int | None) -> dict[str, str] | None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+import numpy as np
+
 from ovshard.errors import OvshardError
 from ovshard.runtime.engine.kv import KVCache
 from ovshard.runtime.node.config import Limits
@@ -33,6 +35,7 @@ class SessionState:
         self.downstream: Connection | None = None
         self.next_hop: str | None = None
         self.upstream: list[Connection] = []
+        self.grant: np.ndarray | None = None  # a paged stage's KV blocks for this session (batches.KVPool)
         self.lock = threading.Lock()
 
     def links(self) -> list[Connection]:

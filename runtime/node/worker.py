@@ -31,10 +31,12 @@ import openvino as ov
 from ovshard.bundle import names
 from ovshard.bundle.checked import CheckedFiles
 from ovshard.bundle.manifest import bundle_fingerprint, read_manifest, verify_files
-from ovshard.errors import BundleError, OvshardError
+from ovshard.errors import BundleError, OvshardError, PagedUnsupportedError
 from ovshard.runtime.engine.kv import KVCache, StepInputs
+from ovshard.runtime.engine.paged import PagedStage, compile_paged
 from ovshard.runtime.engine.stage import compile_on_device
-from ovshard.runtime.node.config import Limits, model_cache
+from ovshard.runtime.node.batches import BatchRun, KVPool, batch_input, row_answer, run_batch
+from ovshard.runtime.node.config import Limits, kv_pool_blocks, model_cache
 from ovshard.runtime.node.heads import HeadTable, RequestError, SessionState
 from ovshard.runtime.node.steps import answer, check_step, step_input
 from ovshard.runtime.wire import protocol as p
@@ -50,12 +52,17 @@ _RESOURCE_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 class StageWorker:
     """One stage of a bundle served over TCP. A last stage is loaded with ``slice_logits`` (the default): it
     computes logits for the rows each Step's ``want`` reads only (runtime/engine/logit_rows.py); False keeps the
-    bundle's all-rows graph (the before side of bench/prefill_logits_memory.py)."""
+    bundle's all-rows graph (the before side of bench/prefill_logits_memory.py).
+
+    ``kv``: "paged" converts the stage to paged attention (engine/paged.py) and serves Batches from a pool of
+    ``kv_blocks`` KV blocks (None: node/config.kv_pool_blocks); "stateful" keeps one stateful cache a stream
+    and serves Steps; "auto" (the default) is paged where the stage converts, else stateful with a log line."""
 
     def __init__(self, bundle: Path, stage: int, device: str = "CPU", config: dict | None = None,
                  cache_dir: Path | None = None, wire_dtype: str = p.ACTIVATION_WIRE_DTYPE,
                  limits: Limits | None = None, server_tls: ssl.SSLContext | None = None,
-                 client_tls: ssl.SSLContext | None = None, slice_logits: bool = True) -> None:
+                 client_tls: ssl.SSLContext | None = None, slice_logits: bool = True, kv: str = "auto",
+                 kv_blocks: int | None = None) -> None:
         self.bundle = Path(bundle)
         self.manifest = read_manifest(self.bundle)
         if not 0 <= stage < self.manifest.num_stages:
@@ -76,8 +83,23 @@ class StageWorker:
         core = ov.Core()
         if cache is not None:
             core.set_property({"CACHE_DIR": str(cache)})
-        self.compiled, self.sliced = compile_on_device(core, self.bundle, self.manifest, stage, device, config,
-                                                   slice_logits)
+        self.paged: PagedStage | None = None
+        self.pool: KVPool | None = None
+        if kv not in ("auto", "paged", "stateful"):
+            raise OvshardError(f"--kv {kv!r}: expected auto, paged or stateful")
+        if kv != "stateful":
+            try:
+                blocks = kv_blocks or kv_pool_blocks(self.manifest)
+                self.paged = compile_paged(core, self.bundle, self.manifest, stage, device, config, blocks, slice_logits)
+                self.pool, self.sliced = KVPool(blocks), self.paged.sliced
+            except PagedUnsupportedError as e:
+                if kv == "paged":
+                    raise
+                log.info("stage %d: stateful KV cache, one stream at a time per request (no batching): %s", stage, e)
+        if self.paged is None:
+            self.compiled, self.sliced = compile_on_device(core, self.bundle, self.manifest, stage, device, config,
+                                                           slice_logits)
+        self.paged_lock = threading.Lock()  # one inference at a time on the paged caches
         self.heads = HeadTable(stage, self.limits)
         self.connections: set[Connection] = set()
         self.lock = threading.Lock()  # guards connections and counters
@@ -230,7 +252,9 @@ class StageWorker:
             session = self._open_session(conn, hello)
         else:
             session = self._attach_upstream(conn, hello)
-        conn.send(p.HelloOk(self.stage, self.fingerprint, self.manifest.num_stages))
+        granted = 0 if session.grant is None else len(session.grant)
+        block_size = 0 if self.paged is None else self.paged.block_size
+        conn.send(p.HelloOk(self.stage, self.fingerprint, self.manifest.num_stages, block_size, granted))
         conn.sock.settimeout(None)
         return hello.role, session
 
@@ -256,6 +280,12 @@ class StageWorker:
 
     def _open_session(self, conn: Connection, hello: p.Hello) -> SessionState:
         session = self.heads.admit(hello.session, conn)
+        if hello.kv_blocks is not None and self.pool is not None:
+            try:
+                session.grant = self.pool.grant(hello.kv_blocks)
+            except RequestError:
+                self._drop(session)
+                raise
         if hello.next_hop is not None and not self.last:
             try:
                 self._link(session, hello.next_hop)
@@ -291,6 +321,10 @@ class StageWorker:
     def _drop(self, session: SessionState) -> None:
         """The head is gone: free the session's streams and close its links."""
         freed = self.heads.drop(session)
+        with session.lock:
+            grant, session.grant = session.grant, None
+        if grant is not None and self.pool is not None:
+            self.pool.release(grant)
         log.info("stage %d: session %s... ended, %d streams freed", self.stage, session.id[:8], freed)
 
     def _where(self) -> str:
@@ -321,9 +355,14 @@ class StageWorker:
             conn.send(p.Pong(msg.nonce))
         elif isinstance(msg, p.Step) and (role == "upstream" or self.stage == 0):
             self._step(session, msg)
+        elif isinstance(msg, p.Batch) and (role == "upstream" or self.stage == 0):
+            self._batch(session, msg)
         elif role != "head":
             raise p.ProtocolError("unknown_kind", f"an upstream link carries Step and Ping, not {type(msg).__name__}")
         elif isinstance(msg, p.Open):
+            if self.paged is not None:
+                raise RequestError("refused", f"stage {self.stage} keeps a paged KV cache: it runs Batches, not "
+                                              "streams (start the worker with --kv stateful for streams)")
             self.heads.open_stream(session, msg.stream, lambda: KVCache(self.compiled.create_infer_request()))
             conn.send(p.OpenOk(msg.stream))
         elif isinstance(msg, p.Reset):
@@ -366,19 +405,56 @@ class StageWorker:
         finally:
             self._done(compute)
 
+    def _batch(self, session: SessionState, msg: p.Batch) -> None:
+        if self.paged is None or session.grant is None:
+            raise RequestError("refused", f"stage {self.stage} holds no paged KV blocks for this session (a "
+                                          "stateful stage, or a Hello without kv_blocks): send Steps")
+        if len(msg.timings) > self.stage:
+            raise RequestError("failed", f"Batch {msg.seq}: {len(msg.timings)} timings, but only {self.stage} "
+                                         f"stages come before stage {self.stage}")
+        x = batch_input(msg, self.stage, self.manifest.architecture)
+        self._begin()
+        compute: float | None = None
+        try:
+            run = run_batch(self.paged, session.grant, msg, x, self.stage, self.paged_lock)
+            compute = run.compute_s
+            timings = {**msg.timings, f"stage{self.stage}": compute}
+            if self.last:
+                self._answer_batch(session, msg.seq, run, timings)
+                return
+            hidden = np.concatenate(run.outputs) if run.outputs else np.zeros((0, self.manifest.architecture.hidden_size), np.float32)
+            tables = np.concatenate(run.tables) if run.tables else np.zeros(0, np.int32)
+            forward = p.Batch(msg.seq, run.rows, p.Tensor.activations(hidden, self.wire_dtype),
+                              p.Tensor.from_array(tables.astype(np.int32)), msg.copies, timings, run.refused)
+            self._send_downstream(session, forward)
+        finally:
+            self._done(compute)
+
+    def _answer_batch(self, session: SessionState, seq: int, run: BatchRun, timings: dict[str, float]) -> None:
+        """One Result for each row that wants scores, then BatchDone with the refusals, to the session's head."""
+        for row, logits in zip(run.rows, run.outputs, strict=True):
+            if row.want and not self._try_send(session.head, row_answer(row, seq, logits)):
+                break
+        if not self._try_send(session.head, p.BatchDone(seq, timings, run.refused)):
+            log.info("stage %d: the head of session %s... went away", self.stage, session.id[:8])
+            session.head.close()
+
+    def _send_downstream(self, session: SessionState, msg: p.Message) -> None:
+        with session.lock:
+            downstream, where = session.downstream, session.next_hop
+        if downstream is None:
+            raise RequestError("unavailable", f"no link to stage {self.stage + 1} ({where or 'not named'}); "
+                                              "the head reconnects")
+        if not self._try_send(downstream, msg):
+            downstream.close()
+            raise RequestError("unavailable", f"stage {self.stage + 1} at {where} went away")
+
     def _pass_on(self, session: SessionState, msg: p.Step, out: np.ndarray, timings: dict[str, float]) -> None:
         """Forward the activations to the next stage, or answer the session's head from the last."""
         if not self.last:
-            with session.lock:
-                downstream, where = session.downstream, session.next_hop
-            if downstream is None:
-                raise RequestError("unavailable", f"no link to stage {self.stage + 1} ({where or 'not named'}); "
-                                                  "the head reconnects")
-            forward = p.Step(msg.stream, msg.seq, msg.position, msg.want, p.Tensor.activations(out, self.wire_dtype),
-                             timings, msg.rewind, msg.compact)
-            if not self._try_send(downstream, forward):
-                downstream.close()
-                raise RequestError("unavailable", f"stage {self.stage + 1} at {where} went away")
+            self._send_downstream(session, p.Step(msg.stream, msg.seq, msg.position, msg.want,
+                                                  p.Tensor.activations(out, self.wire_dtype), timings, msg.rewind,
+                                                  msg.compact))
             return
         if not self._try_send(session.head, answer(msg, out, timings)):
             log.info("stage %d: the head of session %s... went away", self.stage, session.id[:8])

@@ -1,4 +1,4 @@
-"""The wire messages between ovshard nodes (protocol v3): one tagged union of frozen msgspec Structs.
+"""The wire messages between ovshard nodes (protocol v4): one tagged union of frozen msgspec Structs.
 
 How a message becomes bytes (the 16-byte prefix, the JSON header, the body) is framing.py's part; this
 module declares what may travel. msgspec checks every field on receipt: types, integer ranges, string
@@ -8,10 +8,14 @@ f32 on request), token ids as i64. Counts and ranges travel, never lists that gr
     kind  message   fields                                         meaning
     1     Hello     role ("head"|"upstream"), protocol,            first frame on a connection: who calls,
                     bundle_fingerprint, stage, session,            which bundle, stage and session; from the
-                    next_hop (str|null)                            head, next_hop is the next stage's
+                    next_hop (str|null), kv_blocks (int|null)      head, next_hop is the next stage's
                                                                    host:port (the stage links to it for
-                                                                   this session only)
-    2     HelloOk   stage, bundle_fingerprint, num_stages          the handshake is accepted
+                                                                   this session only); kv_blocks: the
+                                                                   paged KV blocks the head asks for (0:
+                                                                   every free one; null: none)
+    2     HelloOk   stage, bundle_fingerprint, num_stages,         the handshake is accepted; a paged stage
+                    block_size, kv_blocks                          names its block size (0: stateful) and
+                                                                   the blocks granted to the session
     3     Open      stream                                         start a stream of the session (empty KV
                                                                    cache); answered by OpenOk or an Error
     4     Reset     stream                                         empty a stream's KV cache
@@ -37,6 +41,20 @@ f32 on request), token ids as i64. Counts and ranges travel, never lists that gr
     10    Ping      nonce                                          liveness check
     11    Pong      nonce                                          answer to Ping with the same nonce
     12    OpenOk    stream                                         the stream is open at this stage
+    13    Batch     seq, rows [BatchRow], tensor, tables,          one inference of a paged stage over many
+                    copies, timings, refused [Refusal]             sequences (below)
+    14    BatchDone seq, timings, refused [Refusal]                the last stage ran Batch `seq`; its
+                                                                   Results (one per row that wants scores,
+                                                                   tagged with the row's stream) came first
+
+A Batch (paged stages only) carries the rows of many sequences of one session, one after another: tensor is
+input_ids i64 [N] (stage 0) or hidden_states [N, H]; BatchRow i is (stream, position, count, want, blocks):
+its count rows run at positions [position, position + count), and its block table is the next ``blocks``
+entries of ``tables`` (i32, block ids of the session's grant, ceil((position + count) / block_size) of
+them); want is "" for a prefill chunk that wants no scores, else as Step's. The head owns the block tables
+(it runs the scheduler, batching.py) and every stage applies ``copies`` (i32 [C, 2]: src, dst) before the
+inference. A row a stage cannot run is refused alone (a Refusal travels on with the batch, and the last
+stage reports it in BatchDone); the rest of the batch runs.
 
 Kind 7 was v1's Rewind (retired: rewinds ride on Step so they stay ordered along the chain). A stream id
 is the session's own (the head numbers its streams); streams are keyed by (session, stream), so one
@@ -56,7 +74,7 @@ import numpy.typing as npt
 
 from ovshard.errors import OvshardError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_NDIM = 8
 ACTIVATION_WIRE_DTYPE = "f16"
 DTYPES: dict[str, np.dtype[Any]] = {"f16": np.dtype("<f2"), "f32": np.dtype("<f4"), "i64": np.dtype("<i8"),
@@ -193,12 +211,15 @@ class Hello(MessageBase, frozen=True, tag=1):
     stage: UInt  # the stage the caller expects this node to serve
     session: SessionId  # the head's session; an upstream link serves exactly this session
     next_hop: Name | None = None  # from the head: "host:port" of the next stage (None for the last)
+    kv_blocks: UInt | None = None  # paged KV blocks asked for this session: 0 every free one, None none
 
 
 class HelloOk(MessageBase, frozen=True, tag=2):
     stage: UInt
     bundle_fingerprint: Name
     num_stages: UInt
+    block_size: UInt = 0  # positions a paged KV block holds; 0: this stage keeps stateful streams
+    kv_blocks: UInt = 0  # the paged blocks granted to the session (block ids 0..kv_blocks-1)
 
     def __post_init__(self) -> None:
         if not self.stage < self.num_stages:
@@ -268,7 +289,67 @@ class OpenOk(MessageBase, frozen=True, tag=12):
     stream: UInt
 
 
-Message = Union[Hello, HelloOk, Open, Reset, Close, Step, Result, Error, Ping, Pong, OpenOk]  # noqa: UP007
+Want = Annotated[str, msgspec.Meta(max_length=32)]
+MAX_BATCH_ROWS = 1024
+
+
+class BatchRow(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One sequence's part of a Batch (see the module docstring)."""
+
+    stream: UInt
+    position: UInt
+    count: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+    want: Want  # "" (no scores: a prefill chunk before the last) or a Step's want
+    blocks: Dim  # entries of Batch.tables that form this row's block table
+
+    def __post_init__(self) -> None:
+        if self.want:
+            parse_want(self.want)
+
+
+class Refusal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A row a stage refused: the batch ran without it."""
+
+    stream: UInt
+    stage: UInt
+    code: Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+    message: ShortText
+
+
+Refusals = Annotated[list[Refusal], msgspec.Meta(max_length=MAX_BATCH_ROWS)]
+
+
+class Batch(MessageBase, frozen=True, tag=13):
+    seq: UInt
+    rows: Annotated[list[BatchRow], msgspec.Meta(max_length=MAX_BATCH_ROWS)]
+    tensor: Tensor  # input_ids i64 [N] or hidden_states [N, H], N = sum of the rows' counts
+    tables: Tensor  # i32 [B]: the rows' block tables, one after another
+    copies: Tensor | None = None  # i32 [C, 2]: (src, dst) blocks to copy before the inference
+    timings: Timings = {}
+    refused: Refusals = []
+
+    def __post_init__(self) -> None:
+        rows, shape = sum(r.count for r in self.rows), self.tensor.shape
+        if len(shape) not in (1, 2) or shape[0] != rows:
+            raise ValueError(f"Batch.tensor: expected ids [N] or activations [N, H] with N = {rows} (the rows' "
+                             f"counts), found shape {list(shape)}")
+        blocks = sum(r.blocks for r in self.rows)
+        if self.tables.dtype != "i32" or self.tables.shape != (blocks,):
+            raise ValueError(f"Batch.tables: expected i32 [{blocks}] (the rows' blocks), found "
+                             f"{self.tables.dtype}{list(self.tables.shape)}")
+        if self.copies is not None and (self.copies.dtype != "i32" or len(self.copies.shape) != 2
+                                        or self.copies.shape[1] != 2):
+            raise ValueError(f"Batch.copies: expected i32 [C, 2], found {self.copies.dtype}{list(self.copies.shape)}")
+
+
+class BatchDone(MessageBase, frozen=True, tag=14):
+    seq: UInt
+    timings: Timings
+    refused: Refusals = []
+
+
+Message = Union[Hello, HelloOk, Open, Reset, Close, Step, Result, Error, Ping, Pong, OpenOk,  # noqa: UP007
+                Batch, BatchDone]
 KINDS: Mapping[int, type[MessageBase]] = {cls.kind(): cls for cls in Message.__args__}  # type: ignore[attr-defined]
 TENSOR_FIELDS: Mapping[type[MessageBase], tuple[str, ...]] = {
     cls: tuple(f for f, t in zip(cls.__struct_fields__, msgspec.structs.fields(cls), strict=True)

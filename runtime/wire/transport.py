@@ -36,6 +36,7 @@ class Connection:
 
     def __init__(self, sock: socket.socket, peer: str, identity: tuple[str, str] | None = None) -> None:
         self.sock, self.peer, self.identity = sock, peer, identity
+        self.welcome: p.HelloOk | None = None  # the stage's answer to our Hello, on a connection we opened
         self.lock = threading.Lock()
         self.closed = False
         self._state = threading.Lock()
@@ -93,8 +94,11 @@ def peer_identity(sock: socket.socket) -> tuple[str, str] | None:
 
 
 def connect(address: str, stage: int, fingerprint: str, role: str, session: str, next_hop: str | None = None,
-            timeout: float = HANDSHAKE_TIMEOUT_S, tls: ssl.SSLContext | None = None) -> Connection:
-    """Open a connection to a stage and complete the handshake; errors name the host:port and stage.
+            timeout: float = HANDSHAKE_TIMEOUT_S, tls: ssl.SSLContext | None = None,
+            kv_blocks: int | None = None) -> Connection:
+    """Open a connection to a stage and complete the handshake; errors name the host:port and stage. The
+    stage's HelloOk stays on the connection (``welcome``): a paged stage's block size and the blocks granted
+    for ``kv_blocks``.
 
     With ``tls`` the connection is TLS with the cluster's certificates, both ways (mutual authentication).
     """
@@ -120,7 +124,8 @@ def connect(address: str, stage: int, fingerprint: str, role: str, session: str,
             sock.close()
             raise OvshardError(f"{address} presents a {identity[0]!r} certificate ({identity[1]}), not a stage's")
     try:
-        write_message(sock, p.Hello(role, p.PROTOCOL_VERSION, fingerprint, stage, session, next_hop))  # type: ignore[arg-type]
+        write_message(sock, p.Hello(role, p.PROTOCOL_VERSION, fingerprint, stage, session, next_hop,  # type: ignore[arg-type]
+                                    kv_blocks))
         reply = read_message(sock, deadline_s=timeout, idle_s=timeout)
     except ssl.SSLError as e:  # TLS 1.3: a refused client certificate shows at the first read
         sock.close()
@@ -137,7 +142,9 @@ def connect(address: str, stage: int, fingerprint: str, role: str, session: str,
         sock.close()
         raise OvshardError(f"stage {stage} at {address} answered {type(reply).__name__} to Hello")
     sock.settimeout(None)
-    return Connection(sock, address, identity)
+    conn = Connection(sock, address, identity)
+    conn.welcome = reply
+    return conn
 
 
 class StageUnreachable(OvshardError):

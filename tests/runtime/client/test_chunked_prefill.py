@@ -26,7 +26,7 @@ def bundle(stories: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_chunked_prefill_equals_one_step(bundle: Path) -> None:
-    with local_workers(bundle, exact=True) as addresses:
+    with local_workers(bundle, exact=True, kv="stateful") as addresses:
         runs, rows = {}, {}
         for chunk in (0, 64, 100):
             head = Head(bundle, addresses, prefill_chunk=chunk)
@@ -47,7 +47,7 @@ def test_chunked_prefill_equals_one_step(bundle: Path) -> None:
 
 def test_a_bare_argmax_gets_every_chunks_rows(bundle: Path) -> None:
     """``argmax`` without rows reads every fed row: a chunked step answers all of them, as one step does."""
-    with local_workers(bundle, exact=True) as addresses:
+    with local_workers(bundle, exact=True, kv="stateful") as addresses:
         found = {}
         for chunk in (0, 64):
             head = Head(bundle, addresses, prefill_chunk=chunk)

@@ -67,7 +67,7 @@ def test_the_runtime_graph_slices_before_the_lm_head(bundles: dict[str, Path]) -
     manifest = read_manifest(bundle)
     from ovshard.runtime.node.worker import StageWorker
 
-    worker = StageWorker(bundle, manifest.num_stages - 1, config=EXACT_HINTS)
+    worker = StageWorker(bundle, manifest.num_stages - 1, config=EXACT_HINTS, kv="stateful")
     try:
         runtime = worker.compiled.get_runtime_model()
         kinds = {op.get_friendly_name(): op.get_rt_info()["layerType"].astype(str) for op in runtime.get_ops()}

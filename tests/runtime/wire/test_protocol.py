@@ -1,4 +1,4 @@
-"""The wire protocol (v3): round trips through bytes and real sockets, bytes on the wire, every malformed frame."""
+"""The wire protocol (v4): round trips through bytes and real sockets, bytes on the wire, every malformed frame."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ from ovshard.runtime.wire.protocol import (
     ERROR_CODES,
     KINDS,
     PROTOCOL_VERSION,
+    Batch,
+    BatchDone,
+    BatchRow,
+    Refusal,
     Close,
     ConnectionClosed,
     Error,
@@ -70,6 +74,14 @@ EXAMPLES: list[Message] = [
     Error("position", "position 9, but this stage holds 4 visible positions", 7, 2),
     Ping(12345678901),
     Pong(12345678901),
+    Hello("head", PROTOCOL_VERSION, "sha256:abc", 0, SESSION, None, 0),
+    HelloOk(1, "sha256:abc", 3, 32, 256),
+    Batch(3, [BatchRow(1, 0, 3, "argmax@1", 1), BatchRow(2, 40, 1, "", 2)],
+          Tensor.from_array(np.array([1, 2, 3, 4], np.int64)), Tensor.from_array(np.array([0, 1, 2], np.int32)),
+          Tensor.from_array(np.array([[0, 1]], np.int32)), {"stage0": 0.01}, [Refusal(4, 0, "position", "too long")]),
+    Batch(4, [BatchRow(1, 3, 1, "topk:5@1", 1)], Tensor.from_array(np.ones((1, 64), np.float32)),
+          Tensor.from_array(np.array([0], np.int32))),
+    BatchDone(3, {"stage0": 0.1, "stage1": 0.2}),
 ]
 
 
@@ -117,12 +129,12 @@ def test_every_message_round_trips_through_bytes(msg: Message) -> None:
 
 
 def test_frames_are_these_exact_bytes() -> None:
-    """The wire format byte for byte: magic, version 3, kind, flags, the two lengths, the JSON header, the body."""
-    assert encode(Ping(1)) == b"OVSH\x03\x00\x0a\x00" + struct.pack("<II", 21, 0) + b'{"kind":10,"nonce":1}'
+    """The wire format byte for byte: magic, version 4, kind, flags, the two lengths, the JSON header, the body."""
+    assert encode(Ping(1)) == b"OVSH\x04\x00\x0a\x00" + struct.pack("<II", 21, 0) + b'{"kind":10,"nonce":1}'
     header = (b'{"kind":8,"stream":7,"seq":1,"tensor":{"dtype":"i64","shape":[1,1]},'
               b'"timings":{"stage1":0.5},"indices":null}')
     result = Result(7, 1, Tensor.from_array(np.array([[42]], np.int64)), {"stage1": 0.5})
-    assert encode(result) == (b"OVSH\x03\x00\x08\x00" + struct.pack("<II", len(header), 8) + header
+    assert encode(result) == (b"OVSH\x04\x00\x08\x00" + struct.pack("<II", len(header), 8) + header
                               + (42).to_bytes(8, "little"))
 
 
@@ -131,14 +143,15 @@ def test_a_step_is_these_exact_bytes() -> None:
     header = (b'{"kind":6,"stream":7,"seq":0,"position":0,"want":"argmax","tensor":{"dtype":"i64","shape":[1,3]},'
               b'"timings":{},"rewind":0,"compact":false}')
     body = b"".join(t.to_bytes(8, "little") for t in (1, 403, 407))
-    assert encode(EXAMPLES[7]) == b"OVSH\x03\x00\x06\x00" + struct.pack("<II", len(header), 24) + header + body
+    assert encode(EXAMPLES[7]) == b"OVSH\x04\x00\x06\x00" + struct.pack("<II", len(header), 24) + header + body
 
 
 def test_a_hello_is_these_exact_bytes() -> None:
-    """A Hello names role, protocol, bundle, stage, session and next hop; it has no auth field."""
-    header = (b'{"kind":1,"role":"head","protocol":3,"bundle_fingerprint":"sha256:abc","stage":0,'
-              b'"session":"0123456789abcdef0123456789abcdef","next_hop":"10.0.0.2:7001"}')
-    assert encode(EXAMPLES[0]) == b"OVSH\x03\x00\x01\x00" + struct.pack("<II", len(header), 0) + header
+    """A Hello names role, protocol, bundle, stage, session, next hop and the KV blocks asked; it has no auth
+    field."""
+    header = (b'{"kind":1,"role":"head","protocol":4,"bundle_fingerprint":"sha256:abc","stage":0,'
+              b'"session":"0123456789abcdef0123456789abcdef","next_hop":"10.0.0.2:7001","kv_blocks":null}')
+    assert encode(EXAMPLES[0]) == b"OVSH\x04\x00\x01\x00" + struct.pack("<II", len(header), 0) + header
 
 
 def test_prefix_layout_is_sixteen_little_endian_bytes() -> None:
@@ -152,7 +165,7 @@ def test_the_kind_table_is_the_documented_one() -> None:
     """Kinds 1-6 and 8-12 are the v3 messages; 7 (v1's Rewind) stays retired."""
     assert {k: cls.__name__ for k, cls in KINDS.items()} == {
         1: "Hello", 2: "HelloOk", 3: "Open", 4: "Reset", 5: "Close", 6: "Step", 8: "Result", 9: "Error",
-        10: "Ping", 11: "Pong", 12: "OpenOk"}
+        10: "Ping", 11: "Pong", 12: "OpenOk", 13: "Batch", 14: "BatchDone"}
 
 
 def test_every_message_round_trips_through_a_socket_pair() -> None:
@@ -300,7 +313,7 @@ def test_another_protocol_version_is_refused_with_both_numbers(version: int) -> 
     assert f"version {version}" in str(refused) and f"version {PROTOCOL_VERSION}" in str(refused)
 
 
-@pytest.mark.parametrize("kind", [0, 7, 13, 200])
+@pytest.mark.parametrize("kind", [0, 7, 15, 200])
 def test_unknown_kind_is_refused(kind: int) -> None:
     """Kind 0, the retired kind 7 and kinds past the table are refused as unknown_kind."""
     assert_refused(frame(kind, {}), "unknown_kind")
@@ -708,3 +721,20 @@ def test_activations_that_overflow_f16_travel_as_f32() -> None:
     assert Tensor.activations(small).dtype == "f16"
     out = Tensor.activations(big)
     assert out.dtype == "f32" and np.array_equal(out.to_array(), big)
+
+
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda: Batch(1, [BatchRow(1, 0, 3, "", 1)], Tensor.from_array(np.arange(2)),
+                   Tensor.from_array(np.zeros(1, np.int32))), "N = 3"),
+    (lambda: Batch(1, [BatchRow(1, 0, 2, "", 2)], Tensor.from_array(np.arange(2)),
+                   Tensor.from_array(np.zeros(1, np.int32))), "i32 \\[2\\]"),
+    (lambda: Batch(1, [BatchRow(1, 0, 2, "", 1)], Tensor.from_array(np.arange(2)),
+                   Tensor.from_array(np.zeros(1, np.int64))), "i32 \\[1\\]"),
+    (lambda: Batch(1, [BatchRow(1, 0, 2, "", 1)], Tensor.from_array(np.arange(2)),
+                   Tensor.from_array(np.zeros(1, np.int32)), Tensor.from_array(np.zeros(3, np.int32))), "C, 2"),
+    (lambda: BatchRow(1, 0, 2, "argmax@0", 1), "@R"),
+])
+def test_a_batch_whose_counts_disagree_is_refused(make, match: str) -> None:
+    """A Batch's rows, tensor, tables and copies must agree before it is accepted."""
+    with pytest.raises((ValueError, ProtocolError), match=match):
+        make()
