@@ -1,0 +1,140 @@
+"""Continuous batching over real worker processes: paged stages, one Batch a tick, exact against solo runs."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import compile_fp32
+
+from ovshard.bundle.manifest import read_manifest
+from ovshard.errors import OvshardError
+from ovshard.runtime.client.batcher import batch_config
+from ovshard.runtime.client.head import Head
+from ovshard.runtime.client.launch import WorkerProcess, local_workers, serve_command
+from ovshard.runtime.client.scheduler import Scheduler
+from ovshard.runtime.decoding.speculative import make_speculation
+from ovshard.runtime.engine.sampler import SamplingConfig
+from ovshard.runtime.engine.stage import EXACT_HINTS
+
+# Eight prompts of different lengths (one longer than a chunk), and different output lengths
+JOBS = (([1, 403, 407, 261, 378], 40), ([1, 365, 261, 466, 14, 92, 388, 17, 261], 25), ([1, 92, 388], 60),
+        ([1, 261, 378, 261, 403, 407], 33), ([1, 14, 92], 9), ([1, *range(300, 340)], 30),
+        ([1, 403, 407, 261, 378, 403, 407, 261], 70), ([1, 388], 17))
+
+
+@pytest.fixture(scope="module")
+def bundles(stories: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    root = tmp_path_factory.mktemp("batching")
+    return {n: compile_fp32(stories, root / f"b{n}", stages=n) for n in (1, 2, 3)}
+
+
+@pytest.fixture(scope="module")
+def solo(bundles: dict[int, Path]) -> list[list[int]]:
+    """Each job alone on the stateful in-process path: the reference."""
+    from ovshard.runtime.client.inprocess import LocalPipeline
+
+    pipe = LocalPipeline(bundles[1], config=EXACT_HINTS)
+    return [list(pipe.generate(prompt, SamplingConfig(max_tokens=n))) for prompt, n in JOBS]
+
+
+def run_all(head: Head, speculation=None, jobs=JOBS) -> list[list[int]]:
+    """Every job at once on its own thread, started together."""
+    out: list[list[int] | Exception] = [[] for _ in jobs]
+    barrier = threading.Barrier(len(jobs))
+
+    def job(i: int) -> None:
+        prompt, n = jobs[i]
+        barrier.wait()
+        try:
+            out[i] = list(head.generate(prompt, SamplingConfig(max_tokens=n), None, speculation))
+        except OvshardError as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=job, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return out  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_eight_batched_streams_each_give_their_solo_tokens(bundles: dict[int, Path], solo: list, stages: int) -> None:
+    """8 streams of different prompt and output lengths at once, plain and with prompt lookup, prompts
+    chunked over ticks: each stream's greedy tokens are exactly its solo tokens, and ticks held many rows."""
+    with local_workers(bundles[stages], exact=True, threads=1) as addresses:
+        head = Head(bundles[stages], addresses, batching=batch_config(max_seqs=8, max_chunk=16))
+        try:
+            assert head.chain.batcher is not None
+            assert run_all(head) == solo
+            stats = head.chain.batcher.stats
+            assert stats.seqs_per_tick > 1.5 and stats.blocks.used == 0  # batched, and every block returned
+            spec = make_speculation("prompt-lookup", "auto", read_manifest(bundles[stages]))
+            assert run_all(head, spec) == solo
+        finally:
+            head.close()
+
+
+def test_requests_over_stream_slots_batch_and_a_repeated_prompt_hits_the_prefix_cache(bundles: dict[int, Path],
+                                                                                     solo: list) -> None:
+    """16 requests over 4 slots (the scheduler of `run` and `api`): all give their solo tokens, and the second
+    run of each prompt finds its full blocks cached (prefix hits)."""
+    with local_workers(bundles[2], exact=True) as addresses:
+        head = Head(bundles[2], addresses)
+        session = Scheduler(head, streams=4)
+        try:
+            requests = [session.submit(prompt, SamplingConfig(max_tokens=n)) for prompt, n in JOBS * 2]
+            assert [r.result(timeout=300) for r in requests] == solo * 2
+            blocks = head.chain.batcher.stats.blocks
+            assert blocks.hit_tokens >= 32  # the 41-token prompt's first block, at least, came from the cache
+        finally:
+            session.close()
+            head.close()
+
+
+def test_a_stage_killed_under_eight_streams_replays_them_all(bundles: dict[int, Path], solo: list) -> None:
+    """SIGKILL the middle of three paged stages while 8 streams run and restart it on its port: every stream
+    starts again with its history and finishes with its uninterrupted tokens."""
+    bundle = bundles[3]
+    procs = [WorkerProcess(serve_command(bundle, i, "127.0.0.1:0", ["--exact"]), i, stderr=subprocess.PIPE)
+             for i in range(3)]
+    try:
+        addresses = [w.wait_listening(120) for w in procs]
+        head = Head(bundle, addresses, retry_s=120)
+        results: list = []
+        runner = threading.Thread(target=lambda: results.append(run_all(head)))
+        runner.start()
+        while head.chain.batcher is None or head.chain.batcher.stats.ticks < 20:  # well under way
+            threading.Event().wait(0.05)
+        procs[1].process.kill()
+        procs[1].process.wait()
+        procs[1] = WorkerProcess(serve_command(bundle, 1, addresses[1], ["--exact"]), 1, stderr=subprocess.PIPE)
+        assert procs[1].wait_listening(120) == addresses[1]
+        runner.join(timeout=300)
+        head.close()
+        assert results == [solo] and head.reconnects >= 1
+    finally:
+        for w in procs:
+            w.stop()
+
+
+def test_stateful_workers_serve_streams_and_a_mixed_chain_is_a_clear_error(bundles: dict[int, Path],
+                                                                          solo: list) -> None:
+    """Workers started with --kv stateful serve each stream on its own cache (no batcher) with the same
+    tokens; a chain of one paged and one stateful stage is refused with what to do."""
+    with local_workers(bundles[2], exact=True, kv="stateful") as addresses:
+        head = Head(bundles[2], addresses)
+        try:
+            assert head.chain.batcher is None
+            assert run_all(head, jobs=JOBS[:4]) == solo[:4]
+        finally:
+            head.close()
+        paged = WorkerProcess(serve_command(bundles[2], 1, "127.0.0.1:0", ["--exact"]), 1)
+        try:
+            with pytest.raises(OvshardError, match="same --kv"):
+                Head(bundles[2], [addresses[0], paged.wait_listening(120)])
+        finally:
+            paged.stop()
