@@ -65,7 +65,8 @@ MAX_STREAMS = 64
 MAX_STREAMS_PER_SESSION = 32
 FRAME_TIMEOUT_S = 2.0
 PRE_AUTH_FRAME_BYTES = 4096  # Limits.pre_auth_frame_bytes
-WORKER_OPTIONS = ["--max-connections", str(MAX_CONNECTIONS), "--max-sessions", str(MAX_CONNECTIONS),
+WORKER_OPTIONS = ["--kv", "stateful",  # the stream messages: Batches are fuzzed by tests/batch_fuzz.py
+                  "--max-connections", str(MAX_CONNECTIONS), "--max-sessions", str(MAX_CONNECTIONS),
                   "--max-streams", str(MAX_STREAMS), "--max-streams-per-session", str(MAX_STREAMS_PER_SESSION),
                   "--frame-timeout", str(FRAME_TIMEOUT_S)]
 # How much the worker's RSS may grow after warm-up (which already filled every cap once). What the worker may

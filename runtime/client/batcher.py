@@ -25,8 +25,9 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -67,13 +68,14 @@ class Batcher:
     """One chain's scheduler and its ticks in flight. ``send(message)`` hands a Batch to stage 0;
     :meth:`deliver` takes the last stage's answers (the chain's reader thread calls it)."""
 
-    def __init__(self, send, blocks: BlockManager, config: BatchConfig, depth: int, timeout: float) -> None:
+    def __init__(self, send: Callable[[p.Batch], None], blocks: BlockManager, config: BatchConfig, depth: int,
+                 timeout: float) -> None:
         self.send, self.depth, self.timeout = send, depth, timeout
         self.scheduler = StageScheduler(blocks, config)
         self.cond = threading.Condition()
-        self.boxes: dict[Hashable, queue.Queue] = {}  # stream -> where its next Scores go
-        self.drafts: dict[Hashable, int] = {}  # drafts of each stream's last request
-        self.wants: dict[Hashable, str] = {}  # and what it wants of the last stage
+        self.boxes: dict[int, queue.Queue] = {}  # stream -> where its next Scores go
+        self.drafts: dict[int, int] = {}  # drafts of each stream's last request
+        self.wants: dict[int, str] = {}  # and what it wants of the last stage
         self.flight: deque[_Flight] = deque()
         self.answers: dict[int, dict[int, p.Result]] = {}
         self.broken: BatchFailure | None = None
@@ -173,11 +175,12 @@ class Batcher:
                                                 f"{refusal.message}", recoverable=True))
             self.scheduler.finish_tick(flight.plan, {})
             for rows in flight.plan.seqs:
-                if rows.want and rows.seq not in refused and rows.seq in self.boxes:
-                    self._answer(rows.seq, answers.get(rows.seq), done.timings)
+                stream = cast(int, rows.seq)
+                if rows.want and stream not in refused and stream in self.boxes:
+                    self._answer(stream, answers.get(stream), done.timings)
             self.cond.notify_all()
 
-    def _answer(self, stream: Hashable, result: p.Result | None, timings: dict[str, float]) -> None:
+    def _answer(self, stream: int, result: p.Result | None, timings: dict[str, float]) -> None:
         box = self.boxes.pop(stream)
         if result is None:
             box.put(BatchFailure(f"the last stage sent no scores for stream {stream}", recoverable=True))
@@ -185,7 +188,7 @@ class Batcher:
         indices = None if result.indices is None else result.indices.to_array()[0]
         box.put(Scores(result.tensor.to_array()[0], indices, dict(timings)))
 
-    def _drop(self, stream: Hashable, failure: BatchFailure) -> None:
+    def _drop(self, stream: int, failure: BatchFailure) -> None:
         if stream in self.scheduler:
             self.scheduler.cancel(stream)
         waiting = self.boxes.pop(stream, None)
@@ -201,8 +204,9 @@ class Batcher:
                     if len(self.flight) < self.depth:
                         plan = self.scheduler.plan_tick()
                         for stream in plan.dropped:
-                            self._drop(stream, BatchFailure(f"stream {stream} outgrew the KV pool of every stage "
-                                                            f"({self.scheduler.blocks.num_blocks} blocks)", False))
+                            pool = self.scheduler.blocks.num_blocks
+                            self._drop(cast(int, stream), BatchFailure(f"stream {stream} outgrew the KV pool of every "
+                                                                       f"stage ({pool} blocks)", False))
                         if plan.seqs:
                             break
                     self.cond.wait()
@@ -220,11 +224,14 @@ class Batcher:
 
     def _message(self, seq: int, plan: TickPlan) -> p.Batch:
         size = self.scheduler.blocks.block_size
-        rows, tables, ids = [], [], []
+        rows: list[p.BatchRow] = []
+        tables: list[int] = []
+        ids: list[int] = []
         for planned in plan.seqs:
             table = planned.blocks[:-(-planned.end // size)]
-            want = self.wants[planned.seq] if planned.want else ""
-            rows.append(p.BatchRow(int(planned.seq), planned.position, planned.count, want, len(table)))
+            stream = cast(int, planned.seq)
+            want = self.wants[stream] if planned.want else ""
+            rows.append(p.BatchRow(stream, planned.position, planned.count, want, len(table)))
             tables.extend(table)
             ids.extend(planned.ids)
         copies = None if not plan.copies else p.Tensor.from_array(np.array(plan.copies, dtype=np.int32))

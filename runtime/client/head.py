@@ -128,9 +128,9 @@ class Chain:
         if len(sizes) != 1:
             raise OvshardError(f"the stages disagree on their KV cache (block sizes {sorted(sizes)}, 0 = stateful): "
                                "start every worker with the same --kv (paged or stateful)")
-        blocks = min(w.kv_blocks for w in welcomes if w)
-        log.info("every stage runs paged KV: %d blocks of %d positions for this session", blocks, sizes.pop())
-        return Batcher(self._send_batch, BlockManager(blocks, welcomes[0].block_size), config,
+        blocks, size = min(w.kv_blocks for w in welcomes if w), sizes.pop()
+        log.info("every stage runs paged KV: %d blocks of %d positions for this session", blocks, size)
+        return Batcher(self._send_batch, BlockManager(blocks, size), config,
                        depth=len(self.conns), timeout=self.timeout)
 
     def _send_batch(self, msg: p.Batch) -> None:
@@ -217,8 +217,9 @@ class Chain:
                     self.waiting.pop(key, None)
 
     def close(self) -> None:
-        if getattr(self, "batcher", None) is not None:
-            self.batcher.close()
+        batcher: Batcher | None = getattr(self, "batcher", None)  # None too when a connect failed
+        if batcher is not None:
+            batcher.close()
         for conn in self.conns:
             conn.close()
 

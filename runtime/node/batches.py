@@ -21,7 +21,7 @@ from ovshard.runtime.engine.scores import Scores
 from ovshard.runtime.node.heads import RequestError
 from ovshard.runtime.wire import protocol as p
 
-__all__ = ["BatchRun", "KVPool", "batch_input", "row_answer", "run_batch"]
+__all__ = ["BatchRun", "KVPool", "batch_answers", "batch_input", "forward_batch", "run_batch"]
 
 GRANT_WAIT_S = 2.0  # how long a Hello waits for blocks a departing session is still returning
 
@@ -138,10 +138,23 @@ def run_batch(paged: PagedStage, grant: np.ndarray, msg: p.Batch, x: np.ndarray,
     return run
 
 
-def row_answer(row: p.BatchRow, seq: int, logits: np.ndarray) -> p.Result:
-    """What the head's sampler needs of one row's logits [R, V] (the rows its want reads)."""
-    scores = Scores.from_logits(logits, row.want)
-    indices = None if scores.indices is None else p.Tensor.from_array(scores.indices[None])
-    values = scores.values[None]
-    return p.Result(row.stream, seq, p.Tensor.from_array(values, None if values.dtype == np.int64 else "f32"), {},
-                    indices)
+def batch_answers(run: BatchRun, seq: int) -> list[p.Result]:
+    """A last stage's answer to Batch ``seq``: one Result for each row that wants scores (the rows its want
+    reads, as a Step's), tagged with the row's stream."""
+    answers = []
+    for row, logits in zip(run.rows, run.outputs, strict=True):
+        if row.want:
+            scores = Scores.from_logits(logits, row.want)
+            indices = None if scores.indices is None else p.Tensor.from_array(scores.indices[None])
+            values = scores.values[None]
+            answers.append(p.Result(row.stream, seq, p.Tensor.from_array(values, None if values.dtype == np.int64
+                                                                          else "f32"), {}, indices))
+    return answers
+
+
+def forward_batch(run: BatchRun, msg: p.Batch, timings: dict[str, float], hidden: int, wire_dtype: str) -> p.Batch:
+    """What a stage before the last sends on: the rows it ran with their hidden states, and every refusal."""
+    rows = np.concatenate(run.outputs) if run.outputs else np.zeros((0, hidden), np.float32)  # [N, H]
+    tables = np.concatenate(run.tables) if run.tables else np.zeros(0, np.int32)
+    return p.Batch(msg.seq, run.rows, p.Tensor.activations(rows, wire_dtype), p.Tensor.from_array(tables.astype(np.int32)),
+                   msg.copies, timings, run.refused)

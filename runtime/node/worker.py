@@ -35,7 +35,7 @@ from ovshard.errors import BundleError, OvshardError, PagedUnsupportedError
 from ovshard.runtime.engine.kv import KVCache, StepInputs
 from ovshard.runtime.engine.paged import PagedStage, compile_paged
 from ovshard.runtime.engine.stage import compile_on_device
-from ovshard.runtime.node.batches import BatchRun, KVPool, batch_input, row_answer, run_batch
+from ovshard.runtime.node.batches import KVPool, batch_answers, batch_input, forward_batch, run_batch
 from ovshard.runtime.node.config import Limits, kv_pool_blocks, model_cache
 from ovshard.runtime.node.heads import HeadTable, RequestError, SessionState
 from ovshard.runtime.node.steps import answer, check_step, step_input
@@ -420,24 +420,17 @@ class StageWorker:
             compute = run.compute_s
             timings = {**msg.timings, f"stage{self.stage}": compute}
             if self.last:
-                self._answer_batch(session, msg.seq, run, timings)
+                answers: list[p.Message] = [*batch_answers(run, msg.seq), p.BatchDone(msg.seq, timings, run.refused)]
+                for answer in answers:
+                    if not self._try_send(session.head, answer):
+                        log.info("stage %d: the head of session %s... went away", self.stage, session.id[:8])
+                        session.head.close()  # its thread ends the session
+                        return
                 return
-            hidden = np.concatenate(run.outputs) if run.outputs else np.zeros((0, self.manifest.architecture.hidden_size), np.float32)
-            tables = np.concatenate(run.tables) if run.tables else np.zeros(0, np.int32)
-            forward = p.Batch(msg.seq, run.rows, p.Tensor.activations(hidden, self.wire_dtype),
-                              p.Tensor.from_array(tables.astype(np.int32)), msg.copies, timings, run.refused)
-            self._send_downstream(session, forward)
+            self._send_downstream(session, forward_batch(run, msg, timings, self.manifest.architecture.hidden_size,
+                                                         self.wire_dtype))
         finally:
             self._done(compute)
-
-    def _answer_batch(self, session: SessionState, seq: int, run: BatchRun, timings: dict[str, float]) -> None:
-        """One Result for each row that wants scores, then BatchDone with the refusals, to the session's head."""
-        for row, logits in zip(run.rows, run.outputs, strict=True):
-            if row.want and not self._try_send(session.head, row_answer(row, seq, logits)):
-                break
-        if not self._try_send(session.head, p.BatchDone(seq, timings, run.refused)):
-            log.info("stage %d: the head of session %s... went away", self.stage, session.id[:8])
-            session.head.close()
 
     def _send_downstream(self, session: SessionState, msg: p.Message) -> None:
         with session.lock:

@@ -39,8 +39,9 @@ def bundle(stories: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def spec(bundle: Path) -> Iterator[Spec]:
-    """One worker process with default limits, for every test of this module but the fuzz run."""
-    worker = WorkerProcess(serve_command(bundle, 0, "127.0.0.1:0"), 0)
+    """One worker process with default limits and stateful streams, for every test of this module but the fuzz
+    run."""
+    worker = WorkerProcess(serve_command(bundle, 0, "127.0.0.1:0", ["--kv", "stateful"]), 0)
     try:
         host, port = worker.wait_listening(120).rsplit(":", 1)
         manifest = read_manifest(bundle)
@@ -220,3 +221,16 @@ def test_a_step_with_more_timings_than_stages_before_it_is_refused(spec: Spec) -
         assert receive(sock) == p.Pong(3)
 
 
+
+
+def test_a_short_batch_fuzz_run_leaves_the_paged_worker_whole(bundle: Path) -> None:
+    """20,000 hostile Batch frames at a paged worker: every reply as batch_fuzz.owed says, no crash, same tokens
+    after, its whole KV pool grantable again, bounded RSS."""
+    from batch_fuzz import RSS_BOUND_MB as BATCH_RSS_BOUND_MB
+    from batch_fuzz import run as run_batch_fuzz
+
+    report = run_batch_fuzz(20_000, seed=1, bundle=bundle)
+    assert report["frames"] == 20_000 and report["failures"] == 0
+    assert report["worker_alive"] and report["same_generation"] and report["pool_whole"]
+    assert report["rss_growth_mb"] <= BATCH_RSS_BOUND_MB
+    assert report["results"] > 10_000 and report["refused_rows"] > 5_000 and report["refused_batches"] > 500
