@@ -27,8 +27,8 @@ Facts of OpenVINO 2026.4.1 this module works around, each checked when it loads 
 * the transformation wants ``input_ids`` or ``inputs_embeds``: a later stage's ``hidden_states`` input is renamed;
 * it treats ``inputs_embeds`` as flattened [N, H] (it unsqueezes axis 1) but leaves the input's shape [?, ?, H],
   so [N, 1, H] rows broadcast against the residual into [N, N, 1, H]: the input is reshaped to [?, H];
-* it gives every PagedAttention ``sliding_window`` 0, whole-context attention, so a stage with sliding-window
-  layers (its mask counts visible positions: a CumSum of ``attention_mask``) would compute wrong numbers: refused;
+* it gives every PagedAttention ``sliding_window`` 0, whole-context attention: each sliding layer's window is read
+  from its stateful mask (which counts visible positions: a CumSum of ``attention_mask``) and set;
 * attention it cannot match (Gemma 2's soft-capped scores have no SDPA op) stays stateful: refused by count;
 * tensors bound with shared memory do not keep their numpy arrays alive (a freed cache crashed the process):
   the stage owns its cache arrays.
@@ -66,6 +66,7 @@ PAGED_OP = "PagedAttentionExtension"
 STATEFUL_OPS = ("ReadValue", "Assign", "ScaledDotProductAttention")
 _ROWS = 1  # of a cache's shape per block [kv_heads, rows, cols]: a value cache's rows are its positions
 _MASK_INPUT = 3  # of ScaledDotProductAttention (q, k, v, mask, scale)
+_SLIDING_WINDOW_INPUT = 10  # of PagedAttentionExtension (q, k, v, caches, past_lens, begins, blocks, ..., scale, window)
 
 
 @dataclass(frozen=True)
@@ -108,24 +109,20 @@ def to_paged(model: ov.Model, spec: StageSpec) -> ov.Model:
     where = f"stage {spec.index} (layers [{spec.start}, {spec.end}))"
     if not spec.first:
         _input(model, names.HIDDEN_STATES, where).get_tensor().set_names({names.INPUTS_EMBEDS})
-    sliding = _sliding_layers(model)
-    if sliding:
-        raise PagedUnsupportedError(
-            f"{where} has {sliding} sliding-window attention layer(s); OpenVINO's paged attention transformation "
-            "gives every layer whole-context attention (sliding_window 0), which would compute wrong numbers: "
-            "expected full attention only; run this stage on the stateful path")
+    windows = _windows(model, where)
     try:
         paged_attention_transformation(model, False, False)
     except RuntimeError as e:
         reason = str(e).strip().splitlines()[-1]  # OpenVINO's check, after the source locations
         raise PagedUnsupportedError(f"{where}: OpenVINO's paged attention transformation refused it ({reason}); "
                                     "run this stage on the stateful path") from e
+    _check_converted(model, len(spec.layers), where)
+    _set_windows(model, windows)
     if not spec.first:
         embeds = _input(model, names.INPUTS_EMBEDS, where)
         hidden = embeds.get_partial_shape()[-1]
         embeds.get_node().set_partial_shape(ov.PartialShape([ov.Dimension(), hidden]))  # [N, H]
-        model.validate_nodes_and_infer_types()
-    _check_converted(model, len(spec.layers), where)
+    model.validate_nodes_and_infer_types()
     return model
 
 
@@ -138,14 +135,57 @@ def _input(model: ov.Model, name: str, where: str) -> ov.Output:
                                 "contract: recompile the bundle")
 
 
-def _sliding_layers(model: ov.Model) -> int:
-    """The attention layers whose mask counts visible positions (a CumSum of ``attention_mask``): the sliding
-    windows of frontend/stage_module.py's ``causal_padding_mask``. A full mask counts slots, not the mask."""
-    sliding = 0
+def _windows(model: ov.Model, where: str) -> list[int | None]:
+    """Each attention layer's sliding window, in layer order (None: full attention). A sliding layer's mask
+    counts visible positions (a CumSum of ``attention_mask``) and keeps keys whose distance is below the
+    window: ``Less(Subtract(seen_q, seen_k), window)`` in frontend/stage_module.py's ``causal_padding_mask``."""
+    windows = []
     for op in model.get_ordered_ops():
-        if op.get_type_name() == "ScaledDotProductAttention" and op.get_input_size() > _MASK_INPUT:
-            sliding += _counts_mask(op.input_value(_MASK_INPUT))
-    return sliding
+        if op.get_type_name() == "ScaledDotProductAttention":
+            mask = op.input_value(_MASK_INPUT) if op.get_input_size() > _MASK_INPUT else None
+            if mask is None or not _counts_mask(mask):
+                windows.append(None)
+                continue
+            window = _window_of(mask)
+            if window is None:
+                raise PagedUnsupportedError(f"{where}: a sliding-window layer's mask has no constant window (expected "
+                                            "Less(distance, window)); run this stage on the stateful path")
+            windows.append(window)
+    return windows
+
+
+def _window_of(mask: ov.Output) -> int | None:
+    for node in _above(mask):
+        if node.get_type_name() == "Less" and node.input_value(0).get_node().get_type_name() == "Subtract":
+            bound = node.input_value(1).get_node()
+            if bound.get_type_name() == "Constant" and bound.get_output_size() == 1:
+                values = bound.get_data().ravel()
+                if values.size == 1:
+                    return int(values[0])
+    return None
+
+
+def _above(output: ov.Output) -> list[ov.Node]:
+    """The nodes ``output`` depends on, constants' consumers included, constants themselves not walked past."""
+    seen, order, todo = set(), [], [output.get_node()]
+    while todo:
+        node = todo.pop()
+        if node.get_name() in seen:
+            continue
+        seen.add(node.get_name())
+        order.append(node)
+        todo.extend(v.get_node() for v in node.input_values() if v.get_node().get_type_name() != "Constant")
+    return order
+
+
+def _set_windows(model: ov.Model, windows: list[int | None]) -> None:
+    """Give each sliding layer's PagedAttentionExtension its window (the transformation leaves every layer's
+    ``sliding_window`` input 0, whole-context attention). The CPU kernel then attends to the last ``window``
+    positions up to and including the query's own, as the stateful mask does."""
+    layers = [op for op in model.get_ordered_ops() if op.get_type_name() == PAGED_OP]
+    for op, window in zip(layers, windows, strict=True):
+        if window is not None:
+            op.input(_SLIDING_WINDOW_INPUT).replace_source_output(ops.constant(np.array(window, np.int32)).output(0))
 
 
 def _counts_mask(mask: ov.Output) -> bool:

@@ -215,13 +215,28 @@ def _tiny_bundle(tmp_path: Path, config_class: str, **extra: object) -> Path:
     return compile_fp32(tmp_path / "checkpoint", tmp_path / "bundle", stages=2)
 
 
-@pytest.mark.parametrize(("config_class", "extra", "reason"), [
-    ("MistralConfig", {"sliding_window": 8}, "sliding-window attention"),
-    ("Gemma2Config", {"attn_logit_softcapping": 50.0, "sliding_window": 8}, "No ScaledDotProductAttention"),
-])
-def test_stages_it_cannot_convert_are_refused(tmp_path: Path, config_class: str, extra: dict, reason: str):
-    """A stage whose windows the transformation would drop, or whose attention it cannot match, is refused with
+def test_a_soft_capped_stage_is_refused(tmp_path: Path):
+    """A stage whose attention the transformation cannot match (Gemma 2's soft-capped scores) is refused with
     PagedUnsupportedError (the caller runs it stateful), never converted into wrong numbers."""
-    bundle = _tiny_bundle(tmp_path, config_class, **extra)
-    with pytest.raises(PagedUnsupportedError, match=reason):
+    bundle = _tiny_bundle(tmp_path, "Gemma2Config", attn_logit_softcapping=50.0, sliding_window=8)
+    with pytest.raises(PagedUnsupportedError, match="No ScaledDotProductAttention"):
         compile_paged(ov.Core(), bundle, read_manifest(bundle), 0, num_blocks=4)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
+def test_sliding_window_layers_keep_their_windows(tmp_path: Path, family: str):
+    """Sliding-window layers (Mistral: all, window 8; Gemma 3: local and global layers, local rope) run paged
+    with their windows: a 45-token prompt and 12 decode steps over 2 stages, several sequences in each tick,
+    give the stateful path's tokens and logits."""
+    from families import FAMILIES, write_random_checkpoint
+
+    checkpoint = write_random_checkpoint(FAMILIES[family], tmp_path / "checkpoint")
+    bundle = compile_fp32(checkpoint, tmp_path / "bundle", stages=2)
+    manifest, core = read_manifest(bundle), ov.Core()
+    paged = [compile_paged(core, bundle, manifest, i, config=EXACT_HINTS, num_blocks=NUM_BLOCKS, slice_logits=True)
+             for i in range(2)]
+    rng = np.random.default_rng(3)
+    prompts = {f"s{i}": [1, *(int(t) for t in rng.integers(3, 300, 44 - 7 * i))] for i in range(3)}
+    found = Pipeline(paged).greedy(prompts, 12)
+    for seq, prompt in prompts.items():
+        assert_matches(found[seq], run_greedy(bundle, prompt, 13))
