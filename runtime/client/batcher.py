@@ -120,6 +120,11 @@ class Batcher:
             self.wants.pop(stream, None)
             self.cond.notify_all()
 
+    def cached(self, stream: int) -> int:
+        """Positions of ``stream`` its admission found computed in the prefix cache."""
+        with self.cond:
+            return self.scheduler.view(stream).cached if stream in self.scheduler else 0
+
     @property
     def stats(self) -> BatchStats:
         with self.cond:

@@ -34,7 +34,7 @@ from ovshard.runtime.client.batcher import Batcher, BatchFailure, batch_config
 from ovshard.runtime.decoding import decode
 from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.decoding.speculative import Speculation
-from ovshard.runtime.engine.batching import BatchConfig
+from ovshard.runtime.engine.batching import BatchConfig, BatchStats
 from ovshard.runtime.engine.blocks import BlockManager
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.engine.scores import Scores
@@ -99,11 +99,11 @@ class Chain:
     """One session's connections to every stage, and the routing of their answers."""
 
     def __init__(self, addresses: list[str], fingerprint: str, timeout: float, tls: ssl.SSLContext | None,
-                 batching: BatchConfig | None = None) -> None:
+                 batching: BatchConfig | None = None, kv_blocks: int = 0) -> None:
         self.addresses, self.timeout = addresses, timeout
         self.session = secrets.token_hex(16)
         self.conns: list[Connection] = []
-        kv = None if batching is None else 0  # paged stages grant every free block
+        kv = None if batching is None else kv_blocks  # 0: paged stages grant every free block
         try:
             for i in reversed(range(len(addresses))):
                 nxt = addresses[i + 1] if i + 1 < len(addresses) else None
@@ -225,11 +225,15 @@ class Chain:
 
 
 class Head:
-    """A chain to every stage of one bundle, reconnected on demand; per-stream bookkeeping."""
+    """A chain to every stage of one bundle, reconnected on demand; per-stream bookkeeping.
+
+    Over paged stages every stream's steps are batched (``batching``: the scheduler's settings; None asks no
+    KV blocks, for probes) within the ``kv_blocks`` each stage grants this head (0: every free block; give
+    each head a share when several heads use the same workers)."""
 
     def __init__(self, bundle: Path, addresses: list[str], timeout: float = 60.0, retry_s: float = RETRY_S,
                  tls: ssl.SSLContext | None = None, prefill_chunk: int = PREFILL_CHUNK,
-                 batching: BatchConfig | None = BATCHING) -> None:
+                 batching: BatchConfig | None = BATCHING, kv_blocks: int = 0) -> None:
         self.manifest = read_manifest(bundle)
         if len(addresses) != self.manifest.num_stages:
             raise OvshardError(f"--stages names {len(addresses)} addresses; the bundle has "
@@ -238,8 +242,10 @@ class Head:
             raise OvshardError(f"--retry-s {retry_s}: expected seconds >= 0")
         self.addresses, self.timeout, self.retry_s, self.tls = addresses, timeout, retry_s, tls
         self.fingerprint = bundle_fingerprint(bundle)
-        self.batching = batching
-        self.chain = Chain(addresses, self.fingerprint, timeout, tls, batching)
+        if kv_blocks < 0:
+            raise OvshardError(f"--kv-blocks {kv_blocks}: expected the KV blocks to ask each stage for (0: all free)")
+        self.batching, self.kv_blocks = batching, kv_blocks
+        self.chain = Chain(addresses, self.fingerprint, timeout, tls, batching, kv_blocks)
         self.reconnects = 0
         self._reconnect_lock = threading.Lock()
         self.streams = itertools.count()
@@ -261,7 +267,8 @@ class Head:
             pause = _BACKOFF_S[0]
             while True:
                 try:
-                    self.chain = Chain(self.addresses, self.fingerprint, self.timeout, self.tls, self.batching)
+                    self.chain = Chain(self.addresses, self.fingerprint, self.timeout, self.tls, self.batching,
+                                       self.kv_blocks)
                     self.reconnects += 1
                     log.warning("reconnected to every stage after: %s", cause)
                     return self.chain
@@ -272,6 +279,11 @@ class Head:
                     log.info("stages not reachable yet (%s); retrying in %.1f s", e, pause)
                     time.sleep(pause)
                     pause = min(2 * pause, _BACKOFF_S[1])
+
+    def batch_stats(self) -> BatchStats | None:
+        """The batcher's counters over paged stages (None: stateful stages, no batching)."""
+        batcher = self.chain.batcher
+        return None if batcher is None else batcher.stats
 
     def health(self, timeout: float = 2.0) -> list[dict[str, object]]:
         """Each stage's state: "up" with its round-trip ms (a Ping), or "down" with the reason."""
@@ -412,6 +424,7 @@ class PagedTarget:
         self.vocab_size = head.manifest.architecture.vocab_size
         self.visible: list[int] = []  # the tokens whose KV every stage holds, in position order
         self.replays = 0
+        self.cached_tokens = 0  # prompt tokens the first step found in the prefix cache
         self.stream, self.fresh = next(head.streams), True
 
     def step(self, tokens: list[int], position: int, want: str, rewind: int, compact: bool) -> Scores:
@@ -444,6 +457,8 @@ class PagedTarget:
                     self.chain = self.head.reconnect(self.chain, deadline, e)
                 self.stream, self.fresh, self.replays = next(self.head.streams), True, self.replays + 1
                 feed, rewind = self.visible + tokens, 0
+        if self.fresh and not self.visible:
+            self.cached_tokens = batcher.cached(self.stream)
         self.fresh = False
         self.visible += tokens
         return scores

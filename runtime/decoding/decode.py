@@ -64,6 +64,7 @@ class Stats:
     compactions: int = 0
     finish_reason: str = ""  # "stop" (an eos id), "length" (max_tokens or the context is full); "" while running
     replays: int = 0  # times the stream was replayed into fresh streams after a stage failure
+    cached_tokens: int = 0  # prompt tokens whose KV the stages held already (a prefix seen before)
 
     def to_dict(self) -> dict:
         """Decode-phase figures (the first step, the prefill, is in time_to_first_token_s).
@@ -76,6 +77,8 @@ class Stats:
                         "finish_reason": self.finish_reason, "time_to_first_token_s": round(self.first_token_s, 4)}
         if self.replays:
             report["replays"] = self.replays
+        if self.cached_tokens:
+            report["cached_tokens"] = self.cached_tokens
         if decode:
             compute = [sum(s.values()) for s in stages]
             hops = len(stages[0]) + 1
@@ -163,6 +166,7 @@ def _loop(target: Target, prompt: list[int], config: SamplingConfig, stats: Stat
             speculation.observe(len(drafts), len(new) - 1, elapsed, len(feed), draft_s)
         if not tokens:
             stats.first_token_s = time.perf_counter() - start
+            stats.cached_tokens = getattr(target, "cached_tokens", 0)
         produced = 0
         for token in new:
             tokens.append(token)

@@ -147,6 +147,7 @@ class SeqView:
     admitted: bool
     awaiting: bool
     preempted: bool
+    cached: int = 0  # positions the latest admission found in the prefix cache
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,7 @@ class _Seq:
     admission: int = -1
     preempted: bool = False
     last: PlannedRows | None = None  # rows whose logits went to a sampler that has not resumed yet
+    cached: int = 0  # positions its latest admission found computed in the prefix cache
 
     @property
     def pending(self) -> int:
@@ -251,7 +253,7 @@ class StageScheduler:
     def view(self, seq: Hashable) -> SeqView:
         s = self._get(seq)
         return SeqView(s.id, tuple(s.ids), s.arrival, self.blocks.computed(s.id) if s.admitted else 0,
-                       s.scheduled, s.drafts, s.work, s.admitted, s.awaiting, s.preempted)
+                       s.scheduled, s.drafts, s.work, s.admitted, s.awaiting, s.preempted, s.cached)
 
     def __contains__(self, seq: Hashable) -> bool:
         return seq in self._seqs
@@ -366,6 +368,7 @@ class StageScheduler:
             if not isinstance(granted, Granted):
                 return  # the oldest waiting sequence waits for blocks; no newer one overtakes it
             s.admitted, s.preempted, s.scheduled, s.admission = True, False, granted.cached, next(self._admissions)
+            s.cached = granted.cached
             running += 1
             self._place(s, self._size(s, tick.budget), tick)
 

@@ -43,7 +43,7 @@ class Engine:
                  model: str, default_max_tokens: int = 256) -> None:
         self.bundle, self.manifest, self.head, self.session, self.text = bundle, manifest, head, session, text
         self.model, self.default_max_tokens = model, default_max_tokens
-        self.metrics = Metrics(lambda: session.waiting, lambda: session.active)
+        self.metrics = Metrics(lambda: session.waiting, lambda: session.active, head.batch_stats)
         self.view = PipelineView(manifest, list(head.addresses))
         self.eos_ids = tuple(manifest.generation.eos_token_ids)
         self.chat_stop_ids = tuple(text.stops) if text.chat is not None else self.eos_ids
@@ -144,7 +144,7 @@ class Run:
         self.engine.metrics.observe(request.stats)
         self.engine.view.record(request.stats, self.steps_seen)
         self.engine.view.finished(request.stats)
-        usage = Answer.usage(len(self.ids), self.completion_tokens)
+        usage = Answer.usage(len(self.ids), self.completion_tokens, request.stats.cached_tokens)
         if request.error is not None:
             self.events.put("error", ApiError(503, f"the pipeline failed: {request.error}", kind="server_error",
                                               code="stage_unavailable"))
@@ -309,7 +309,8 @@ def make_app(engine: Engine, api_key: str | None = None) -> Any:
         return Response(data, media_type=content_type)
 
     async def pipeline(http: HttpRequest) -> Response:
-        return JSONResponse(engine.view.snapshot(engine.model, engine.session.active, engine.session.waiting))
+        return JSONResponse(engine.view.snapshot(engine.model, engine.session.active, engine.session.waiting,
+                                                 engine.head.batch_stats()))
 
     page = (Path(__file__).parent / "web" / "index.html").read_bytes()
 

@@ -10,6 +10,18 @@
     ovshard_speculative_drafted_total / _accepted_total   draft tokens proposed and accepted
     ovshard_queue_depth                            requests waiting for a stream slot
     ovshard_active_streams                         requests a slot is running
+
+and, over paged stages (continuous batching; client/batcher.py, counted since the head's last (re)connect):
+
+    ovshard_batch_ticks_total                      inferences (ticks) sent through the pipeline
+    ovshard_batch_rows_total                       token rows over those ticks (tokens per tick = rows / ticks)
+    ovshard_batch_sequence_rows_total              sequences over those ticks (rows per tick per sequence)
+    ovshard_batch_last_rows / _last_sequences      the latest tick's rows and sequences
+    ovshard_kv_blocks{state}                       KV blocks: used (held by a sequence), cached (a prefix
+                                                   kept for reuse), free
+    ovshard_prefix_lookup_tokens_total             prompt tokens looked up in the prefix cache
+    ovshard_prefix_hit_tokens_total                of those, found computed (hit rate = hit / lookup)
+    ovshard_preemptions_total                      sequences preempted (a full pool), recomputed later
 """
 
 from __future__ import annotations
@@ -17,12 +29,43 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ovshard.runtime.decoding.decode import Stats
+from ovshard.runtime.engine.batching import BatchStats
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+class _BatchCollector:
+    """The batcher's counters, read when /metrics is scraped."""
+
+    def __init__(self, batching: Callable[[], BatchStats | None]) -> None:
+        self.batching = batching
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats = self.batching()
+        if stats is None:
+            return
+        for name, text, value in (("batch_ticks", "Inferences (ticks) sent through the pipeline", stats.ticks),
+                                  ("batch_rows", "Token rows over all ticks", stats.rows),
+                                  ("batch_sequence_rows", "Sequences over all ticks", stats.seqs),
+                                  ("prefix_lookup_tokens", "Prompt tokens looked up in the prefix cache",
+                                   stats.blocks.lookup_tokens),
+                                  ("prefix_hit_tokens", "Prompt tokens found computed in the prefix cache",
+                                   stats.blocks.hit_tokens),
+                                  ("preemptions", "Sequences preempted by a full KV pool", stats.preemptions)):
+            yield CounterMetricFamily(f"ovshard_{name}", text, value=value)
+        yield GaugeMetricFamily("ovshard_batch_last_rows", "Rows of the latest tick", value=stats.last_rows)
+        yield GaugeMetricFamily("ovshard_batch_last_sequences", "Sequences of the latest tick", value=stats.last_seqs)
+        blocks = GaugeMetricFamily("ovshard_kv_blocks", "KV blocks by state", labels=["state"])
+        for state, value in (("used", stats.blocks.used), ("cached", stats.blocks.cached), ("free", stats.blocks.free)):
+            blocks.add_metric([state], value)
+        yield blocks
+
+
 class Metrics:
-    def __init__(self, queue_depth: Callable[[], int], active: Callable[[], int]) -> None:
+    def __init__(self, queue_depth: Callable[[], int], active: Callable[[], int],
+                 batching: Callable[[], BatchStats | None] | None = None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
@@ -42,6 +85,8 @@ class Metrics:
         self.accepted = Counter("ovshard_speculative_accepted", "Draft tokens accepted", registry=r)
         Gauge("ovshard_queue_depth", "Requests waiting for a stream slot", registry=r).set_function(queue_depth)
         Gauge("ovshard_active_streams", "Requests a stream slot is running", registry=r).set_function(active)
+        if batching is not None:
+            r.register(_BatchCollector(batching))
 
     def observe(self, stats: Stats) -> None:
         """One finished request's figures."""

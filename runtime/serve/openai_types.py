@@ -119,10 +119,12 @@ class Answer:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     @staticmethod
-    def usage(prompt: int, completion: int) -> dict[str, int]:
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+        """OpenAI's usage object; ``cached``: prompt tokens whose KV the pipeline held already."""
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def whole(self, text: str, finish: str, usage: dict[str, int]) -> dict[str, Any]:
+    def whole(self, text: str, finish: str, usage: dict[str, Any]) -> dict[str, Any]:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
                       "logprobs": None}
@@ -140,6 +142,6 @@ class Answer:
         return {**self._envelope("text_completion"),
                 "choices": [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]}
 
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._envelope(obj), "choices": [], "usage": usage}

@@ -5,7 +5,9 @@ it is one long step per request and would drown the per-step figures). A snapsho
 its address, layers and mean compute ms over the last ``steps`` decode steps, the per-hop network ms
 (step round trip minus the stages' compute, over stages + 1 hops, as ``Stats.to_dict`` counts it), the
 tokens per second of all streams together over the last ``window_s`` seconds, and the speculative
-acceptance of every request so far.
+acceptance of every request so far. Over paged stages each stage also shows its batch occupancy: the
+sequences and rows of the latest tick, the mean rows a tick, and its KV blocks (the head's block tables are
+every stage's: the same figures at each).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 from ovshard.bundle.manifest import Manifest
 from ovshard.runtime.decoding.decode import Stats
+from ovshard.runtime.engine.batching import BatchStats
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class PipelineView:
             self.drafted += stats.drafted
             self.accepted += stats.accepted
 
-    def snapshot(self, model: str, active: int, waiting: int) -> dict:
+    def snapshot(self, model: str, active: int, waiting: int, batch: BatchStats | None = None) -> dict:
         now = time.monotonic()
         with self.lock:
             recent = list(self.recent)
@@ -62,7 +65,8 @@ class PipelineView:
             compute = [s.stage_s[name] for s in recent if name in s.stage_s]
             stages.append({"stage": entry.stage.index, "address": address, "host": address.rsplit(":", 1)[0],
                            "layers": [entry.stage.start, entry.stage.end],
-                           "compute_ms": round(1000 * sum(compute) / len(compute), 3) if compute else None})
+                           "compute_ms": round(1000 * sum(compute) / len(compute), 3) if compute else None,
+                           "batch": _occupancy(batch)})
         network = [(s.round_trip_s - sum(s.stage_s.values())) / (len(s.stage_s) + 1) for s in recent if s.stage_s]
         return {
             "model": model,
@@ -75,3 +79,11 @@ class PipelineView:
             "active_streams": active,
             "waiting": waiting,
         }
+
+
+def _occupancy(batch: BatchStats | None) -> dict | None:
+    if batch is None:
+        return None
+    blocks = batch.blocks
+    return {"sequences": batch.last_seqs, "rows": batch.last_rows, "rows_per_tick": round(batch.rows_per_tick, 2),
+            "kv_blocks_used": blocks.used, "kv_blocks_total": blocks.used + blocks.cached + blocks.free}

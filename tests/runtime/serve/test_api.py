@@ -163,8 +163,8 @@ def test_curl_sees_server_sent_event_framing(server: Api) -> None:
 
 
 def test_metrics_and_health(server: Api) -> None:
-    """/metrics parses as Prometheus text with requests, tokens, latencies, stage and hop times; /health
-    reports every stage up."""
+    """/metrics parses as Prometheus text with requests, tokens, latencies, stage and hop times, and the
+    batcher's ticks, rows, KV blocks, prefix lookups and preemptions; /health reports every stage up."""
     from prometheus_client.parser import text_string_to_metric_families
 
     server.client.completions.create(model="stories", prompt=PROMPT, max_tokens=10, temperature=0)
@@ -172,8 +172,16 @@ def test_metrics_and_health(server: Api) -> None:
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name in ("ovshard_requests", "ovshard_generated_tokens", "ovshard_time_to_first_token_seconds",
                  "ovshard_inter_token_latency_seconds", "ovshard_stage_compute_seconds", "ovshard_hop_network_seconds",
-                 "ovshard_speculative_accepted", "ovshard_queue_depth", "ovshard_active_streams"):
+                 "ovshard_speculative_accepted", "ovshard_queue_depth", "ovshard_active_streams",
+                 "ovshard_batch_ticks", "ovshard_batch_rows", "ovshard_batch_sequence_rows", "ovshard_kv_blocks",
+                 "ovshard_prefix_lookup_tokens", "ovshard_prefix_hit_tokens", "ovshard_preemptions",
+                 "ovshard_batch_last_rows"):
         assert name in families, name
+    ticks = [s.value for s in families["ovshard_batch_ticks"].samples if s.name.endswith("_total")]
+    rows = [s.value for s in families["ovshard_batch_rows"].samples if s.name.endswith("_total")]
+    assert ticks[0] >= 10 and rows[0] >= ticks[0]  # the prompt and every decode step went as Batches
+    blocks = {s.labels["state"]: s.value for s in families["ovshard_kv_blocks"].samples}
+    assert set(blocks) == {"used", "cached", "free"} and sum(blocks.values()) > 0
     generated = [s.value for s in families["ovshard_generated_tokens"].samples if s.name.endswith("_total")]
     assert generated and generated[0] >= 10
     stages = {s.labels.get("stage") for s in families["ovshard_stage_compute_seconds"].samples}
@@ -307,3 +315,17 @@ def test_the_web_page_streams_a_chat_answer_and_shows_each_stage(server: Api, br
     for row in rows:
         compute = row["compute"]
         assert float(compute.split()[0]) > 0, compute
+    occupancy = driver.execute_script("return [...document.querySelectorAll('.stage .occupancy')].map(e => e.innerText)")
+    assert len(occupancy) == len(rows) and all(o.startswith("batch ") and "KV" in o for o in occupancy), occupancy
+
+
+def test_a_prompt_seen_before_is_served_from_the_prefix_cache(server: Api) -> None:
+    """A chat turn that brings back a conversation the pipeline just served: its usage counts the prompt tokens
+    whose KV the stages held already (the prefix cache), and its answer equals the first one."""
+    history = [{"role": "user", "content": " ".join([PROMPT] * 8)}]
+    first = server.client.chat.completions.create(model="stories", messages=history, max_tokens=12, temperature=0)
+    again = server.client.chat.completions.create(model="stories", messages=history, max_tokens=12, temperature=0)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and cached >= 32 and cached < again.usage.prompt_tokens
