@@ -139,7 +139,7 @@ def _windows(model: ov.Model, where: str) -> list[int | None]:
     """Each attention layer's sliding window, in layer order (None: full attention). A sliding layer's mask
     counts visible positions (a CumSum of ``attention_mask``) and keeps keys whose distance is below the
     window: ``Less(Subtract(seen_q, seen_k), window)`` in frontend/stage_module.py's ``causal_padding_mask``."""
-    windows = []
+    windows: list[int | None] = []
     for op in model.get_ordered_ops():
         if op.get_type_name() == "ScaledDotProductAttention":
             mask = op.input_value(_MASK_INPUT) if op.get_input_size() > _MASK_INPUT else None

@@ -26,10 +26,14 @@ and, over paged stages (continuous batching; client/batcher.py, counted since th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.engine.batching import BatchStats
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -40,7 +44,7 @@ class _BatchCollector:
     def __init__(self, batching: Callable[[], BatchStats | None]) -> None:
         self.batching = batching
 
-    def collect(self):  # type: ignore[no-untyped-def]
+    def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         stats = self.batching()
