@@ -55,6 +55,7 @@ bench-peers: setup
 # a real worker under 1,000,000 hostile frames; --workers (default: one client process per core but one) scales it
 fuzz: setup
 	$(BIN)/python tests/fuzz_worker.py --frames 1000000
+	$(BIN)/python tests/batch_fuzz.py --frames 1000000
 
 clean:
 	rm -rf out bench/results build .pytest_cache .ruff_cache .mypy_cache

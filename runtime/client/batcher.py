@@ -12,7 +12,11 @@ What the scheduler sees of a stream's step (K drafts asked, ``rewind`` of the pr
     first step     add(stream, tokens, drafts=K)
     later steps    resume(stream, Sampled(token=tokens[0], accepted=K_prev - rewind, drafts=tokens[1:]))
 
-so a rewind is a shorter block table (exact), never a mask. A stream whose rows a stage refused, or whose
+so a rewind is a shorter block table (exact), never a mask. **Micro-batches**: with k ticks in flight of d (the
+stage count), a new tick takes at most ceil(ready / (d - k)) sequences, oldest first, so d groups keep every
+stage busy (2 streams on 2 stages go one a tick, as two pipelined streams would); and a free slot waits up to
+COALESCE_S for every stream of the group a tick answered to ask again, so a group goes out together instead
+of its first stream alone. A stream whose rows a stage refused, or whose
 chain broke, starts again as a new sequence with its whole history (the prefix cache usually holds most of
 it): the replay of the stateful path.
 """
@@ -40,6 +44,7 @@ from ovshard.runtime.wire import protocol as p
 log = logging.getLogger(__name__)
 
 MAX_DRAFTS = 16  # drafts one step may verify: the budget leaves a whole tail for every sequence
+COALESCE_S = 0.002  # how long a free pipeline slot waits for the rest of a group that was answered together
 
 
 class BatchFailure(OvshardError):
@@ -78,6 +83,8 @@ class Batcher:
         self.wants: dict[int, str] = {}  # and what it wants of the last stage
         self.flight: deque[_Flight] = deque()
         self.answers: dict[int, dict[int, p.Result]] = {}
+        self.expected: set[int] = set()  # streams answered that have not asked again yet
+        self.answered_at = 0.0
         self.broken: BatchFailure | None = None
         self.closed = False
         self.seqs = itertools.count()
@@ -101,6 +108,7 @@ class Batcher:
                 self.scheduler.resume(stream, Sampled(tokens[0], accepted, tuple(tokens[1:])))
             self.drafts[stream], self.wants[stream] = drafts, want
             self.boxes[stream] = box
+            self.expected.discard(stream)
             self.cond.notify_all()
         try:
             got = box.get(timeout=self.timeout)
@@ -118,6 +126,7 @@ class Batcher:
             self.boxes.pop(stream, None)
             self.drafts.pop(stream, None)
             self.wants.pop(stream, None)
+            self.expected.discard(stream)
             self.cond.notify_all()
 
     def cached(self, stream: int) -> int:
@@ -187,6 +196,8 @@ class Batcher:
 
     def _answer(self, stream: int, result: p.Result | None, timings: dict[str, float]) -> None:
         box = self.boxes.pop(stream)
+        self.expected.add(stream)
+        self.answered_at = time.perf_counter()
         if result is None:
             box.put(BatchFailure(f"the last stage sent no scores for stream {stream}", recoverable=True))
             return
@@ -206,15 +217,16 @@ class Batcher:
             with self.cond:
                 plan = None
                 while not self.closed and self.broken is None:
-                    if len(self.flight) < self.depth:
-                        plan = self.scheduler.plan_tick()
+                    if len(self.flight) < self.depth and self._gathered():
+                        free = self.depth - len(self.flight)  # split what is ready over the free slots
+                        plan = self.scheduler.plan_tick(max(1, -(-self.scheduler.ready // free)))
                         for stream in plan.dropped:
                             pool = self.scheduler.blocks.num_blocks
                             self._drop(cast(int, stream), BatchFailure(f"stream {stream} outgrew the KV pool of every "
                                                                        f"stage ({pool} blocks)", False))
                         if plan.seqs:
                             break
-                    self.cond.wait()
+                    self.cond.wait(COALESCE_S if self.expected else None)
                 if plan is None or not plan.seqs:
                     return
                 seq = next(self.seqs)
@@ -226,6 +238,16 @@ class Batcher:
             except OvshardError as e:
                 self.fail(BatchFailure(f"stage 0: {e}", recoverable=True))
                 return
+
+    def _gathered(self) -> bool:
+        """Whether the streams answered by the latest tick have asked again (or left), or COALESCE_S passed:
+        a group that came back together goes out together, instead of its first stream alone."""
+        if not self.expected:
+            return True
+        if time.perf_counter() - self.answered_at >= COALESCE_S:
+            self.expected.clear()
+            return True
+        return False
 
     def _message(self, seq: int, plan: TickPlan) -> p.Batch:
         size = self.scheduler.blocks.block_size

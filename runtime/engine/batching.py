@@ -211,6 +211,7 @@ class _Seq:
 @dataclass
 class _Tick:
     budget: int
+    seats: int  # sequences it may still take
     rows: list[PlannedRows] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Hashable] = field(default_factory=list)
@@ -269,9 +270,15 @@ class StageScheduler:
         return BatchStats(self._next_tick, self._rows, self._seq_rows, self._last_rows, self._last_seqs,
                           self._preemptions, self._dropped, running, len(self._seqs) - running, self.blocks.stats)
 
-    def plan_tick(self) -> TickPlan:
-        """The rows of the next inference (steps 1-3 of the module docstring)."""
-        tick = _Tick(self.config.token_budget)
+    @property
+    def ready(self) -> int:
+        """Sequences with rows to run now (running or waiting for admission)."""
+        return sum(s.ready for s in self._seqs.values())
+
+    def plan_tick(self, max_seqs: int | None = None) -> TickPlan:
+        """The rows of the next inference (steps 1-3 of the module docstring), of at most ``max_seqs``
+        sequences (oldest first: a pipeline splits its ready sequences over the ticks it can keep in flight)."""
+        tick = _Tick(self.config.token_budget, max_seqs if max_seqs is not None else len(self._seqs))
         self._decode_step(tick)
         self._prefill_step(tick)
         self._admit_step(tick)
@@ -333,6 +340,8 @@ class StageScheduler:
         ready = [s for s in self._seqs.values() if s.admitted and s.ready and s.pending == s.tail]
         prefills = any(s.ready and (s.pending > s.tail or not s.admitted) for s in self._seqs.values())
         for i, s in enumerate(ready):
+            if tick.seats < 1:
+                return
             if not s.admitted:
                 continue  # preempted this tick by an older sequence
             room = tick.budget - sum(later.admitted for later in ready[i + 1:])
@@ -343,7 +352,7 @@ class StageScheduler:
     def _prefill_step(self, tick: _Tick) -> None:
         """Step 2: the next chunk of each running prefill, oldest first, with the rows left."""
         for s in self._seqs.values():
-            if tick.budget < 1:
+            if tick.budget < 1 or tick.seats < 1:
                 return
             if s.admitted and s.ready and s.pending > s.tail:
                 self._place(s, self._size(s, tick.budget), tick)
@@ -352,7 +361,7 @@ class StageScheduler:
         """Step 3: waiting sequences, oldest first, while rows, sequence slots and blocks last."""
         running = sum(s.admitted for s in self._seqs.values())
         for s in list(self._seqs.values()):
-            if tick.budget < 1 or running >= self.config.max_seqs:
+            if tick.budget < 1 or tick.seats < 1 or running >= self.config.max_seqs:
                 return
             if s.awaiting and not s.admitted:
                 return  # a preempted sequence whose result is in flight resumes before any newer one
@@ -412,6 +421,7 @@ class StageScheduler:
                                      s.admission))
         s.scheduled, s.awaiting = end, want > 0
         tick.budget -= n
+        tick.seats -= 1
 
     def _preempt(self, s: _Seq, tick: _Tick) -> None:
         """Preemption by recompute: free the blocks, keep the ids, prefill again from scratch when admitted."""

@@ -135,8 +135,8 @@ def ignores_sigint(pid: int) -> bool:
 
 def test_chat_keeps_the_history_and_reset_forgets_it(bundle: Path, reference: Reference) -> None:
     """Through `chat --local`, the second answer is the greedy answer to the whole conversation rendered by the
-    template (not to its question alone), /stats reports it, /reset brings back the first answer, EOF exits 0,
-    and the --local workers ignore SIGINT (a terminal's Ctrl-C reaches the whole process group)."""
+    template (not to its question alone), /stats reports it with the tokens the first turn left in the prefix
+    cache, /reset brings back the first answer, EOF exits 0, and the --local workers ignore SIGINT (a terminal's Ctrl-C reaches the whole process group)."""
     first = reference.answer([user(NAME)])
     conversation = [user(NAME), assistant(first), user(DOG)]
     second = reference.answer(conversation)
@@ -160,6 +160,12 @@ def test_chat_keeps_the_history_and_reset_forgets_it(bundle: Path, reference: Re
     assert int(stats["prompt_tokens"]) == len(reference.text.encode_conversation(conversation))
     assert float(stats["decode_tokens_per_s"]) > 0
     assert {"stage0_compute_ms", "stage1_compute_ms", "per_hop_network_ms"} <= set(stats)
+    # the first turn's KV (its prompt and answer, all but the last sampled token) stayed in the paged stages'
+    # prefix cache: the second turn computes only from the first block they do not share
+    seen = reference.text.encode_conversation([user(NAME)]) + reference.tokens([user(NAME)], 60)
+    now = reference.text.encode_conversation(conversation)
+    common = next((i for i, (a, b) in enumerate(zip(seen, now, strict=False)) if a != b), min(len(seen), len(now)))
+    assert int(stats.get("cached_tokens", 0)) == min(common, len(seen) - 1, len(now) - 1) // 32 * 32 > 0
     assert "Traceback" not in err
 
 

@@ -483,3 +483,16 @@ def check_plan(plan: TickPlan, before: dict, budget: int, max_seqs: int, chunk: 
     got = [seq in served for seq in prefills]
     assert got == sorted(got, reverse=True), f"a newer prefill was served before an older one: {prefills} {got}"
     assert all(served[seq].count <= chunk for seq in prefills if seq in served)
+
+
+def test_a_tick_takes_at_most_the_sequences_asked_oldest_first():
+    """plan_tick(max_seqs=k): a pipeline splits its ready sequences over the ticks it keeps in flight; the
+    rest stay ready for the next tick."""
+    s = scheduler(budget=16, max_seqs=4)
+    for name in "abc":
+        s.add(name, ids(3))
+    assert s.ready == 3
+    first = s.plan_tick(max_seqs=2)
+    assert [rows.seq for rows in first.seqs] == ["a", "b"] and s.ready == 1
+    second = s.plan_tick(max_seqs=2)
+    assert [rows.seq for rows in second.seqs] == ["c"] and s.ready == 0
