@@ -3,7 +3,7 @@
     python tests/batch_fuzz.py --frames N [--seed S] [--bundle PATH]
 
 One ``ovshard serve --kv paged --kv-blocks 64`` process (stage 0 of a one-stage fp32 stories260K bundle) takes N
-frames on head sessions that were granted every block: Batches of 1-6 rows with random streams, positions,
+frames on head sessions that asked for (and were granted) every block: Batches of 1-6 rows with random streams, positions,
 counts, wants, block counts and block ids (in and out of the grant), token ids (in and out of the vocabulary),
 copies, and now and then a frame with flipped bits or a cut. Every well-formed Batch is owed, in order, one
 Result for each row :func:`owed` lets through that wants scores, then a BatchDone refusing exactly the other
@@ -76,7 +76,7 @@ class Fuzzer:
 
     def session(self) -> socket.socket:
         if self.sock is None:
-            conn = connect(self.address, 0, self.fingerprint, "head", secrets.token_hex(16), kv_blocks=0)
+            conn = connect(self.address, 0, self.fingerprint, "head", secrets.token_hex(16), kv_blocks=POOL)
             assert conn.welcome is not None and conn.welcome.kv_blocks == POOL, conn.welcome
             self.sock = conn.sock
             self.sock.settimeout(30)
@@ -185,7 +185,7 @@ def run(frames: int, seed: int, bundle: Path | None = None) -> dict:
                       "rss_growth_mb": round(rss_mb(worker.process.pid) - rss0, 1) if alive else None,
                       "same_generation": alive and generate() == before}
             if alive:  # the whole pool comes back to one new head: no session kept blocks
-                conn = connect(address, 0, bundle_fingerprint(bundle), "head", secrets.token_hex(16), kv_blocks=0)
+                conn = connect(address, 0, bundle_fingerprint(bundle), "head", secrets.token_hex(16), kv_blocks=POOL)
                 report["pool_whole"] = conn.welcome is not None and conn.welcome.kv_blocks == POOL
                 conn.close()
             for failure in fuzz.failures[:20]:

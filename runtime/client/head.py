@@ -103,7 +103,7 @@ class Chain:
         self.addresses, self.timeout = addresses, timeout
         self.session = secrets.token_hex(16)
         self.conns: list[Connection] = []
-        kv = None if batching is None else kv_blocks  # 0: paged stages grant every free block
+        kv = None if batching is None else kv_blocks  # 0: paged stages grant their default share
         try:
             for i in reversed(range(len(addresses))):
                 nxt = addresses[i + 1] if i + 1 < len(addresses) else None
@@ -228,7 +228,7 @@ class Head:
     """A chain to every stage of one bundle, reconnected on demand; per-stream bookkeeping.
 
     Over paged stages every stream's steps are batched (``batching``: the scheduler's settings; None asks no
-    KV blocks, for probes) within the ``kv_blocks`` each stage grants this head (0: every free block; give
+    KV blocks, for probes) within the ``kv_blocks`` each stage grants this head (0: the stage's default share, half its pool; give
     each head a share when several heads use the same workers)."""
 
     def __init__(self, bundle: Path, addresses: list[str], timeout: float = 60.0, retry_s: float = RETRY_S,
@@ -243,7 +243,7 @@ class Head:
         self.addresses, self.timeout, self.retry_s, self.tls = addresses, timeout, retry_s, tls
         self.fingerprint = bundle_fingerprint(bundle)
         if kv_blocks < 0:
-            raise OvshardError(f"--kv-blocks {kv_blocks}: expected the KV blocks to ask each stage for (0: all free)")
+            raise OvshardError(f"--kv-blocks {kv_blocks}: expected the KV blocks to ask each stage for (0: the stage's default share)")
         self.batching, self.kv_blocks = batching, kv_blocks
         self.chain = Chain(addresses, self.fingerprint, timeout, tls, batching, kv_blocks)
         self.reconnects = 0

@@ -28,10 +28,11 @@ GRANT_WAIT_S = 2.0  # how long a Hello waits for blocks a departing session is s
 
 class KVPool:
     """The blocks of a paged stage's caches, granted to sessions whole: a session holds its grant until its
-    head goes away. A head asking for 0 blocks gets every free one."""
+    head goes away. A head asking for 0 blocks gets half the pool (at least ``sequence`` blocks, one sequence
+    of the bundle's max positions), so a second head (a benchmark's, an operator's CLI) finds room too."""
 
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
+    def __init__(self, num_blocks: int, sequence: int = 1) -> None:
+        self.num_blocks, self.sequence = num_blocks, min(sequence, num_blocks)
         self._free = list(range(num_blocks))
         self._changed = threading.Condition()
 
@@ -41,11 +42,14 @@ class KVPool:
             return len(self._free)
 
     def grant(self, wanted: int, wait_s: float = GRANT_WAIT_S) -> np.ndarray:
-        """``wanted`` blocks (0: every free one) as an i32 map from the session's block ids to the pool's;
+        """``wanted`` blocks (0: the default share) as an i32 map from the session's block ids to the pool's;
         waits ``wait_s`` for a session that is going away, then refuses with ``busy``."""
+        share = max(self.sequence, self.num_blocks // 2)
         with self._changed:
-            self._changed.wait_for(lambda: len(self._free) >= max(wanted, 1), timeout=wait_s)
-            n = wanted or len(self._free)
+            self._changed.wait_for(lambda: len(self._free) >= (wanted or self.sequence), timeout=wait_s)
+            n = wanted or min(share, len(self._free))
+            if not wanted and n < self.sequence:
+                n = 0  # not even one full-length sequence: refused below
             if n == 0 or n > len(self._free):
                 raise RequestError("busy", f"the paged KV cache has {len(self._free)} of {self.num_blocks} blocks "
                                            f"free and this head asks for {wanted or 'any'}: other heads hold the "

@@ -91,7 +91,8 @@ class StageWorker:
             try:
                 blocks = kv_blocks or kv_pool_blocks(self.manifest)
                 self.paged = compile_paged(core, self.bundle, self.manifest, stage, device, config, blocks, slice_logits)
-                self.pool, self.sliced = KVPool(blocks), self.paged.sliced
+                sequence = -(-self.max_positions // self.paged.block_size)
+                self.pool, self.sliced = KVPool(blocks, sequence), self.paged.sliced
             except PagedUnsupportedError as e:
                 if kv == "paged":
                     raise

@@ -12,7 +12,7 @@ f32 on request), token ids as i64. Counts and ranges travel, never lists that gr
                                                                    host:port (the stage links to it for
                                                                    this session only); kv_blocks: the
                                                                    paged KV blocks the head asks for (0:
-                                                                   every free one; null: none)
+                                                                   half the pool; null: none)
     2     HelloOk   stage, bundle_fingerprint, num_stages,         the handshake is accepted; a paged stage
                     block_size, kv_blocks                          names its block size (0: stateful) and
                                                                    the blocks granted to the session
@@ -211,7 +211,7 @@ class Hello(MessageBase, frozen=True, tag=1):
     stage: UInt  # the stage the caller expects this node to serve
     session: SessionId  # the head's session; an upstream link serves exactly this session
     next_hop: Name | None = None  # from the head: "host:port" of the next stage (None for the last)
-    kv_blocks: UInt | None = None  # paged KV blocks asked for this session: 0 every free one, None none
+    kv_blocks: UInt | None = None  # paged KV blocks asked for this session: 0 half the pool, None none
 
 
 class HelloOk(MessageBase, frozen=True, tag=2):

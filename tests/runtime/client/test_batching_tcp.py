@@ -138,3 +138,34 @@ def test_stateful_workers_serve_streams_and_a_mixed_chain_is_a_clear_error(bundl
                 Head(bundles[2], [addresses[0], paged.wait_listening(120)])
         finally:
             paged.stop()
+
+
+def test_two_heads_share_the_kv_pool_and_a_dead_heads_blocks_come_back(bundles: dict[int, Path]) -> None:
+    """A head asking for the default share gets half a stage's pool, so a second head fits beside it; a third
+    that asks for more than is left is refused `busy` with what to do; a head that goes away returns its
+    blocks."""
+    import secrets
+
+    from ovshard.bundle.manifest import bundle_fingerprint
+    from ovshard.runtime.wire.transport import connect
+
+    bundle = bundles[1]
+    pool = 64
+    worker = WorkerProcess(serve_command(bundle, 0, "127.0.0.1:0", ["--kv-blocks", str(pool)]), 0)
+    try:
+        address = worker.wait_listening(120)
+
+        def hello(blocks: int):
+            return connect(address, 0, bundle_fingerprint(bundle), "head", secrets.token_hex(16), kv_blocks=blocks)
+
+        first, second = hello(0), hello(0)
+        assert first.welcome.kv_blocks == second.welcome.kv_blocks == pool // 2
+        with pytest.raises(OvshardError, match="0 of 64 blocks free.*--kv-blocks"):
+            hello(8)
+        first.close()
+        third = hello(pool // 2)  # waits for the first head's blocks to come back
+        assert third.welcome.kv_blocks == pool // 2
+        second.close()
+        third.close()
+    finally:
+        worker.stop()
