@@ -60,7 +60,8 @@ def owed(rows: list[p.BatchRow], tables: list[list[int]], max_positions: int) ->
                 and (not row.want or p.rows_read(row.want, row.count) <= row.count))
         written = set(table[row.position // BLOCK:]) if good else set()
         good = good and not written & writing
-        writing |= written
+        if good:  # a refused row writes nothing
+            writing |= written
         ok.append(good)
     return ok
 

@@ -233,7 +233,8 @@ class StageWorker:
                 self._dispatch(conn, role, session, msg)
             except RequestError as e:
                 stream, seq = getattr(msg, "stream", None), getattr(msg, "seq", None)
-                log.warning("stage %d: %s of stream %s refused: %s", self.stage, type(msg).__name__, stream, e)
+                what = f"stream {stream}" if stream is not None else f"seq {seq}"
+                log.warning("stage %d: %s of %s refused: %s", self.stage, type(msg).__name__, what, e)
                 self._try_send(session.head, p.error(e.code, f"stage {self.stage}: {e}", stream, seq))
 
     def _try_send(self, conn: Connection, msg: p.Message) -> bool:
