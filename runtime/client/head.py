@@ -24,11 +24,12 @@ import ssl
 import threading
 import time
 from collections.abc import Generator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from ovshard.bundle.manifest import bundle_fingerprint, read_manifest
+from ovshard.bundle.manifest import Manifest, bundle_fingerprint, read_manifest
 from ovshard.errors import OvshardError
 from ovshard.runtime.client.batcher import Batcher, BatchFailure, batch_config
 from ovshard.runtime.decoding import decode
@@ -93,6 +94,17 @@ def _merged(results: list[p.Result], want: str) -> p.Result:
     if want == "argmax":  # every row was asked for: every chunk's
         tensor = p.Tensor.from_array(np.concatenate([r.tensor.to_array() for r in results], axis=1))
     return p.Result(last.stream, last.seq, tensor, timings, last.indices)
+
+
+def _with_chunk(batching: BatchConfig | None, chunk: int | None, manifest: Manifest) -> BatchConfig | None:
+    """The scheduler's settings with a --prefill-chunk the user gave: N rows of a prompt a tick, or (0) the
+    whole prompt in one tick."""
+    if batching is None or chunk is None:
+        return batching
+    if chunk == 0:
+        return replace(batching, max_chunk=None,
+                       token_budget=max(batching.token_budget, manifest.runtime_hints.max_positions))
+    return replace(batching, max_chunk=chunk, token_budget=max(batching.token_budget, chunk))
 
 
 class Chain:
@@ -232,7 +244,7 @@ class Head:
     each head a share when several heads use the same workers)."""
 
     def __init__(self, bundle: Path, addresses: list[str], timeout: float = 60.0, retry_s: float = RETRY_S,
-                 tls: ssl.SSLContext | None = None, prefill_chunk: int = PREFILL_CHUNK,
+                 tls: ssl.SSLContext | None = None, prefill_chunk: int | None = None,
                  batching: BatchConfig | None = BATCHING, kv_blocks: int = 0) -> None:
         self.manifest = read_manifest(bundle)
         if len(addresses) != self.manifest.num_stages:
@@ -242,18 +254,20 @@ class Head:
             raise OvshardError(f"--retry-s {retry_s}: expected seconds >= 0")
         self.addresses, self.timeout, self.retry_s, self.tls = addresses, timeout, retry_s, tls
         self.fingerprint = bundle_fingerprint(bundle)
+        if prefill_chunk is not None and prefill_chunk < 0:
+            raise OvshardError(f"--prefill-chunk {prefill_chunk}: expected tokens per prefill step, or 0 for the "
+                               f"whole prompt in one step (default: {BATCHING.max_chunk} on paged stages, one step "
+                               "on stateful ones)")
         if kv_blocks < 0:
-            raise OvshardError(f"--kv-blocks {kv_blocks}: expected the KV blocks to ask each stage for (0: the stage's default share)")
-        self.batching, self.kv_blocks = batching, kv_blocks
-        self.chain = Chain(addresses, self.fingerprint, timeout, tls, batching, kv_blocks)
+            raise OvshardError(f"--kv-blocks {kv_blocks}: expected the KV blocks to ask each stage for (0: the "
+                               "stage's default share)")
+        self.batching, self.kv_blocks = _with_chunk(batching, prefill_chunk, self.manifest), kv_blocks
+        self.chain = Chain(addresses, self.fingerprint, timeout, tls, self.batching, kv_blocks)
         self.reconnects = 0
         self._reconnect_lock = threading.Lock()
         self.streams = itertools.count()
         self.seq = itertools.count()
-        if prefill_chunk < 0:
-            raise OvshardError(f"--prefill-chunk {prefill_chunk}: expected tokens per prefill step, or 0 for the "
-                               f"whole prompt in one step (default {PREFILL_CHUNK})")
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk  # stateful stages
 
     def close(self) -> None:
         self.chain.close()

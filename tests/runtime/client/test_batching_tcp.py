@@ -169,3 +169,17 @@ def test_two_heads_share_the_kv_pool_and_a_dead_heads_blocks_come_back(bundles: 
         third.close()
     finally:
         worker.stop()
+
+
+def test_prefill_chunk_sets_the_rows_of_a_prompt_a_tick(bundles: dict[int, Path], solo: list) -> None:
+    """--prefill-chunk 8 on paged stages: a 41-token prompt goes in 6 ticks (pipelined) with its solo tokens;
+    --prefill-chunk 0 sends it in one."""
+    prompt, n = JOBS[5]
+    with local_workers(bundles[2], exact=True) as addresses:
+        for chunk, ticks in ((8, 6), (0, 1)):
+            head = Head(bundles[2], addresses, prefill_chunk=chunk)
+            try:
+                assert list(head.generate(prompt, SamplingConfig(max_tokens=n))) == solo[5]
+                assert head.chain.batcher.stats.ticks == ticks + n - 1  # the prompt's ticks, then a step a token
+            finally:
+                head.close()
