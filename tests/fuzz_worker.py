@@ -532,7 +532,7 @@ def refused_hello(spec: Spec, rng: random.Random, live: SessionModel | None) -> 
                p.Hello("head", v, "sha256:" + "0" * 64, 0, session),  # another bundle
                p.Hello("upstream", v, fp, 0, session),  # a link for a session nobody opened
                p.Hello("upstream", v, fp, 0, session, "127.0.0.1:1"),  # an upstream naming a next hop
-               p.Hello("head", rng.choice([0, 2, 4, 2**63 - 1]), fp, 0, session)]  # a Hello of another protocol
+               p.Hello("head", rng.choice([0, v - 1, v + 1, 2**63 - 1]), fp, 0, session)]  # a Hello of another protocol
     if live is not None:
         choices.append(p.Hello("head", v, fp, 0, live.session))  # a session in use
     return rng.choice(choices)
