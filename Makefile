@@ -51,6 +51,7 @@ bench-peers: setup
 	$(BIN)/python bench/spec_copy.py  # prompt lookup on copy-style tasks, the real Gemma's INT4 bundle: speed-up, speculative == plain
 	$(BIN)/python bench/decode_overhead.py --rounds 4  # the decode-step profile and CPU plugin settings (Gemma 3 270M)
 	$(BIN)/python bench/ttft.py  # time to the first token, cold and warm, against llama-completion
+	$(BIN)/python bench/server_peers.py --tokens 128  # 8 chat clients: ovshard api against llama-server -np 8
 
 # a real worker under 1,000,000 hostile frames; --workers (default: one client process per core but one) scales it
 fuzz: setup

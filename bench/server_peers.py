@@ -136,6 +136,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens per request")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="CPU threads in all, each side (default 2)")
+    parser.add_argument("--kv", choices=("auto", "stateful"), default="auto",
+                        help="ovshard's workers: paged and batched (auto, the default) or one cache a stream")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/ovshard-bench/bundles"))
     parser.add_argument("--results", type=Path, default=HERE / "results")
     args = parser.parse_args()
@@ -150,7 +152,7 @@ def main() -> int:
              "--port", str(port)]
     samples: dict[str, list[float]] = {"ovshard": [], "llama-server": []}
     threads = max(1, args.threads // 2)
-    with local_workers(bundle, threads=threads) as addresses:
+    with local_workers(bundle, threads=threads, kv=args.kv) as addresses:
         ours = Server([sys.executable, "-m", "ovshard.cli", "-q", "api", str(bundle), "--stages", ",".join(addresses),
                        "--listen", "127.0.0.1:0", "--streams", str(args.clients), "--queue", str(args.clients),
                        "--model", "gemma"], "", ready_line=True)
@@ -167,7 +169,7 @@ def main() -> int:
             ours.stop()
             theirs.stop()
     ratio = statistics.median(a / b for a, b in zip(samples["ovshard"], samples["llama-server"], strict=True))
-    rows = [{"clients": args.clients, "ovshard_tok_s": round(statistics.median(samples["ovshard"]), 1),
+    rows = [{"clients": args.clients, "ovshard_kv": args.kv, "ovshard_tok_s": round(statistics.median(samples["ovshard"]), 1),
              "llama_server_tok_s": round(statistics.median(samples["llama-server"]), 1),
              "ovshard_vs_llama_server": round(ratio, 2), "target": ">= 1.2x"}]
     command = " ".join([".venv/bin/python", "bench/server_peers.py", *sys.argv[1:]])
