@@ -71,7 +71,7 @@ class _Flight:
 
 class Batcher:
     """One chain's scheduler and its ticks in flight. ``send(message)`` hands a Batch to stage 0;
-    :meth:`deliver` takes the last stage's answers (the chain's reader thread calls it)."""
+    :meth:`takes` takes the last stage's answers (the chain's reader thread calls it)."""
 
     def __init__(self, send: Callable[[p.Batch], None], blocks: BlockManager, config: BatchConfig, depth: int,
                  timeout: float) -> None:

@@ -183,3 +183,27 @@ def test_prefill_chunk_sets_the_rows_of_a_prompt_a_tick(bundles: dict[int, Path]
                 assert head.chain.batcher.stats.ticks == ticks + n - 1  # the prompt's ticks, then a step a token
             finally:
                 head.close()
+
+
+def test_a_full_kv_pool_preempts_and_every_stream_still_gets_its_solo_tokens(bundles: dict[int, Path]) -> None:
+    """8 streams of 100 new tokens over a pool too small to hold them all (16 blocks of 32 positions a stage,
+    where they need ~4 each): the newest are preempted and recomputed later, nobody crashes, and every stream
+    gives exactly its solo tokens."""
+    from ovshard.runtime.client.inprocess import LocalPipeline
+
+    jobs = tuple((prompt, 100) for prompt, _ in JOBS)
+    pipe = LocalPipeline(bundles[1], config=EXACT_HINTS)
+    alone = [list(pipe.generate(prompt, SamplingConfig(max_tokens=n))) for prompt, n in jobs]
+    procs = [WorkerProcess(serve_command(bundles[2], i, "127.0.0.1:0", ["--exact", "--kv-blocks", "16"]), i)
+             for i in range(2)]
+    try:
+        head = Head(bundles[2], [w.wait_listening(120) for w in procs])
+        try:
+            assert run_all(head, jobs=jobs) == alone
+            stats = head.chain.batcher.stats
+            assert stats.blocks.used == 0 and stats.preemptions > 0
+        finally:
+            head.close()
+    finally:
+        for w in procs:
+            w.stop()
