@@ -4,8 +4,11 @@ It connects to every stage under one fresh session (128 random bits), from the l
 tells each stage where the next one listens, then for every step sends the new tokens to stage 0 and
 waits for the last stage's Result. An Open is acknowledged by every stage before the stream's first Step.
 
-Streams: each stream has its own InferRequest (KV cache) at every stage. Any number of threads may run
-streams at once: a reader thread per connection hands each Result to the step waiting for its ``seq``.
+Paged stages (the workers' default): every stream's steps go through the chain's :class:`Batcher`
+(client/batcher.py), one Batch a tick for all of them, and :class:`PagedTarget` is a stream's decode target.
+Stateful stages: each stream has its own InferRequest (KV cache) at every stage (:class:`StreamTarget`). Any
+number of threads may run streams at once: a reader thread per connection hands each Result to the step
+waiting for its ``seq`` (or to the Batcher).
 
 Faults: when a stage goes away (connection lost, or a stage reports it lost the stream or its link),
 :class:`StreamTarget` reconnects the whole chain under a new session (retrying with backoff for
