@@ -196,3 +196,30 @@ def small_disk(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
     finally:
         for where in mounted:
             subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def generate_concurrently(head, jobs, speculation=None, timeout: float = 300) -> list:  # noqa: ANN001
+    """Each (prompt, max_tokens) job on a thread of its own through ``head``, all started together (a
+    barrier); each job's greedy tokens, or the OvshardError it ended with."""
+    import threading
+
+    from ovshard.errors import OvshardError
+    from ovshard.runtime.engine.sampler import SamplingConfig
+
+    results: list = [[] for _ in jobs]
+    barrier = threading.Barrier(len(jobs))
+
+    def job(i: int) -> None:
+        prompt, n = jobs[i]
+        barrier.wait()
+        try:
+            results[i] = list(head.generate(prompt, SamplingConfig(max_tokens=n), None, speculation))
+        except OvshardError as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=job, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    return results

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import compile_fp32
+from conftest import compile_fp32, generate_concurrently
 
 from ovshard.bundle.manifest import read_manifest
 from ovshard.errors import OvshardError
@@ -43,23 +43,7 @@ def solo(bundles: dict[int, Path]) -> list[list[int]]:
 
 def run_all(head: Head, speculation=None, jobs=JOBS) -> list[list[int]]:
     """Every job at once on its own thread, started together."""
-    out: list[list[int] | Exception] = [[] for _ in jobs]
-    barrier = threading.Barrier(len(jobs))
-
-    def job(i: int) -> None:
-        prompt, n = jobs[i]
-        barrier.wait()
-        try:
-            out[i] = list(head.generate(prompt, SamplingConfig(max_tokens=n), None, speculation))
-        except OvshardError as e:
-            out[i] = e
-
-    threads = [threading.Thread(target=job, args=(i,)) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    return out  # type: ignore[return-value]
+    return generate_concurrently(head, jobs, speculation)
 
 
 @pytest.mark.parametrize("stages", [2, 3])

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 import pytest
-from conftest import compile_fp32
+from conftest import compile_fp32, generate_concurrently
 
 from ovshard.bundle.manifest import read_manifest
 from ovshard.errors import OvshardError
@@ -46,23 +46,7 @@ def alone(bundles: dict[int, Path]) -> list[list[int]]:
 
 
 def _run_concurrently(head: Head, speculation=None) -> list[list[int]]:
-    results: list[list[int] | Exception] = [[] for _ in JOBS]
-    barrier = threading.Barrier(len(JOBS))
-
-    def job(i: int) -> None:
-        prompt, n = JOBS[i]
-        barrier.wait()
-        try:
-            results[i] = list(head.generate(prompt, SamplingConfig(max_tokens=n), None, speculation))
-        except OvshardError as e:
-            results[i] = e
-
-    threads = [threading.Thread(target=job, args=(i,)) for i in range(len(JOBS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    return results  # type: ignore[return-value]
+    return generate_concurrently(head, JOBS, speculation, timeout=120)
 
 
 @pytest.mark.parametrize("stages", [2, 3])
