@@ -75,16 +75,16 @@ def run(args: argparse.Namespace) -> int:
                          client_tls=client_context(creds) if creds else None, kv=args.kv,
                          kv_blocks=args.kv_blocks)
     address = worker.listen(host, port)
-    print(listening_line(args.stage, address), flush=True)  # how a launcher learns a port 0 address
-    if getattr(args, "exit_with_parent", False):
-        exit_with_parent(worker.stop)
     terminated = threading.Event()
 
     def on_sigterm(signum: int, frame: object) -> None:
         terminated.set()
         worker.stop()
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, on_sigterm)  # before the address goes out: a launcher's SIGTERM drains
+    if getattr(args, "exit_with_parent", False):
+        exit_with_parent(worker.stop)
+    print(listening_line(args.stage, address), flush=True)  # how a launcher learns a port 0 address
     try:
         worker.serve_forever()
     except KeyboardInterrupt:

@@ -46,6 +46,9 @@ from ovshard.runtime.wire.transport import Connection, StageUnreachable, connect
 log = logging.getLogger(__name__)
 
 _ACCEPT_BACKOFF_S = (0.05, 1.0)  # first and longest pause after accept() fails (EMFILE and co.)
+# accept() wakes this often: a SIGTERM the kernel hands to another thread (OpenVINO's, a connection's) only
+# sets a flag, and Python runs its handler when the main thread next runs bytecode, never inside a blocked accept()
+_ACCEPT_POLL_S = 0.5
 _RESOURCE_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
@@ -118,6 +121,7 @@ class StageWorker:
         except OSError as e:
             raise OvshardError(f"stage {self.stage} cannot listen on {host}:{port}: {e.strerror or e}; "
                                "choose another --listen port, or port 0 for a free one") from e
+        self.server.settimeout(_ACCEPT_POLL_S)  # accepted sockets still block: the default timeout is None
         address = self._where()
         log.info("stage %d: listening on %s%s", self.stage, address, " (TLS)" if self.server_tls else "")
         return address
@@ -130,6 +134,8 @@ class StageWorker:
         while not self._stopping:
             try:
                 sock, addr = self.server.accept()
+            except TimeoutError:
+                continue
             except OSError as e:
                 if self._stopping:
                     return
