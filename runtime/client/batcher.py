@@ -12,9 +12,10 @@ What the scheduler sees of a stream's step (K drafts asked, ``rewind`` of the pr
     first step     add(stream, tokens, drafts=K)
     later steps    resume(stream, Sampled(token=tokens[0], accepted=K_prev - rewind, drafts=tokens[1:]))
 
-so a rewind is a shorter block table (exact), never a mask. **Micro-batches**: with k ticks in flight of d (the
-stage count), a new tick takes at most ceil(ready / (d - k)) sequences, oldest first, so d groups keep every
-stage busy (2 streams on 2 stages go one a tick, as two pipelined streams would); and a free slot waits up to
+so a rewind is a shorter block table (exact), never a mask. **Micro-batches**: with d ticks in flight at most (d
+the stage count), a tick takes at most ceil(S / d) of the S sequences scheduled, oldest first, so d groups of
+equal size keep every stage busy (2 streams on 2 stages go one a tick, as two pipelined streams would; a group
+that came back larger than its share is split at once, never left to ride alone); and a free slot waits up to
 COALESCE_S for every stream of the group a tick answered to ask again, so a group goes out together instead
 of its first stream alone. A stream whose rows a stage refused, or whose
 chain broke, starts again as a new sequence with its whole history (the prefix cache usually holds most of
@@ -218,8 +219,9 @@ class Batcher:
                 plan = None
                 while not self.closed and self.broken is None:
                     if len(self.flight) < self.depth and self._gathered():
-                        free = self.depth - len(self.flight)  # split what is ready over the free slots
-                        plan = self.scheduler.plan_tick(max(1, -(-self.scheduler.ready // free)))
+                        # a group's share of every sequence scheduled, not of those ready now: a tick of
+                        # all that are ready while the other group is out would keep the groups unequal
+                        plan = self.scheduler.plan_tick(max(1, -(-len(self.scheduler) // self.depth)))
                         for stream in plan.dropped:
                             pool = self.scheduler.blocks.num_blocks
                             self._drop(cast(int, stream), BatchFailure(f"stream {stream} outgrew the KV pool of every "

@@ -259,6 +259,10 @@ class StageScheduler:
     def __contains__(self, seq: Hashable) -> bool:
         return seq in self._seqs
 
+    def __len__(self) -> int:
+        """Sequences scheduled: running, in flight, waiting for their sampler or for admission."""
+        return len(self._seqs)
+
     @property
     def in_flight(self) -> tuple[int, ...]:
         """The ticks planned and not finished yet, oldest first."""

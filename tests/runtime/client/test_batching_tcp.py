@@ -49,14 +49,20 @@ def run_all(head: Head, speculation=None, jobs=JOBS) -> list[list[int]]:
 @pytest.mark.parametrize("stages", [2, 3])
 def test_eight_batched_streams_each_give_their_solo_tokens(bundles: dict[int, Path], solo: list, stages: int) -> None:
     """8 streams of different prompt and output lengths at once, plain and with prompt lookup, prompts
-    chunked over ticks: each stream's greedy tokens are exactly its solo tokens, and ticks held several."""
+    chunked over ticks: each stream's greedy tokens are exactly its solo tokens, ticks held several, and
+    never more than a group's share, ceil(8 / stages): the groups in flight stay equal."""
     with local_workers(bundles[stages], exact=True, threads=1) as addresses:
         head = Head(bundles[stages], addresses, batching=batch_config(max_seqs=8, max_chunk=16))
         try:
-            assert head.chain.batcher is not None
+            batcher = head.chain.batcher
+            assert batcher is not None
+            sizes: list[int] = []
+            send = batcher.send
+            batcher.send = lambda msg: (sizes.append(len(msg.rows)), send(msg))[1]  # the real send, counted
             assert run_all(head) == solo
-            stats = head.chain.batcher.stats
+            stats = batcher.stats
             assert stats.seqs > stats.ticks and stats.blocks.used == 0  # ticks of several, every block returned
+            assert max(sizes) <= -(-len(JOBS) // stages), sizes
             spec = make_speculation("prompt-lookup", "auto", read_manifest(bundles[stages]))
             assert run_all(head, spec) == solo
         finally:
