@@ -102,7 +102,9 @@ class Events:
 
 
 class Run:
-    """One request in flight: detokenizes on the slot's thread, cuts at stop strings, reports events."""
+    """One request in flight. The slot thread only hands each token over (:meth:`on_token`); detokenizing, stop
+    strings and the end's usage happen where the events are read (:meth:`absorb`, on the event loop), so a
+    stream's decode loop asks for its next step at once and its group's next tick is not held back."""
 
     def __init__(self, engine: Engine, ids: list[int], params: Params, events: Events,
                  stop_ids: tuple[int, ...]) -> None:
@@ -117,7 +119,7 @@ class Run:
     def on_token(self, token: int | None) -> None:
         """Called by the slot thread with each token, then None at the end."""
         if token is None:
-            self._finish()
+            self.events.put("end")
             return
         now = time.perf_counter()
         metrics = self.engine.metrics
@@ -125,31 +127,33 @@ class Run:
         self.last = now
         if self.request is not None:
             self.steps_seen = self.engine.view.record(self.request.stats, self.steps_seen)
-        if self.stream.stopped:
-            return
-        self.completion_tokens += 1
-        self._send(self.stream.push(token))
-        if self.stream.stopped:  # a stop string ended the text: the rest is not wanted
-            assert self.request is not None
-            self.request.cancel()
+        self.events.put("token", token)
 
-    def _send(self, piece: str) -> None:
-        if piece:
-            self.events.put("text", piece)
-
-    def _finish(self) -> None:
+    def absorb(self, kind: str, value: Any) -> list[tuple[str, Any]]:
+        """What one event of the slot thread means to the client: ("text", piece), ("error", ApiError) or
+        ("end", (finish_reason, usage)), none for a token that adds no text."""
+        if kind == "token":
+            if self.stream.stopped:  # a stop string ended the text: the rest is not wanted
+                return []
+            self.completion_tokens += 1
+            piece = self.stream.push(value)
+            if self.stream.stopped:
+                assert self.request is not None
+                self.request.cancel()
+            return [("text", piece)] if piece else []
         request = self.request
         assert request is not None
-        self._send(self.stream.finish())
+        piece = self.stream.finish()
+        out: list[tuple[str, Any]] = [("text", piece)] if piece else []
         self.engine.metrics.observe(request.stats)
         self.engine.view.record(request.stats, self.steps_seen)
         self.engine.view.finished(request.stats)
         usage = Answer.usage(len(self.ids), self.completion_tokens, request.stats.cached_tokens)
         if request.error is not None:
-            self.events.put("error", ApiError(503, f"the pipeline failed: {request.error}", kind="server_error",
-                                              code="stage_unavailable"))
+            return [*out, ("error", ApiError(503, f"the pipeline failed: {request.error}", kind="server_error",
+                                             code="stage_unavailable"))]
         finish = "stop" if self.stream.stopped or request.stats.finish_reason == "stop" else "length"
-        self.events.put("end", (finish, usage))
+        return [*out, ("end", (finish, usage))]
 
 
 async def _body(request: Any) -> dict:
@@ -182,8 +186,9 @@ async def _stream(run: Run, answer: Answer) -> AsyncIterator[bytes]:
             events = [await run.events.queue.get()]
             while not run.events.queue.empty():
                 events.append(run.events.queue.get_nowait())
-            out, ended = _events(run, answer, events)
-            yield out
+            out, ended = _events(run, answer, [e for kind, value in events for e in run.absorb(kind, value)])
+            if out:
+                yield out
             if ended:
                 return
     finally:
@@ -212,20 +217,21 @@ async def _whole(run: Run, answer: Answer, http: Any) -> dict:
     parts: list[str] = []
     while True:
         try:
-            kind, value = await asyncio.wait_for(run.events.queue.get(), timeout=0.5)
+            event = await asyncio.wait_for(run.events.queue.get(), timeout=0.5)
         except asyncio.TimeoutError:
             if await http.is_disconnected():
                 assert run.request is not None
                 run.request.cancel()
                 raise ApiError(499, "the client went away") from None
             continue
-        if kind == "text":
-            parts.append(value)
-        elif kind == "error":
-            raise value
-        else:
-            finish, usage = value
-            return answer.whole("".join(parts), finish, usage)
+        for kind, value in run.absorb(*event):
+            if kind == "text":
+                parts.append(value)
+            elif kind == "error":
+                raise value
+            else:
+                finish, usage = value
+                return answer.whole("".join(parts), finish, usage)
 
 
 _OPEN_PATHS = ("/health", "/")  # no key needed: the state of the stages, and the page (static, no data in it)
