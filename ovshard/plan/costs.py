@@ -13,9 +13,9 @@ import math
 
 from ovshard.bundle.dims import ModelDims
 from ovshard.bundle.weights import WeightFormat
-from ovshard.frontend.arch import ArchSpec, layer_tensors, linear_shapes
+from ovshard.frontend.arch import ArchSpec, layer_tensors, linear_shapes, model_tensors
 from ovshard.plan.partition import Block, ModelCosts
-from ovshard.plan.precision import all_int4_bytes
+from ovshard.plan.precision import all_int4_bytes, int4_bytes, int8_bytes
 
 KV_ELEMENT_BYTES = 2
 WIRE_ELEMENT_BYTES = 2
@@ -77,3 +77,27 @@ def model_costs(spec: ArchSpec, dims: ModelDims, fmt: WeightFormat, stage_bytes:
     return ModelCosts(blocks=(embed, *layers, head), activation_bytes_per_token=dims.hidden_size * WIRE_ELEMENT_BYTES,
                       shared_head_bytes=embed.weight_bytes if dims.tie_word_embeddings else 0,
                       stage_bytes=stage_bytes)
+
+
+def parameter_count(spec: ArchSpec, dims: ModelDims) -> int:
+    """Parameters of the model as its checkpoint holds them (a tied embedding once), norms and biases included."""
+    return sum(math.prod(shape) for shape in model_tensors(spec, dims).values())
+
+
+def tied_copy_bytes(dims: ModelDims, fmt: WeightFormat, stages: int) -> float:
+    """Bytes of the second copy of a tied embedding that the last stage of a bundle of 2 or more stages holds
+    as its lm_head (stored as the format stores the embedding: INT8 beside INT4 unless ``all_layers``)."""
+    if not dims.tie_word_embeddings or stages < 2:
+        return 0.0
+    if fmt.is_int4 and fmt.all_layers:
+        return int4_bytes(fmt, dims.vocab_size, dims.hidden_size)
+    if fmt.is_int4 or fmt.mode == "int8":
+        return int8_bytes(dims.vocab_size, dims.hidden_size)
+    return dims.vocab_size * dims.hidden_size * bytes_per_weight(fmt)
+
+
+def bits_per_parameter(weight_bytes: float, spec: ArchSpec, dims: ModelDims, fmt: WeightFormat, stages: int) -> float:
+    """Stored bits per parameter of a bundle whose stages' weight files hold ``weight_bytes`` in all: every
+    parameter counted once, so a tied embedding's second copy (:func:`tied_copy_bytes`) is left out; as
+    llama.cpp's files are measured (tensor bytes x 8 / parameters)."""
+    return 8.0 * (weight_bytes - tied_copy_bytes(dims, fmt, stages)) / parameter_count(spec, dims)

@@ -103,6 +103,8 @@ def test_verify_perplexity_passes_an_exact_bundle_and_measures_int4(stories: Pat
     ours, ref = found.split(" (")[0].split(" vs ")
     assert ours == ref and rows["perplexity"]["verdict"] == "pass", found
     assert rows["top-1 agreement along the text (teacher-forced)"]["found"] == "100.0%"
+    # fp32 is 32 bits a parameter when the last stage's copy of the tied embedding is counted once (36 if twice)
+    assert 31.9 < float(rows["stored bits per parameter (each once)"]["found"].split()[0]) < 32.2, rows
     rows = _verify(int4_bundles[2], stories, "--perplexity-context", "256")
     increase = float(rows["perplexity"]["found"].split("(")[1].rstrip("%)")) / 100
     assert "5 chunks of 256" in rows["perplexity"]["check"], rows["perplexity"]
