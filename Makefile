@@ -44,6 +44,7 @@ bench: setup
 	CI=true $(BIN)/python bench/nncf_options.py  # NNCF's own options (data-free and data-aware) on the real Gemma 3 270M
 	CI=true $(BIN)/python bench/int4_kernels.py  # decode speed of weight formats on the 1B shape (INT4 sym/asym, groups, INT8 share)
 	$(BIN)/python bench/paged_batch.py  # S sequences in one paged inference against S stateful streams
+	CI=true $(BIN)/python bench/tick_cost.py  # a paged tick's compute against its sequences: the ceilings of batching
 
 # ovshard against llama.cpp (built once from the llama-cpp-python sdist into ~/.cache/ovshard/peers; needs cmake, g++)
 bench-peers: setup

@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke run: stories260K only, 2 rounds, 1/4 of the tokens")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per scenario (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed generations per variant first (default 1)")
+    parser.add_argument("--token-scale", type=float, default=None,
+                        help="new tokens per generation, as a multiple of each model's default (default 1; --quick "
+                             "0.25): more weighs decode over prefill")
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE,
                         help=f"checkpoints and compiled bundles (default {DEFAULT_CACHE})")
     parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
@@ -69,7 +72,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         raise SystemExit(f"--models: unknown {unknown}; expected names from {list(MODELS)}")
     return Settings(models=chosen, rounds=args.rounds or (2 if args.quick else 3), warmup=args.warmup,
                     cache=args.cache.resolve(), results=args.results.resolve(), rebuild=args.rebuild,
-                    token_scale=0.25 if args.quick else 1.0)
+                    token_scale=args.token_scale or (0.25 if args.quick else 1.0))
 
 
 def main(argv: list[str] | None = None) -> int:
