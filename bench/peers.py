@@ -43,7 +43,7 @@ import report  # noqa: E402  (bench/report.py: the suite's tables)
 ROOT = HERE.parent
 CACHE = Path(os.environ.get("OVSHARD_CACHE_DIR") or Path.home() / ".cache" / "ovshard") / "peers"
 VERSION = "0.3.36"  # llama-cpp-python, whose vendor/llama.cpp is built
-TARGETS = ("llama-bench", "llama-quantize", "ggml-rpc-server", "llama-completion", "llama-server")
+TARGETS = ("llama-bench", "llama-quantize", "ggml-rpc-server", "llama-completion", "llama-server", "llama-perplexity")
 
 
 def log(message: str) -> None:

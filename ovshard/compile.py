@@ -137,7 +137,7 @@ def _check_calibration(config: CompileConfig) -> None:
     if config.calibration == "none":
         if config.weights.methods:
             raise ConfigError(f"--calibration-methods {','.join(config.weights.methods)} need calibration text: "
-                              "add --calibration auto (the model's own text) or --calibration FILE")
+                              "add --calibration text (ovshard's own), auto (the model's own text) or FILE")
         return
     if not config.weights.is_int4:
         raise ConfigError(f"--calibration calibrates INT4 weights; --weights {config.weights.mode} has none: use "

@@ -35,7 +35,7 @@ class WeightFormat:
     budget: float = 1.15
     int8_weights: tuple[str, ...] = ()
     methods: tuple[str, ...] = ()  # NNCF's data-aware methods on the INT4 weights, layer by layer (DATA_AWARE)
-    calibration: str = "none"  # where their text came from: "none", "auto" or "file NAME"
+    calibration: str = "none"  # where their text came from: "none", "auto", "text" or "file NAME"
     calibration_digest: str = ""  # sha256 of the calibration token ids (ovshard.frontend.calibration.CalibrationText)
 
     def __post_init__(self) -> None:

@@ -44,10 +44,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(default 0.0; 1.0: every decoder weight INT4)")
     p.add_argument("--all-layers", action="store_true",
                    help="INT4 also for the embedding and the lm_head (default: those stay INT8)")
-    p.add_argument("--calibration", default="none", metavar="auto|none|FILE",
+    p.add_argument("--calibration", default="none", metavar="text|auto|none|FILE",
                    help="INT4: data-aware compression (NNCF, layer by layer in the streamed compile) on calibration "
-                   "text: auto (the model's own sampled text from neutral prompts), a UTF-8 text file, or none "
-                   "(default: data-free)")
+                   "text: text (the ~2,300 tokens of prose and code that ship with ovshard), auto (the model's own "
+                   "sampled text from neutral prompts), a UTF-8 text file, or none (default: data-free)")
     p.add_argument("--calibration-samples", type=int, default=8, help="calibration samples (default 8)")
     p.add_argument("--calibration-tokens", type=int, default=128, help="tokens per calibration sample (default 128)")
     p.add_argument("--calibration-methods", metavar="M[,M]",

@@ -1,8 +1,10 @@
 """Calibration for data-aware INT4 (NNCF's AWQ, scale estimation, GPTQ, LoRA correction), layer by layer.
 
-The text: ``--calibration FILE`` (tokenized by the checkpoint's tokenizer, cut into samples that start
-with BOS) or ``auto``, the model's own sampled continuations of a few neutral prompts, so any model
-calibrates offline with no data set. Generation runs the checkpoint in float32 with torch, one decoder
+The text: ``--calibration text``, the calibration text that ships with ovshard (``calibration.txt`` beside
+this module, written for it and Apache-2.0 like the rest: everyday prose of several kinds, technical prose
+and Python code, about 2,300 tokens), ``--calibration FILE`` (either tokenized by the checkpoint's tokenizer
+and cut into samples that start with BOS, taken evenly over the whole text), or ``auto``, the model's own
+sampled continuations of a few neutral prompts, so any model calibrates offline with no data set. Generation runs the checkpoint in float32 with torch, one decoder
 layer in memory at a time (each step reads every layer again, and the lm_head in row chunks): a step
 costs one pass over the weights, so ``auto`` on a multi-billion-parameter model takes minutes; a
 ``FILE`` is read in a moment.
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 # Neutral openings for ``auto``: plain prose, code, a list, a dialogue; the model writes the rest.
 PROMPTS = ("The", "Once upon a time,", "In this article we explain", "def main():", "1. First,",
            "Q: What is the capital of", "The history of", "Dear team,")
+SHIPPED_TEXT = Path(__file__).with_name("calibration.txt")  # ``--calibration text``
 SEED = 0
 TEMPERATURE, TOP_K = 0.8, 40  # sampled, not greedy: greedy text of a small model repeats itself
 MIN_TOKENS = 16
@@ -65,7 +68,8 @@ class CalibrationText:
 
 
 def calibration_text(ckpt: Checkpoint, source: str, samples: int, tokens: int, scratch: Path) -> CalibrationText:
-    """``samples`` sequences of up to ``tokens`` token ids from ``source`` ("auto" or a text file's path)."""
+    """``samples`` sequences of up to ``tokens`` token ids from ``source``: "auto", "text" (ovshard's own
+    calibration text) or a text file's path."""
     if samples < 1 or tokens < MIN_TOKENS:
         raise ConfigError(f"--calibration-samples {samples} of {tokens} tokens: expected at least 1 sample of at "
                           f"least {MIN_TOKENS} tokens, e.g. --calibration-samples 8")
@@ -74,10 +78,10 @@ def calibration_text(ckpt: Checkpoint, source: str, samples: int, tokens: int, s
     if source == "auto":
         prompts = _prompts(tokenizer, bos, samples, ckpt.dims.vocab_size)
         return CalibrationText(_generate(ckpt, prompts, tokens, scratch), "auto")
-    path = Path(source)
+    path = SHIPPED_TEXT if source == "text" else Path(source)
     if not path.is_file():
-        raise ConfigError(f"--calibration {source}: no such file; give a UTF-8 text file, auto (the model's own "
-                          "text) or none")
+        raise ConfigError(f"--calibration {source}: no such file; give a UTF-8 text file, text (ovshard's own), "
+                          "auto (the model's own text) or none")
     if tokenizer is None:
         raise ConfigError(f"--calibration {source}: {ckpt.path} has no tokenizer to read a text with; use "
                           "--calibration auto")
@@ -87,15 +91,17 @@ def calibration_text(ckpt: Checkpoint, source: str, samples: int, tokens: int, s
         raise ConfigError(f"--calibration {source}: cannot read it as UTF-8 text ({e})") from e
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     step = tokens - (bos is not None)
-    cut = [([bos] if bos is not None else []) + ids[k:k + step] for k in range(0, len(ids), step)][:samples]
+    cut = [([bos] if bos is not None else []) + ids[k:k + step] for k in range(0, len(ids), step)]
     cut = [c for c in cut if len(c) >= MIN_TOKENS]
+    if len(cut) > samples:  # taken evenly over the text, so each of its kinds is in the samples
+        cut = [cut[i * len(cut) // samples] for i in range(samples)]
     if not cut:
         raise ConfigError(f"--calibration {source}: {len(ids)} tokens, fewer than one sample of {MIN_TOKENS}; "
                           "give a longer text")
     if len(cut) < samples:
         log.warning("--calibration %s: %d tokens make %d samples of %d tokens, not %d", source, len(ids), len(cut),
                     tokens, samples)
-    return CalibrationText(tuple(tuple(c) for c in cut), f"file {path.name}")
+    return CalibrationText(tuple(tuple(c) for c in cut), "text" if source == "text" else f"file {path.name}")
 
 
 def _tokenizer(ckpt: Checkpoint, scratch: Path):  # -> transformers tokenizer | None

@@ -21,7 +21,7 @@ from ovshard.bundle.manifest import read_manifest
 from ovshard.bundle.weights import WeightFormat
 from ovshard.compile import CompileConfig, compile_bundle
 from ovshard.errors import ConfigError
-from ovshard.frontend.calibration import Activations, calibration_text
+from ovshard.frontend.calibration import SHIPPED_TEXT, Activations, calibration_text
 from ovshard.frontend.source import open_source
 from ovshard.ir.pass_manager import Piece
 
@@ -39,6 +39,19 @@ def test_a_text_file_becomes_samples_that_start_with_bos(stories: Path, tmp_path
     decoded = AutoTokenizer.from_pretrained(stories).decode(list(text.samples[0][1:]))
     assert decoded.strip()[:40] in STORY.read_text(), decoded  # the text's own opening, as tokens
     assert text.source == f"file {STORY.name}" and len(text.digest) == 16
+
+
+def test_the_shipped_text_is_sampled_over_its_whole_length(stories: Path, tmp_path: Path) -> None:
+    """--calibration text: ovshard's own text, its samples taken evenly from the prose at its start to the code
+    at its end, not its opening alone."""
+    from transformers import AutoTokenizer
+
+    text = calibration_text(open_source(stories), "text", 4, 128, tmp_path)
+    assert text.source == "text" and len(text.samples) == 4
+    decoded = [AutoTokenizer.from_pretrained(stories).decode(list(s[1:])) for s in text.samples]
+    shipped = SHIPPED_TEXT.read_text()
+    assert decoded[0].strip()[:30] in shipped and shipped.startswith(decoded[0].strip()[:30]), decoded[0]
+    assert any("def " in d or "return" in d for d in decoded[2:]), decoded  # the code near the end is sampled
 
 
 def test_auto_writes_the_same_samples_every_time(stories: Path, tmp_path: Path) -> None:
