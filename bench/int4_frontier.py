@@ -119,6 +119,11 @@ ROWS = {
     "int4_sym g128 b1.00 lora": ["--weights", "int4_sym", "--budget", "1.0", "--calibration", "auto",
                                  "--calibration-methods", "scale_estimation,lora_correction"],
     "int4_sym g128 b1.15 awq+se": ["--weights", "int4_sym", "--budget", "1.15", "--calibration", "auto"],
+    # the same on the text that ships with ovshard (16 samples of 128 tokens over its whole length)
+    "int4_sym g128 b1.15 awq+se text": ["--weights", "int4_sym", "--budget", "1.15", "--calibration", "text",
+                                        "--calibration-samples", "16"],
+    "int4_sym g128 b1.05 awq+se text": ["--weights", "int4_sym", "--budget", "1.05", "--calibration", "text",
+                                        "--calibration-samples", "16"],
     "int4_asym g128 b1.15 awq+se": ["--weights", "int4_asym", "--budget", "1.15", "--calibration", "auto"],
 }
 BEFORE = "int4_asym g128 b1.00"  # sizes are relative to it
