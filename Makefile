@@ -53,6 +53,8 @@ bench-peers: setup
 	$(BIN)/python bench/decode_overhead.py --rounds 4  # the decode-step profile and CPU plugin settings (Gemma 3 270M)
 	$(BIN)/python bench/ttft.py  # time to the first token, cold and warm, against llama-completion
 	$(BIN)/python bench/server_peers.py --tokens 128  # 8 chat clients: ovshard api against llama-server -np 8
+	# the same Gemma bundle (compiled by server_peers.py): 8 openai clients at once against one, through ovshard api
+	$(BIN)/python bench/api_load.py --bundle /tmp/ovshard-bench/bundles/gemma3-270m-q4km-2st-default --clients 1,8 --requests 2 --tokens 64 --rounds 3
 
 # a real worker under 1,000,000 hostile frames; --workers (default: one client process per core but one) scales it
 fuzz: setup
