@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -232,9 +231,7 @@ def llama_rows(model: Model, root: Path) -> list[dict]:
         subprocess.run([str(binaries / "llama-quantize"), "--allow-requantize", str(model.source), str(full), "F32"],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     else:
-        subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model.source), "--outtype", "f32",
-                        "--outfile", str(full)], check=True, stdout=subprocess.DEVNULL,
-                       env=dict(os.environ, PYTHONPATH=str(tree / "gguf-py")))
+        peers.convert(tree, model.source, "f32", full)
     files = {"F32": full}
     for kind in LLAMA_KINDS:
         files[kind] = out / f"{kind}.gguf"

@@ -88,11 +88,7 @@ def gguf_files(tree: Path, name: str) -> dict[str, Path]:
     full = out / f"{outtype}.gguf"
     if not full.is_file():
         log(f"converting {name} to GGUF ({outtype})")
-        partial = full.with_suffix(".partial")
-        subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(_convertible(name, out)),
-                        "--outtype", outtype, "--outfile", str(partial)], check=True, stdout=subprocess.DEVNULL,
-                       env=dict(os.environ, PYTHONPATH=str(tree / "gguf-py")))
-        partial.replace(full)
+        convert(tree, _convertible(name, out), outtype, full)
     files = {}
     for kind in kinds:
         path = out / f"{kind}.gguf"
@@ -101,6 +97,15 @@ def gguf_files(tree: Path, name: str) -> dict[str, Path]:
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         files[kind] = path
     return files
+
+
+def convert(tree: Path, folder: Path, outtype: str, out: Path) -> None:
+    """llama.cpp's converter: a Hugging Face ``folder`` to the GGUF ``out`` in ``outtype`` (f32, bf16, ...)."""
+    partial = out.with_suffix(".partial")
+    subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype,
+                    "--outfile", str(partial)], check=True, stdout=subprocess.DEVNULL,
+                   env=dict(os.environ, PYTHONPATH=str(tree / "gguf-py")))
+    partial.replace(out)
 
 
 SHAPE_1B = "llama-3.2-1b"

@@ -15,7 +15,7 @@ from ovshard.bundle.dims import ModelDims
 from ovshard.bundle.weights import WeightFormat
 from ovshard.frontend.arch import ArchSpec, layer_tensors, linear_shapes, model_tensors
 from ovshard.plan.partition import Block, ModelCosts
-from ovshard.plan.precision import all_int4_bytes, int4_bytes, int8_bytes
+from ovshard.plan.precision import all_int4_bytes, embedding_bytes
 
 KV_ELEMENT_BYTES = 2
 WIRE_ELEMENT_BYTES = 2
@@ -86,14 +86,8 @@ def parameter_count(spec: ArchSpec, dims: ModelDims) -> int:
 
 def tied_copy_bytes(dims: ModelDims, fmt: WeightFormat, stages: int) -> float:
     """Bytes of the second copy of a tied embedding that the last stage of a bundle of 2 or more stages holds
-    as its lm_head (stored as the format stores the embedding: INT8 beside INT4 unless ``all_layers``)."""
-    if not dims.tie_word_embeddings or stages < 2:
-        return 0.0
-    if fmt.is_int4 and fmt.all_layers:
-        return int4_bytes(fmt, dims.vocab_size, dims.hidden_size)
-    if fmt.is_int4 or fmt.mode == "int8":
-        return int8_bytes(dims.vocab_size, dims.hidden_size)
-    return dims.vocab_size * dims.hidden_size * bytes_per_weight(fmt)
+    as its lm_head."""
+    return embedding_bytes(dims, fmt) if dims.tie_word_embeddings and stages >= 2 else 0.0
 
 
 def bits_per_parameter(weight_bytes: float, spec: ArchSpec, dims: ModelDims, fmt: WeightFormat, stages: int) -> float:

@@ -63,6 +63,17 @@ def int4_error(weight: np.ndarray, fmt: WeightFormat) -> float:
     return float(((w - restored) ** 2).sum() / max(float((w**2).sum()), 1e-30))
 
 
+def embedding_bytes(dims: ModelDims, fmt: WeightFormat) -> float:
+    """Stored bytes of one copy of the embedding table (or an lm_head of its shape) in ``fmt``: INT8 beside
+    INT4 weights unless ``all_layers``, else as the format stores any matrix."""
+    if fmt.is_int4:
+        return int4_bytes(fmt, dims.vocab_size, dims.hidden_size) if fmt.all_layers else \
+            int8_bytes(dims.vocab_size, dims.hidden_size)
+    if fmt.mode == "int8":
+        return int8_bytes(dims.vocab_size, dims.hidden_size)
+    return dims.vocab_size * dims.hidden_size * (4.0 if fmt.mode == "fp32" else 2.0)
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One decoder weight: its key (``"3.down"``), INT4 error and the bytes INT8 would add."""
@@ -79,8 +90,7 @@ BASE = WeightFormat("int4_asym", 128, ratio=1.0, budget=1.0)  # the all-INT4 asy
 def all_int4_bytes(dims: ModelDims, fmt: WeightFormat = BASE) -> float:
     """Bytes of the model's matrices with every decoder weight in ``fmt``'s INT4 and the embedding and lm_head
     in INT8, as a bundle of two or more stages stores them (a tied embedding in the first and the last stage)."""
-    ends = 2 * (int4_bytes(fmt, dims.vocab_size, dims.hidden_size) if fmt.all_layers
-                else int8_bytes(dims.vocab_size, dims.hidden_size))
+    ends = 2 * embedding_bytes(dims, fmt)
     layer = sum(int4_bytes(fmt, o, i) for o, i in linear_shapes(dims).values())
     return ends + dims.num_layers * layer
 
