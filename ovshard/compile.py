@@ -96,8 +96,10 @@ class CompileConfig:
     max_memory: int | None = None  # bytes the compile may use in all; None: no cap
     piece_bytes: int = 16 << 20  # streamed: consecutive small layers share a piece up to this many f32 weight bytes
     balance: str = "reads"  # split by bytes read per decode step ("reads") or by memory held ("memory")
-    calibration: str = "none"  # data-aware INT4: "none", "auto" (the model's own text) or a text file's path
-    calibration_samples: int = 8
+    # data-aware INT4: "default" (the shipped text where the compile can use it, else none: _calibrate), "text",
+    # "auto" (the model's own text), a text file's path or "none"
+    calibration: str = "default"
+    calibration_samples: int = 16
     calibration_tokens: int = 128  # tokens per calibration sample
 
     def __post_init__(self) -> None:
@@ -134,6 +136,8 @@ def _check_counts(config: CompileConfig) -> None:
 
 
 def _check_calibration(config: CompileConfig) -> None:
+    if config.calibration == "default":  # resolved where the checkpoint is known (_calibrate), never an error
+        return
     if config.calibration == "none":
         if config.weights.methods:
             raise ConfigError(f"--calibration-methods {','.join(config.weights.methods)} need calibration text: "
@@ -150,6 +154,9 @@ def _check_calibration(config: CompileConfig) -> None:
 def _calibrate(config: CompileConfig, ckpt: Checkpoint, workdir: Path,
                max_positions: int) -> tuple[CompileConfig, Activations | None]:
     """With --calibration: the text, recorded in the weight format, and the activations the layers read."""
+    if config.calibration == "default":
+        config = replace(config, calibration=_default_calibration(config, ckpt))
+        _check_calibration(config)
     if config.calibration == "none":
         return config, None
     text = calibration_text(ckpt, config.calibration, config.calibration_samples, config.calibration_tokens,
@@ -162,6 +169,21 @@ def _calibrate(config: CompileConfig, ckpt: Checkpoint, workdir: Path,
         log.warning("--jobs %d: a calibrated compile builds its layers one after another (each reads the "
                     "activations of the layers before it); using 1", config.jobs)
     return replace(config, weights=weights, jobs=1), Activations(ckpt, text, max_positions)
+
+
+def _default_calibration(config: CompileConfig, ckpt: Checkpoint) -> str:
+    """The default: INT4 weights calibrated on the shipped text, where this compile can; else data-free, said why."""
+    if not config.weights.is_int4 or config.weights.methods:
+        return "text" if config.weights.methods else "none"
+    why = ("the streamed compile calibrates layer by layer (--whole-stage and --frontend onnx trace whole stages)"
+           if not _streamed(config) else
+           f"--jobs {config.jobs} compiles layers side by side (calibration reads each layer's input from the one "
+           "before)" if config.jobs > 1 else
+           f"{ckpt.path} has no tokenizer to read the calibration text with" if not ckpt.has_tokenizer else "")
+    if why:
+        log.info("INT4 weights data-free: %s; --calibration auto or FILE calibrates anyway where it can", why)
+        return "none"
+    return "text"
 
 
 def make_plan(config: CompileConfig, ckpt: Checkpoint) -> PartitionPlan:
@@ -253,7 +275,10 @@ def _prebuild(config: CompileConfig, ckpt: Checkpoint, stages: tuple[StageSpec, 
 
 
 def _piece_bytes(config: CompileConfig) -> int:
-    return piece_bytes_within(config.max_memory, config.piece_bytes)
+    """Layers per piece by bytes; calibrated, one layer a piece. A calibrated piece's later layers would read inputs
+    NNCF computes inside the piece, its first layer the float inputs ``Activations`` computes, so the INT4 codes of a
+    layer (rounding on float noise) would depend on where the stage cuts put the piece boundaries."""
+    return 0 if config.weights.methods else piece_bytes_within(config.max_memory, config.piece_bytes)
 
 
 def _streamed(config: CompileConfig) -> bool:

@@ -9,7 +9,9 @@ from ovshard.errors import ConfigError
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4_sym", "int4_asym")
 MIN_INT4_GROUP = 32  # NNCF's ADJUST fallback: below this power-of-two group a weight is stored in INT8
 DATA_AWARE = ("awq", "scale_estimation", "gptq", "lora_correction")  # NNCF's methods that need calibration text
-DEFAULT_DATA_AWARE = ("awq", "scale_estimation")  # the best pair in the NNCF sweep (docs/results/2026-12-int4-accuracy.md)
+# NNCF's scale estimation alone: AWQ added nothing on any real model (NNCF applies it to one MatMul a layer, the
+# down projection, and there only to the groups of the 0.2% most active channels); docs/results/2026-12-int4-accuracy.md
+DEFAULT_DATA_AWARE = ("scale_estimation",)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import torch
 from test_int4_accuracy import STORY, stored_weights
 
 from ovshard.bundle.manifest import read_manifest
-from ovshard.bundle.weights import WeightFormat
+from ovshard.bundle.weights import DEFAULT_DATA_AWARE, WeightFormat
 from ovshard.compile import CompileConfig, compile_bundle
 from ovshard.errors import ConfigError
 from ovshard.frontend.calibration import SHIPPED_TEXT, Activations, calibration_text
@@ -102,7 +102,7 @@ def calibrated(stories: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
 
 def test_calibration_changes_the_int4_weights_and_is_recorded(calibrated: dict[str, Path]) -> None:
     weights = read_manifest(calibrated["1"]).weights
-    assert weights.methods == ("awq", "scale_estimation") and weights.calibration == f"file {STORY.name}"
+    assert weights.methods == DEFAULT_DATA_AWARE and weights.calibration == f"file {STORY.name}"
     assert len(weights.calibration_digest) == 16
     free = read_manifest(calibrated["free"]).weights
     assert free.methods == () and free.calibration == "none"
@@ -121,7 +121,7 @@ def test_calibrated_weights_do_not_depend_on_the_split(calibrated: dict[str, Pat
 def test_calibration_errors_say_what_to_do(stories: Path, tmp_path: Path) -> None:
     cases = [
         (["--weights", "fp32", "--calibration", "auto"], "calibrates INT4 weights"),
-        (["--calibration-methods", "gptq"], "need calibration text"),
+        (["--calibration", "none", "--calibration-methods", "gptq"], "need calibration text"),
         (["--calibration", "auto", "--calibration-methods", "magic"], "expected some of awq"),
         (["--calibration", str(tmp_path / "missing.txt")], "no such file"),
         (["--calibration", "auto", "--whole-stage"], "inside the streamed compile"),

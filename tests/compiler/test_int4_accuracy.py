@@ -16,13 +16,15 @@ from pathlib import Path
 
 import openvino as ov
 import pytest
-from conftest import REPO
+from conftest import REPO, STORIES
 
 from ovshard.bundle.manifest import read_manifest, read_part_manifest
-from ovshard.bundle.weights import WeightFormat
+from ovshard.bundle.weights import DEFAULT_DATA_AWARE, WeightFormat
 from ovshard.compile import CompileConfig, compile_bundle
 from ovshard.runtime.client.inprocess import LocalPipeline
 from ovshard.runtime.engine.stage import EXACT_HINTS
+from ovshard.tools.shapes import preset
+from ovshard.tools.synth import write_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +62,27 @@ def int4_bundles(stories: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
         out[stages] = root / f"b{stages}"
         compile_bundle(CompileConfig(stories, out[stages], stages=stages, weights=WeightFormat()))
     return out
+
+
+def test_the_default_calibrates_on_the_shipped_text_where_it_can(int4_bundles: dict[int, Path],
+                                                                  tmp_path: Path) -> None:
+    """A checkpoint with a tokenizer: scale estimation on the shipped text; without one (a random-weight shape), or
+    in a compile that cannot calibrate (--jobs 2, --whole-stage): data-free, and the log says why."""
+    for bundle in int4_bundles.values():
+        weights = read_manifest(bundle).weights
+        assert (weights.calibration, weights.methods) == ("text", DEFAULT_DATA_AWARE)
+    ckpt = tmp_path / "tiny"
+    write_checkpoint(ckpt, preset("tiny"))
+    for name, flags, why in (("no-tokenizer", [], "has no tokenizer"), ("jobs", ["--jobs", "2"], "--jobs 2"),
+                             ("whole", ["--whole-stage"], "streamed compile calibrates")):
+        out = tmp_path / name
+        done = subprocess.run([sys.executable, "-m", "ovshard.cli", "compile", str(ckpt if name == "no-tokenizer"
+                                                                                   else STORIES), "-o", str(out),
+                               "--stages", "2", "--no-cache", *flags], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert why in done.stderr and "data-free" in done.stderr, (name, done.stderr[-2000:])
+        weights = read_manifest(out).weights
+        assert (weights.calibration, weights.methods) == ("none", ()), name
 
 
 def test_per_weight_formats_do_not_depend_on_the_stage_count(int4_bundles: dict[int, Path]) -> None:

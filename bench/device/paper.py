@@ -1,0 +1,455 @@
+#!/usr/bin/env python
+"""The paper's tables on one many-core machine: ovshard against llama.cpp, one node and a pipeline of pinned "nodes".
+
+Made for a 16-core Intel Xeon reached as a bare machine (``bench/device/run.sh`` installs what it needs there),
+and runs anywhere with enough cores, memory and disk (the 8B shape: ~16 GB checkpoint, ~5 GB per GGUF, ~5 GB
+of ovshard bundle). Phases (``--only``; each appends to ``<work>/paper.json`` as it ends, so an interrupted run
+keeps what it measured):
+
+  setup    llama.cpp built from a source tree (cmake: llama-bench, llama-quantize, ggml-rpc-server); the
+           random-weight Llama shapes written (bf16), converted with llama.cpp's converter (bf16 GGUF, a
+           borrowed SentencePiece tokenizer: decode speed does not read the vocabulary's strings) and
+           quantized to Q4_K_M and Q4_0; ovshard's default compile of each shape, the largest in 4 stages,
+           regrouped at the IR level into 2 stages and 1 (runtime/cluster/regroup.py).
+  cost     compile cost per decoder layer at the 8B shape: data-free (the default) against calibrated
+           compiles (scale estimation on the shipped text), wall seconds and peak RSS at 2 and 4 layers.
+  one      one node: decode tokens/s of ``ovshard run --local --threads T`` against ``llama-bench -t T`` on the
+           Q4_K_M and Q4_0 files, both pinned (taskset) to the same T cores, rounds interleaved; the time to
+           the first token of a 512-token prompt (llama-bench -p 512 against ovshard's prefill).
+  table    the paper's table, 8B: a "node" is one ``ovshard serve`` pinned to its own 4 cores behind a relay
+           with 0.3 ms one-way delay and a 1 Gbit/s cap per direction (ovshard's DelayProxy: containers here
+           allow no network namespace), the head in this process on the cores left; 1 node/1 user, 2/1, 2/2,
+           2/8 and 4/4 (users = concurrent streams, greedy, paged workers: continuous batching); aggregate
+           tokens/s and the ratio to 1 node/1 user. llama.cpp RPC for the 2-node 1-user row: two
+           ``ggml-rpc-server -t 4`` pinned likewise behind the same relays, ``llama-bench --rpc``.
+
+    python bench/device/paper.py --work /tmp/paper --llama-src DIR [--only setup,cost,one,table] [--shapes ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+BENCH = HERE.parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(BENCH))
+os.environ.setdefault("CI", "true")  # no telemetry forks, also in worker processes
+
+# stories260K's tokenizer files, lent to the random-weight shapes (the device gets no ../shared: run.sh carries them)
+STORIES = Path(os.environ.get("PAPER_TOKENIZER_FROM", ROOT.parent / "shared" / "models" / "stories260K"))
+PROMPT_1B = [128000, 791, 4062, 14198, 39935, 35308, 927, 279, 16053, 5679, 13, 578, 4062, 374, 1618, 311]
+NODE_CORES = int(os.environ.get("PAPER_NODE_CORES", 4))  # cores of one "node" in the table
+DELAY_S = 0.0003  # one way, per hop: a home LAN
+LINK_BYTES_PER_S = 125e6  # 1 Gbit/s
+TABLE = ((1, 1), (2, 1), (2, 2), (2, 8), (4, 4))  # (nodes, users); --table replaces it
+PAPER = {(1, 1): 24.56, (2, 1): None, (2, 2): 43.97}  # the paper's 8B figures (tok/s) where it gives them
+
+
+def log(message: str) -> None:
+    print(f"[paper {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def run(command: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(c) for c in command], check=True, text=True, **kw)
+
+
+def pinned(cores: str, command: list[Any]) -> list[str]:
+    """``command`` pinned to ``cores`` (taskset), or as it is where taskset is missing."""
+    prefix = ["taskset", "-c", cores] if shutil.which("taskset") else []
+    return [*prefix, *[str(c) for c in command]]
+
+
+class Results:
+    """``<work>/paper.json``: one key per phase, written as each phase ends."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+
+    def put(self, key: str, value: Any) -> None:
+        self.data[key] = value
+        self.path.write_text(json.dumps(self.data, indent=2))
+
+
+# ----------------------------------------------------------------------------------------------- setup
+
+
+def build_llama(src: Path) -> Path:
+    """llama.cpp's three tools in ``src/build/bin`` (built once)."""
+    targets = ("llama-bench", "llama-quantize", "ggml-rpc-server")
+    if all((src / "build" / "bin" / t).is_file() for t in targets):
+        return src / "build" / "bin"
+    log("building llama.cpp")
+    run(["cmake", "-B", "build", "-DGGML_RPC=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release",
+         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_NATIVE=ON"],
+        cwd=src, stdout=subprocess.DEVNULL)
+    run(["cmake", "--build", "build", "-j", str(os.cpu_count() or 4), "--target", *targets], cwd=src,
+        stdout=subprocess.DEVNULL)
+    log("llama.cpp built")
+    return src / "build" / "bin"
+
+
+def checkpoint(work: Path, shape: str, layers: int | None = None) -> Path:
+    """A random-weight bf16 checkpoint of ``shape`` (``layers`` cuts it), with stories260K's tokenizer files
+    beside it (the compile's tokenizer and calibration text; ids stay far below the shape's vocabulary)."""
+    from ovshard.tools.shapes import preset
+    from ovshard.tools.synth import write_checkpoint
+
+    path = work / (f"ckpt-{shape}" + (f"-{layers}l" if layers else ""))
+    if not (path / "config.json").is_file():
+        log(f"writing {path.name}")
+        config = preset(shape, **({"num_hidden_layers": layers} if layers else {}))
+        write_checkpoint(path, config, dtype="bfloat16")
+        for f in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (STORIES / f).is_file():
+                shutil.copy(STORIES / f, path / f)
+    return path
+
+
+def gguf_files(work: Path, llama_src: Path, bins: Path, shape: str, ckpt: Path) -> dict[str, Path]:
+    out = work / f"gguf-{shape}"
+    out.mkdir(exist_ok=True)
+    files = {kind: out / f"{kind}.gguf" for kind in ("Q4_K_M", "Q4_0")}
+    if all(f.is_file() for f in files.values()):
+        return files
+    full = out / "bf16.gguf"
+    if not full.is_file():
+        log(f"converting {shape} to GGUF")
+        run([sys.executable, llama_src / "convert_hf_to_gguf.py", ckpt, "--outtype", "bf16", "--outfile",
+             out / "bf16.partial"], stdout=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=str(llama_src / "gguf-py")))
+        (out / "bf16.partial").replace(full)
+    for kind, path in files.items():
+        if not path.is_file():
+            log(f"quantizing {shape} to {kind}")
+            run([bins / "llama-quantize", full, out / f"{kind}.partial", kind], stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL)
+            (out / f"{kind}.partial").replace(path)
+    full.unlink()
+    return files
+
+
+def compile_bundle(ckpt: Path, out: Path, stages: int, extra: tuple[str, ...] = ()) -> dict[str, float]:
+    """``ovshard compile`` in a child process: its wall seconds and peak RSS (GB)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "ovshard.cli", "-q", "compile", str(ckpt), "-o", str(out),
+                             "--stages", str(stages), "--max-positions", "4096", "--no-cache", *extra],
+                            stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    if status != 0:
+        raise SystemExit(f"compile of {ckpt} failed (status {status})")
+    return {"wall_s": round(time.perf_counter() - start, 1), "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2)}
+
+
+def regroup(fine: Path, groups: list[list[int]], out: Path) -> Path:
+    from ovshard.bundle.manifest import read_manifest
+    from ovshard.runtime.cluster.regroup import write_group, write_group_bundle
+
+    if (out / "manifest.json").is_file():
+        return out
+    manifest = read_manifest(fine)
+    entries = [write_group(fine, manifest, groups, g, out) for g in range(len(groups))]
+    write_group_bundle(fine, manifest, groups, entries, out)
+    return out
+
+
+def setup(work: Path, llama_src: Path, shapes: list[str], results: Results) -> dict[str, Any]:
+    """Disk-frugal order (the 8B shape: 16 GB checkpoint, 16 GB bf16 GGUF, ~14 GB of bundles): the GGUFs first
+    (the bf16 file deleted once quantized), then the bundles, then the checkpoint deleted."""
+    built: dict[str, Any] = {}
+    builder = threading.Thread(target=lambda: built.update(bins=build_llama(llama_src)))
+    builder.start()  # the build runs beside the checkpoints' writing
+    facts: dict[str, Any] = {}
+    ckpts = {shape: checkpoint(work, shape) for shape in shapes}
+    builder.join()
+    if "bins" not in built:
+        raise SystemExit("the llama.cpp build failed (see above)")
+    ggufs, bundles = {}, {}
+    for shape in shapes:
+        ggufs[shape] = {k: str(v) for k, v in gguf_files(work, llama_src, built["bins"], shape, ckpts[shape]).items()}
+        fine = work / f"bundle-{shape}-4st"
+        if not (fine / "manifest.json").is_file():
+            log(f"compiling {shape} (default, 4 stages)")
+            facts[f"compile {shape} 4 stages"] = compile_bundle(ckpts[shape], fine, 4)
+            log(f"compiled {shape}: {facts[f'compile {shape} 4 stages']}")
+        bundles[shape] = {4: str(fine), 2: str(regroup(fine, [[0, 1], [2, 3]], work / f"bundle-{shape}-2st")),
+                          1: str(regroup(fine, [[0, 1, 2, 3]], work / f"bundle-{shape}-1st"))}
+        shutil.rmtree(ckpts[shape])
+        log(f"{shape} ready; disk free {shutil.disk_usage(work).free / 2**30:.1f} GB")
+    state = {"bins": str(built["bins"]), "bundles": bundles, "ggufs": ggufs, "facts": facts}
+    results.put("setup", state)
+    return state
+
+
+# ----------------------------------------------------------------------------------------------- cost
+
+
+def cost(work: Path, results: Results, shape: str) -> None:
+    """Per-layer compile cost at ``shape``: (4-layer - 2-layer) / 2 for each variant, wall and peak RSS."""
+    variants = {"data-free": ("--calibration", "none"),
+                "scale estimation (2 rounds), shipped text, 16 samples": (
+                    "--calibration", "text", "--calibration-samples", "16", "--calibration-methods", "scale_estimation")}
+    rows = []
+    for name, extra in variants.items():
+        got = {}
+        for layers in (2, 4):
+            ckpt = checkpoint(work, shape, layers)
+            out = work / f"cost-{layers}l"
+            shutil.rmtree(out, ignore_errors=True)
+            got[layers] = compile_bundle(ckpt, out, 1, ("--budget", "1.0", *extra))
+            shutil.rmtree(out, ignore_errors=True)
+            log(f"cost: {name}, {layers} layers: {got[layers]}")
+        rows.append({"variant": name, "wall_2_layers_s": got[2]["wall_s"], "wall_4_layers_s": got[4]["wall_s"],
+                     "s_per_layer": round((got[4]["wall_s"] - got[2]["wall_s"]) / 2, 1),
+                     "peak_rss_gb_4_layers": got[4]["peak_rss_gb"]})
+        results.put("cost", {"shape": shape, "rows": rows})
+    base = rows[0]["s_per_layer"]
+    for row in rows:
+        row["vs_data_free"] = round(row["s_per_layer"] / base, 2) if base > 0 else None
+    results.put("cost", {"shape": shape, "rows": rows})
+
+
+# ----------------------------------------------------------------------------------------------- one node
+
+
+def prompt_for(bundle: str | Path) -> list[int]:
+    """The 1B shape's prompt ids, folded into a smaller vocabulary's range."""
+    from ovshard.bundle.manifest import read_manifest
+
+    vocab = read_manifest(Path(bundle)).architecture.vocab_size
+    return [t % vocab for t in PROMPT_1B]
+
+
+def ovshard_run(bundle: str, cores: str, threads: int, prompt: list[int], tokens: int) -> dict[str, float]:
+    done = run(pinned(cores, [sys.executable, "-m", "ovshard.cli", "-q", "run", bundle, "--local", "--threads",
+                              threads, "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", tokens,
+                              "--speculative", "off", "--stats", "json"]), capture_output=True)
+    return json.loads(done.stderr.strip().splitlines()[-1])
+
+
+def llama_bench(bins: str, cores: str, gguf: str, threads: int, prompt: int, tokens: int,
+                rpc: str | None = None) -> float:
+    command = [Path(bins) / "llama-bench", "-m", gguf, "-p", prompt, "-n", tokens, "-t", threads, "-r", "1",
+               "-o", "json"]
+    if rpc:
+        command += ["--rpc", rpc, "-ngl", "99"]
+    done = run(pinned(cores, command), capture_output=True)
+    return float(json.loads(done.stdout)[0]["avg_ts"])
+
+
+def one_node(state: dict[str, Any], results: Results, shapes: list[str], rounds: int, tokens: int,
+             thread_counts: list[int]) -> None:
+    rows = []
+    for shape in shapes:
+        bundle = state["bundles"][shape]["1"] if "1" in state["bundles"][shape] else state["bundles"][shape][1]
+        for threads in thread_counts:
+            cores = f"0-{threads - 1}"
+            samples: dict[str, list[float]] = {"ovshard": [], **{k: [] for k in state["ggufs"][shape]}}
+            for r in range(rounds):
+                sides = list(samples) if r % 2 == 0 else list(samples)[::-1]
+                for side in sides:
+                    if side == "ovshard":
+                        value = ovshard_run(bundle, cores, threads, prompt_for(bundle), tokens)["decode_tokens_per_s"]
+                    else:
+                        value = llama_bench(state["bins"], cores, state["ggufs"][shape][side], threads, 0, tokens)
+                    samples[side].append(value)
+                    log(f"one: {shape} {threads} threads round {r}: {side} {value:.2f} tok/s")
+            ttft_ours = ovshard_run(bundle, cores, threads, (prompt_for(bundle) * 32)[:512], 2)["time_to_first_token_s"]
+            ttft = {k: round(512 / llama_bench(state["bins"], cores, g, threads, 512, 0), 3)
+                    for k, g in state["ggufs"][shape].items()}
+            for kind in state["ggufs"][shape]:
+                ratios = [a / b for a, b in zip(samples["ovshard"], samples[kind], strict=True)]
+                rows.append({"shape": shape, "threads": threads, "llama.cpp file": kind,
+                             "ovshard tok/s": round(statistics.median(samples["ovshard"]), 2),
+                             "llama.cpp tok/s": round(statistics.median(samples[kind]), 2),
+                             "ratio": round(statistics.median(ratios), 3),
+                             "ttft 512 ovshard s": round(ttft_ours, 3), "ttft 512 llama.cpp s": ttft[kind]})
+            results.put("one", {"rows": rows, "tokens": tokens, "rounds": rounds, "prompt": "16 tokens"})
+
+
+# ----------------------------------------------------------------------------------------------- table
+
+
+def _workers(stack: ExitStack, bundle: str, threads: int) -> list[str]:
+    """One pinned ``ovshard serve`` per stage (node i: cores 4i..4i+3) behind a delaying, capped relay."""
+    from ovshard.bundle.manifest import read_manifest
+    from ovshard.runtime.client.launch import WorkerProcess, serve_command
+    from ovshard.runtime.wire.wanproxy import DelayProxy
+
+    stages = read_manifest(Path(bundle)).num_stages
+    workers = []
+    for i in range(stages):
+        cores = f"{NODE_CORES * i}-{NODE_CORES * i + NODE_CORES - 1}"
+        command = serve_command(Path(bundle), i, options=["--threads", str(threads)], exit_with_parent=True)
+        worker = WorkerProcess(pinned(cores, command), i)
+        stack.callback(worker.stop)
+        workers.append(worker)
+    addresses = []
+    for worker in workers:
+        host, port = worker.wait_listening(600).rsplit(":", 1)
+        proxy = stack.enter_context(DelayProxy(target=(host, int(port)), latency_s=DELAY_S,
+                                               bandwidth_bytes_per_s=LINK_BYTES_PER_S))
+        addresses.append(proxy.address)
+    return addresses
+
+
+def table(state: dict[str, Any], results: Results, shape: str, rounds: int, tokens: int,
+          layout: tuple[tuple[int, int], ...]) -> None:
+    from scenarios_streams import _aggregate
+
+    from ovshard.runtime.client.head import Head
+    from ovshard.runtime.wire.wanproxy import DelayProxy
+
+    bundles = {int(k): v for k, v in state["bundles"][shape].items()}
+    head_cores = set(range(2 * NODE_CORES, os.cpu_count() or 2 * NODE_CORES)) or {0}
+    os.sched_setaffinity(0, head_cores)
+    samples: dict[tuple[int, int], list[float]] = {key: [] for key in layout}
+    rpc: list[float] = []
+    prompt = prompt_for(bundles[1])
+    with ExitStack() as stack:
+        heads = {}
+        for nodes in sorted({n for n, _ in layout}):
+            heads[nodes] = Head(Path(bundles[nodes]), _workers(stack, bundles[nodes], NODE_CORES), timeout=600)
+            stack.callback(heads[nodes].close)
+            _aggregate(heads[nodes], [prompt], 4, 1, None)  # warm-up
+        log("table: workers up")
+        for r in range(rounds):
+            order = layout if r % 2 == 0 else layout[::-1]
+            for nodes, users in order:
+                prompts = [prompt[: len(prompt) - i] for i in range(users)]
+                got = _aggregate(heads[nodes], prompts, tokens, users, None)
+                samples[(nodes, users)].append(got["tokens_per_s"])
+                log(f"table: round {r} {nodes} nodes {users} users: {got['tokens_per_s']:.2f} tok/s")
+            results.put("table", _table_rows(shape, samples, rpc, tokens))
+        for _ in range(rounds if (2, 1) in layout else 0):  # llama.cpp RPC, 2 nodes, 1 user, with the ovshard workers idle
+            with ExitStack() as servers:
+                ports = []
+                for i in range(2):
+                    port = _free_port()
+                    proc = subprocess.Popen(pinned(f"{NODE_CORES * i}-{NODE_CORES * i + NODE_CORES - 1}",
+                                                   [Path(state["bins"]) / "ggml-rpc-server", "-p", port, "-t",
+                                                    NODE_CORES]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    servers.callback(lambda p=proc: (p.terminate(), p.wait(30)))
+                    proxy = servers.enter_context(DelayProxy(target=("127.0.0.1", port), latency_s=DELAY_S,
+                                                             bandwidth_bytes_per_s=LINK_BYTES_PER_S))
+                    ports.append(proxy.address)
+                time.sleep(2.0)
+                cores = ",".join(map(str, sorted(head_cores)))
+                rpc.append(llama_bench(state["bins"], cores, state["ggufs"][shape]["Q4_K_M"], NODE_CORES, 0, tokens,
+                                       ",".join(ports)))
+                log(f"table: llama.cpp RPC 2 nodes 1 user: {rpc[-1]:.2f} tok/s")
+        results.put("table", _table_rows(shape, samples, rpc, tokens))
+
+
+def _table_rows(shape: str, samples: dict[tuple[int, int], list[float]], rpc: list[float],
+                tokens: int) -> dict[str, Any]:
+    base = samples[(1, 1)]
+    rows = []
+    for (nodes, users), values in samples.items():
+        if not values:
+            continue
+        ratios = [v / b for v, b in zip(values, base, strict=False)]
+        rows.append({"nodes": nodes, "users": users, "tok/s": round(statistics.median(values), 2),
+                     "vs 1 node 1 user": round(statistics.median(ratios), 2) if ratios else None,
+                     "paper tok/s": PAPER.get((nodes, users))})
+    out: dict[str, Any] = {"shape": shape, "rows": rows, "tokens_per_user": tokens, "node_cores": NODE_CORES,
+                           "link": f"{DELAY_S * 1000} ms one way, {LINK_BYTES_PER_S * 8 / 1e9:.0f} Gbit/s per direction"}
+    if rpc and samples.get((2, 1)):
+        out["llama.cpp RPC 2 nodes 1 user tok/s"] = round(statistics.median(rpc), 2)
+        out["ovshard / llama.cpp RPC, 2 nodes 1 user"] = round(statistics.median(samples[(2, 1)]) /
+                                                                statistics.median(rpc), 2)
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+
+def markdown(data: dict[str, Any]) -> str:
+    lines = [f"# ovshard on {data.get('machine', {}).get('cpu', 'this machine')}", ""]
+    for key in ("cost", "one", "table"):
+        part = data.get(key)
+        if not part or not part.get("rows"):
+            continue
+        rows = part["rows"]
+        cols = list(rows[0])
+        lines += [f"## {key}", "", "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+        lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+        lines += [""] + [f"- {k}: {v}" for k, v in part.items() if k != "rows"] + [""]
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, Any]:
+    cpu = "unknown"
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name"):
+                cpu = line.split(":", 1)[1].strip()
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0]
+        isa = [f for f in ("avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_int8", "amx_bf16", "amx_tile")
+               if f" {f}" in flags]
+    except (OSError, IndexError):
+        isa = []
+    import openvino
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "isa": isa, "openvino": openvino.get_version(),
+            "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--llama-src", type=Path, required=True, help="a llama.cpp source tree (its CMakeLists.txt)")
+    parser.add_argument("--only", default="setup,cost,one,table")
+    parser.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b", help="one-node shapes; the last one is "
+                        "the table's and the compile cost's")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--threads", default="4,8", help="one node's thread counts")
+    parser.add_argument("--table", default=",".join(f"{n}x{u}" for n, u in TABLE), help="nodes x users rows")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    results = Results(args.work / "paper.json")
+    results.put("machine", machine())
+    shapes = args.shapes.split(",")
+    phases = args.only.split(",")
+    layout = tuple(tuple(int(x) for x in row.split("x")) for row in args.table.split(","))
+    state = setup(args.work, args.llama_src, shapes, results) if "setup" in phases else results.data["setup"]
+    steps = {"cost": lambda: cost(args.work, results, shapes[-1]),
+             "one": lambda: one_node(state, results, shapes, args.rounds, args.tokens,
+                                     [int(t) for t in args.threads.split(",")]),
+             "table": lambda: table(state, results, shapes[-1], args.rounds, args.tokens, layout)}
+    for phase in ("one", "table", "cost"):
+        if phase in phases:
+            start = time.perf_counter()
+            try:
+                steps[phase]()
+            except Exception as e:  # one phase's failure must not lose the others' figures
+                log(f"{phase} failed: {type(e).__name__}: {e}")
+                results.put(f"{phase}_error", f"{type(e).__name__}: {e}")
+            log(f"{phase} done in {time.perf_counter() - start:.0f} s")
+    (args.work / "paper.md").write_text(markdown(results.data))
+    print(markdown(results.data))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
