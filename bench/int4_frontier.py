@@ -94,39 +94,40 @@ def _gemma_gguf() -> Path:
 
 
 # name -> ovshard compile flags; "fp32" is every row's reference. "b" is --budget: 1.00 = every decoder weight
-# all-INT4, the old default (less the per-stage INT8 of each stage's last MatMul)
+# INT4. Data-free rows say --calibration none (the default calibrates); "se" is NNCF's scale estimation (the default
+# method: 2 rounds, no grid search), "awq+se" adds AWQ; "text" is the shipped calibration text (16 samples of 128
+# tokens over its whole length, the default), "auto" the model's own sampled text.
+FREE = ["--calibration", "none"]
+AWQ_SE = ["--calibration-methods", "awq,scale_estimation"]
 ROWS = {
     "fp32": ["--weights", "fp32"],
     "fp16": ["--weights", "fp16"],
     "int8": ["--weights", "int8"],
-    "int4_asym g128 b1.00": ["--weights", "int4_asym", "--group-size", "128", "--budget", "1.0"],
-    "int4_sym g128 b1.00": ["--weights", "int4_sym", "--group-size", "128", "--budget", "1.0"],
-    "int4_asym g64 b1.00": ["--weights", "int4_asym", "--group-size", "64", "--budget", "1.0"],
-    "int4_asym g32 b1.00": ["--weights", "int4_asym", "--group-size", "32", "--budget", "1.0"],
-    "int4_asym g128 b1.15": ["--weights", "int4_asym", "--group-size", "128", "--budget", "1.15"],
-    "int4_sym g128 b1.15": ["--weights", "int4_sym", "--group-size", "128", "--budget", "1.15"],
-    "int4_asym g64 b1.15": ["--weights", "int4_asym", "--group-size", "64", "--budget", "1.15"],
-    "int4_asym g32 b1.15": ["--weights", "int4_asym", "--group-size", "32", "--budget", "1.15"],
-    "int4_asym g128 b1.30": ["--weights", "int4_asym", "--group-size", "128", "--budget", "1.3"],
-    # data-aware (NNCF, layer by layer in the streamed compile) on the model's own text, --calibration auto
-    "int4_sym g128 b1.00 awq+se": ["--weights", "int4_sym", "--budget", "1.0", "--calibration", "auto"],
-    "int4_asym g128 b1.00 awq+se": ["--weights", "int4_asym", "--budget", "1.0", "--calibration", "auto"],
-    "int4_asym g64 b1.00 awq+se": ["--weights", "int4_asym", "--group-size", "64", "--budget", "1.0",
-                                   "--calibration", "auto"],
-    "int4_sym g128 b1.00 gptq": ["--weights", "int4_sym", "--budget", "1.0", "--calibration", "auto",
-                                 "--calibration-methods", "gptq"],
-    "int4_sym g128 b1.00 lora": ["--weights", "int4_sym", "--budget", "1.0", "--calibration", "auto",
-                                 "--calibration-methods", "scale_estimation,lora_correction"],
-    "int4_sym g128 b1.15 awq+se": ["--weights", "int4_sym", "--budget", "1.15", "--calibration", "auto"],
-    # the same on the text that ships with ovshard (16 samples of 128 tokens over its whole length)
-    "int4_sym g128 b1.15 awq+se text": ["--weights", "int4_sym", "--budget", "1.15", "--calibration", "text",
-                                        "--calibration-samples", "16"],
-    "int4_sym g128 b1.05 awq+se text": ["--weights", "int4_sym", "--budget", "1.05", "--calibration", "text",
-                                        "--calibration-samples", "16"],
-    "int4_asym g128 b1.15 awq+se": ["--weights", "int4_asym", "--budget", "1.15", "--calibration", "auto"],
+    "int4_asym g128 b1.00": ["--weights", "int4_asym", "--group-size", "128", "--budget", "1.0", *FREE],
+    "int4_sym g128 b1.00": ["--weights", "int4_sym", "--group-size", "128", "--budget", "1.0", *FREE],
+    "int4_asym g64 b1.00": ["--weights", "int4_asym", "--group-size", "64", "--budget", "1.0", *FREE],
+    "int4_asym g32 b1.00": ["--weights", "int4_asym", "--group-size", "32", "--budget", "1.0", *FREE],
+    "int4_asym g128 b1.15": ["--weights", "int4_asym", "--group-size", "128", "--budget", "1.15", *FREE],
+    "int4_sym g128 b1.15": ["--weights", "int4_sym", "--group-size", "128", "--budget", "1.15", *FREE],
+    "int4_asym g64 b1.15": ["--weights", "int4_asym", "--group-size", "64", "--budget", "1.15", *FREE],
+    "int4_asym g32 b1.08": ["--weights", "int4_asym", "--group-size", "32", "--budget", "1.08", *FREE],
+    "int4_asym g32 b1.15": ["--weights", "int4_asym", "--group-size", "32", "--budget", "1.15", *FREE],
+    "int4_asym g128 b1.30": ["--weights", "int4_asym", "--group-size", "128", "--budget", "1.3", *FREE],
+    # data-aware (NNCF, layer by layer in the streamed compile)
+    "int4_sym g128 b1.15 se text": [],  # the default
+    "int4_sym g128 b1.04 se text": ["--budget", "1.04"],  # at llama.cpp Q4_0's size
+    "int4_sym g128 b1.00 se text": ["--budget", "1.0"],
+    "int4_sym g128 b1.15 awq+se text": [*AWQ_SE],
+    "int4_sym g128 b1.05 awq+se text": ["--budget", "1.05", *AWQ_SE],
+    "int4_sym g128 b1.00 awq+se auto": ["--weights", "int4_sym", "--budget", "1.0", "--calibration", "auto", *AWQ_SE],
+    "int4_asym g128 b1.00 awq+se auto": ["--weights", "int4_asym", "--budget", "1.0", "--calibration", "auto",
+                                         *AWQ_SE],
+    "int4_sym g128 b1.00 gptq text": ["--budget", "1.0", "--calibration-methods", "gptq"],
+    "int4_sym g128 b1.00 lora text": ["--budget", "1.0", "--calibration-methods", "scale_estimation,lora_correction"],
+    "int4_sym g128 b1.15 awq+se auto": ["--calibration", "auto", *AWQ_SE],
 }
 BEFORE = "int4_asym g128 b1.00"  # sizes are relative to it
-DEFAULT = "int4_sym g128 b1.15"  # ovshard compile's default (docs/results/2026-12-int4-accuracy.md)
+DEFAULT = "int4_sym g128 b1.15 se text"  # ovshard compile's default (docs/results/2026-12-int4-accuracy.md)
 
 
 def compile_row(model: Model, flags: list[str], out: Path) -> dict:

@@ -148,7 +148,7 @@ def compile_bundle(ckpt: Path, out: Path, stages: int, extra: tuple[str, ...] = 
                             stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
     if status != 0:
-        raise SystemExit(f"compile of {ckpt} failed (status {status})")
+        raise RuntimeError(f"compile of {ckpt} failed (status {status})")
     return {"wall_s": round(time.perf_counter() - start, 1), "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2)}
 
 
@@ -174,7 +174,7 @@ def setup(work: Path, llama_src: Path, shapes: list[str], results: Results) -> d
     ckpts = {shape: checkpoint(work, shape) for shape in shapes}
     builder.join()
     if "bins" not in built:
-        raise SystemExit("the llama.cpp build failed (see above)")
+        raise RuntimeError("the llama.cpp build failed (see above)")
     ggufs, bundles = {}, {}
     for shape in shapes:
         ggufs[shape] = {k: str(v) for k, v in gguf_files(work, llama_src, built["bins"], shape, ckpts[shape]).items()}
@@ -418,7 +418,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--llama-src", type=Path, required=True, help="a llama.cpp source tree (its CMakeLists.txt)")
-    parser.add_argument("--only", default="setup,cost,one,table")
+    parser.add_argument("--only", default="cost,setup,one,table", help="phases, run in this order")
     parser.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b", help="one-node shapes; the last one is "
                         "the table's and the compile cost's")
     parser.add_argument("--rounds", type=int, default=2)
@@ -430,22 +430,22 @@ def main() -> int:
     results = Results(args.work / "paper.json")
     results.put("machine", machine())
     shapes = args.shapes.split(",")
-    phases = args.only.split(",")
+    phases = args.only.split(",")  # run in this order
     layout = tuple(tuple(int(x) for x in row.split("x")) for row in args.table.split(","))
-    state = setup(args.work, args.llama_src, shapes, results) if "setup" in phases else results.data["setup"]
-    steps = {"cost": lambda: cost(args.work, results, shapes[-1]),
+    state: dict[str, Any] = results.data.get("setup", {})
+    steps = {"setup": lambda: state.update(setup(args.work, args.llama_src, shapes, results)),
+             "cost": lambda: cost(args.work, results, shapes[-1]),
              "one": lambda: one_node(state, results, shapes, args.rounds, args.tokens,
                                      [int(t) for t in args.threads.split(",")]),
              "table": lambda: table(state, results, shapes[-1], args.rounds, args.tokens, layout)}
-    for phase in ("one", "table", "cost"):
-        if phase in phases:
-            start = time.perf_counter()
-            try:
-                steps[phase]()
-            except Exception as e:  # one phase's failure must not lose the others' figures
-                log(f"{phase} failed: {type(e).__name__}: {e}")
-                results.put(f"{phase}_error", f"{type(e).__name__}: {e}")
-            log(f"{phase} done in {time.perf_counter() - start:.0f} s")
+    for phase in phases:
+        start = time.perf_counter()
+        try:
+            steps[phase]()
+        except Exception as e:  # one phase's failure must not lose the others' figures
+            log(f"{phase} failed: {type(e).__name__}: {e}")
+            results.put(f"{phase}_error", f"{type(e).__name__}: {e}")
+        log(f"{phase} done in {time.perf_counter() - start:.0f} s")
     (args.work / "paper.md").write_text(markdown(results.data))
     print(markdown(results.data))
     return 0
