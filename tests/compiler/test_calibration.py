@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +109,9 @@ def test_calibration_changes_the_int4_weights_and_is_recorded(calibrated: dict[s
     assert free.methods == () and free.calibration == "none"
     int4 = {w for w in stored_weights(calibrated["1"]) if w[1] == "i4"}
     assert int4 and not int4 & {w for w in stored_weights(calibrated["free"]) if w[1] == "i4"}
+    # the same ops, types and shapes as data-free: only the codes and scales differ, so decoding costs the same
+    layout = [Counter(w[:3] for w in stored_weights(calibrated[k]).elements()) for k in ("1", "free")]
+    assert layout[0] == layout[1]
 
 
 def test_calibrated_weights_do_not_depend_on_the_split(calibrated: dict[str, Path]) -> None:
