@@ -2,8 +2,8 @@
 
 - A path that exists is used as it is, whatever it looks like (it wins over a Hub id of the same spelling).
 - ``owner/name[@revision]``: a Hub repository, fetched with ``huggingface_hub`` into its standard cache
-  (``HF_HUB_CACHE``, default ``$HF_HOME/hub``; ``HF_TOKEN`` for gated or private repositories; an interrupted
-  download resumes; ``HF_HUB_OFFLINE=1`` uses the cache alone). Only the files a compile reads come down:
+  (``HF_HUB_CACHE``, default ``$HF_HOME/hub``; ``HF_TOKEN`` for gated or private repositories; a dropped connection
+  resumes, and a rerun fetches only the files not yet cached; ``HF_HUB_OFFLINE=1`` uses the cache alone). Only the files a compile reads come down:
   config.json, generation_config.json, the tokenizer's files, and ``model.safetensors`` or the index and the
   shards it names. ``owner/name/path/file.gguf[@revision]`` fetches that one GGUF file instead.
 - ``ollama:[host/][namespace/]model[:tag]``: a model Ollama has pulled, read from its manifest
@@ -107,6 +107,7 @@ def hub_snapshot(repo: str, file: str | None = None, revision: str | None = None
 
 def _download(repo: str, revision: str | None, patterns: list[str]) -> Path:
     """``snapshot_download`` of the files matching ``patterns``, its failures turned into CheckpointErrors."""
+    import httpx2
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -143,6 +144,9 @@ def _download(repo: str, revision: str | None, patterns: list[str]) -> Path:
                               "(or HF_HOME) at a cache that holds it, or pass a local folder") from e
     except HfHubHTTPError as e:
         raise CheckpointError(f"the Hugging Face Hub refused {repo}{_at(revision)}: {e}") from e
+    except (OSError, httpx2.HTTPError) as e:  # a connection lost past the library's retries, a full disk
+        raise CheckpointError(f"downloading {repo}{_at(revision)} into {cache} failed ({e}); run again: the files "
+                              "that arrived whole stay in the cache and are not fetched again") from e
 
 
 def _shards(index: Path) -> list[str]:

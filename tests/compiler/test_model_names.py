@@ -7,13 +7,14 @@ Offline (``HF_HUB_OFFLINE``), against a Hub cache and an Ollama models folder la
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy, run_greedy
-from model_stores import COMMIT, hub_cache, ollama_folder
+from model_stores import COMMIT, LoopbackHub, hub_cache, ollama_folder
 
 from ovshard.compile import CompileConfig, compile_bundle
 from ovshard.errors import CheckpointError
@@ -158,6 +159,97 @@ def test_an_existing_local_path_wins_over_a_hub_id(stories_copy: Path, offline_h
     shutil.copytree(stories_copy, tmp_path / REPO)
     assert resolve_model(REPO) == Path(REPO)
     assert open_source(REPO).path.resolve() == (tmp_path / REPO).resolve()
+
+
+# ---- downloads, from a Hub repository on loopback -----------------------------------------------------------
+
+@pytest.fixture
+def online_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[dict[str, bytes]], LoopbackHub]]:
+    """Serve a repository as REPO on loopback (HF_ENDPOINT) into an empty cache; small download chunks, so that an
+    interrupted file leaves bytes to resume from."""
+    from huggingface_hub import constants
+
+    hubs: list[LoopbackHub] = []
+
+    def serve(files: dict[str, bytes]) -> LoopbackHub:
+        hubs.append(LoopbackHub(REPO, files))
+        monkeypatch.setattr(constants, "ENDPOINT", hubs[-1].url)  # both as the library derives them from HF_ENDPOINT
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hubs[-1].url + "/{repo_id}/resolve/{revision}/{filename}")
+        return hubs[-1]
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 64 * 1024)
+    yield serve
+    for hub in hubs:
+        hub.close()
+
+
+def contents(folder: Path) -> dict[str, bytes]:
+    return {name: path.read_bytes() for name, path in repo_files(folder).items()}
+
+
+COMPILE_READS = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                 "special_tokens_map.json"}
+
+
+def test_a_download_fetches_only_what_a_compile_reads(stories: Path, online_hub, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """huggingface_hub downloads the configs, tokenizer and safetensors, none of the repository's other files; the
+    cache it wrote then serves offline."""
+    from huggingface_hub import constants
+
+    hub = online_hub(contents(stories) | {name: b"not read" * 100 for name in NOT_READ})
+    snapshot = resolve_model(REPO)
+    assert hub.fetched() == COMPILE_READS | {"model.safetensors"}
+    hub.close()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert open_source(REPO).path == snapshot
+    assert open_source(REPO).fingerprint() == open_checkpoint(stories).fingerprint()
+
+
+def test_a_sharded_download_fetches_the_index_then_its_shards(stories_copy: Path, online_hub) -> None:  # noqa: ANN001
+    """The index first, then exactly the shards its weight_map names (not a stray shard beside them)."""
+    from transformers import AutoModelForCausalLM
+
+    sharded = stories_copy.parent / "sharded"
+    AutoModelForCausalLM.from_pretrained(stories_copy, dtype=torch.float32).save_pretrained(sharded, max_shard_size="300KB")
+    files = contents(sharded) | {"model-old-00001-of-00009.safetensors": b"stale" * 100}
+    hub = online_hub(files)
+    ckpt = open_source(REPO)
+    shards = {name for name in files if name.startswith("model-0")}
+    assert hub.fetched() == {"config.json", "generation_config.json", "model.safetensors.index.json"} | shards
+    assert set(ckpt.weight_files) == shards
+
+
+def test_a_dropped_download_resumes_and_a_rerun_fetches_only_what_is_missing(stories: Path, online_hub) -> None:  # noqa: ANN001
+    """A connection dropped mid-file resumes from the bytes received (Range); past the library's retries it is a clear
+    error, and the next run fetches that file alone."""
+    files = contents(stories)
+    hub = online_hub(files)
+    hub.cut = {"model.safetensors"}  # each answer sends half of what is asked for, then drops the connection
+    with pytest.raises(CheckpointError, match="failed .*run again: the files that arrived whole stay in the cache"):
+        resolve_model(REPO)
+    starts = [int(r.removeprefix("bytes=").split("-")[0]) for method, path, r in hub.requests
+              if method == "GET" and path.endswith("/model.safetensors") and r is not None]
+    assert starts and starts == sorted(starts) and starts[0] > 0, starts
+    first_run, hub.cut = len(hub.requests), set()
+    snapshot = resolve_model(REPO)
+    again = {path.rsplit("/", 1)[-1] for method, path, _ in hub.requests[first_run:] if method == "GET" and "/resolve/" in path}
+    assert again == {"model.safetensors"}
+    assert (snapshot / "model.safetensors").read_bytes() == files["model.safetensors"]
+
+
+def test_the_hubs_refusals_say_what_to_do(stories: Path, online_hub) -> None:  # noqa: ANN001
+    """An unknown repository, an unknown revision and a gated repository each get their own clear error."""
+    hub = online_hub(contents(stories))
+    with pytest.raises(CheckpointError, match="no Hugging Face Hub repository tiny-org/missing .*HF_TOKEN"):
+        resolve_model("tiny-org/missing")
+    with pytest.raises(CheckpointError, match=f"{REPO} has no revision 'v9'"):
+        resolve_model(f"{REPO}@v9")
+    hub.gated = True
+    with pytest.raises(CheckpointError, match=f"{REPO} is gated: accept its terms at https://huggingface.co/{REPO} "
+                                              "and set HF_TOKEN"):
+        resolve_model(REPO)
 
 
 # ---- Ollama ----------------------------------------------------------------------------------------------------
