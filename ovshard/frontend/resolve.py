@@ -2,10 +2,11 @@
 
 - A path that exists is used as it is, whatever it looks like (it wins over a Hub id of the same spelling).
 - ``owner/name[@revision]``: a Hub repository, fetched with ``huggingface_hub`` into its standard cache
-  (``HF_HUB_CACHE``, default ``$HF_HOME/hub``; ``HF_TOKEN`` for gated or private repositories; a dropped connection
-  resumes, and a rerun fetches only the files not yet cached; ``HF_HUB_OFFLINE=1`` uses the cache alone). Only the files a compile reads come down:
-  config.json, generation_config.json, the tokenizer's files, and ``model.safetensors`` or the index and the
-  shards it names. ``owner/name/path/file.gguf[@revision]`` fetches that one GGUF file instead.
+  (``HF_HUB_CACHE``, default ``$HF_HOME/hub``; ``HF_TOKEN`` for gated or private repositories; a dropped
+  connection resumes, and a rerun fetches only the files not yet cached; ``HF_HUB_OFFLINE=1`` uses the cache
+  alone). Only the files a compile reads come down: config.json, generation_config.json, the tokenizer's files,
+  and ``model.safetensors`` or the index and the shards it names. ``owner/name/path/file.gguf[@revision]``
+  fetches that one GGUF file instead.
 - ``ollama:[host/][namespace/]model[:tag]``: a model Ollama has pulled, read from its manifest
   (``$OLLAMA_MODELS`` or ``~/.ollama/models``: ``manifests/<host>/<namespace>/<model>/<tag>``, defaults
   registry.ollama.ai, library, latest, as Ollama's ``types/model/name.go`` parses names). Its model layer is a

@@ -113,13 +113,16 @@ def test_sharded_checkpoint_needs_only_the_shards_its_index_names(stories_copy: 
     assert ckpt.fingerprint() == open_checkpoint(sharded).fingerprint()
 
 
-def test_a_gguf_file_in_a_hub_repository(stories_copy: Path, offline_hub: Path) -> None:
-    """owner/name/FILE.gguf resolves to that one file of the snapshot; a file the repository lacks is refused."""
-    gguf = stories_copy / "blob.bin"
-    gguf.write_bytes(b"GGUF" + bytes(60))
-    snapshot = hub_cache(offline_hub, "tiny-org/gguf-repo", {"q8/model-Q8_0.gguf": gguf}, listed=("README.md",))
-    assert resolve_model("tiny-org/gguf-repo/q8/model-Q8_0.gguf") == snapshot / "q8" / "model-Q8_0.gguf"
-    with pytest.raises(CheckpointError, match="has no file model-Q4_K_M.gguf; it holds q8/model-Q8_0.gguf"):
+def test_a_gguf_file_in_a_hub_repository(tiny_gguf: Path, offline_hub: Path) -> None:
+    """owner/name/FILE.gguf opens that one GGUF file of the snapshot; a file the repository lacks, or the repository
+    without a file named (no config.json), is refused with the GGUF files it holds."""
+    from ovshard.frontend.gguf import open_gguf
+
+    snapshot = hub_cache(offline_hub, "tiny-org/gguf-repo", {"q8/tiny-llama.gguf": tiny_gguf}, listed=("README.md",))
+    ckpt = open_source("tiny-org/gguf-repo/q8/tiny-llama.gguf")
+    assert ckpt.path == snapshot / "q8" / "tiny-llama.gguf"
+    assert ckpt.fingerprint() == open_gguf(tiny_gguf).fingerprint()
+    with pytest.raises(CheckpointError, match="has no file model-Q4_K_M.gguf; it holds q8/tiny-llama.gguf"):
         resolve_model("tiny-org/gguf-repo/model-Q4_K_M.gguf")
     with pytest.raises(CheckpointError, match=r"has no config\.json.*tiny-org/gguf-repo/FILE\.gguf"):
         resolve_model("tiny-org/gguf-repo")
