@@ -129,8 +129,8 @@ def _download(repo: str, revision: str | None, patterns: list[str]) -> Path:
         raise CheckpointError(f"{repo} is gated: accept its terms at https://huggingface.co/{repo} and set "
                               "HF_TOKEN (or run `hf auth login`) with a token of that account") from e
     except RepositoryNotFoundError as e:
-        raise CheckpointError(f"no Hugging Face Hub repository {repo} (or it is private: set HF_TOKEN); check the "
-                              "spelling at https://huggingface.co, or pass a local folder") from e
+        raise CheckpointError(f"no Hugging Face Hub repository {repo} (or it is private: set HF_TOKEN), and no local "
+                              f"path {repo}; check the spelling (at https://huggingface.co for a Hub id)") from e
     except RevisionNotFoundError as e:
         raise CheckpointError(f"the Hub repository {repo} has no revision {revision!r}; name a branch, tag or "
                               "commit it has") from e
@@ -142,7 +142,8 @@ def _download(repo: str, revision: str | None, patterns: list[str]) -> Path:
         raise CheckpointError(f"{repo}{_at(revision)} is not in the Hugging Face cache ({cache}) and the Hub cannot "
                               f"be reached{' (HF_HUB_OFFLINE is set)' if constants.HF_HUB_OFFLINE else ''}; run "
                               "once with network access (without HF_HUB_OFFLINE) to download it, point HF_HUB_CACHE "
-                              "(or HF_HOME) at a cache that holds it, or pass a local folder") from e
+                              f"(or HF_HOME) at a cache that holds it, or pass a local folder (there is no local "
+                              f"path {repo})") from e
     except HfHubHTTPError as e:
         raise CheckpointError(f"the Hugging Face Hub refused {repo}{_at(revision)}: {e}") from e
     except (OSError, httpx2.HTTPError) as e:  # a connection lost past the library's retries, a full disk
