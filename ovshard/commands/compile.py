@@ -21,7 +21,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compile", help="compile a Hugging Face checkpoint into a stage bundle",
                        description="Trace, convert and optimise a Hugging Face causal LM into N pipeline "
                        "stages (one stateful OpenVINO IR each) plus manifest and tokenizer.")
-    p.add_argument("checkpoint", type=Path, help="a Hugging Face folder (config.json + *.safetensors) or a .gguf file")
+    p.add_argument("checkpoint", type=Path, metavar="MODEL",
+                   help="a Hugging Face folder (config.json + *.safetensors) or a .gguf file; a Hugging Face Hub id "
+                   "owner/name[@revision] (or owner/name/FILE.gguf), fetched into the Hugging Face cache; or "
+                   "ollama:name[:tag], a model Ollama has pulled (docs/compile.md: model names)")
     p.add_argument("-o", "--output", type=Path, default=Path("out"), help="bundle folder (default: out)")
     split = p.add_mutually_exclusive_group()
     split.add_argument("--stages", type=int, help="split into N stages, minimising the largest (default 1)")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from conftest import compile_fp32
 
-HEAVY = ("torch", "transformers", "nncf", "onnx", "networkx", "safetensors")
+HEAVY = ("torch", "transformers", "nncf", "onnx", "networkx", "safetensors", "huggingface_hub")
 
 
 def test_running_a_bundle_imports_no_compile_time_package(stories: Path, tmp_path: Path) -> None:
@@ -41,8 +41,8 @@ print(",".join(sorted(m for m in {HEAVY!r} if m in sys.modules)))
 def test_the_command_line_starts_without_any_extra() -> None:
     """A node with the base install only (no compile, api, cluster or secure extra) gets its `ovshard` command:
     the parser of every subcommand builds, and `serve --help` answers, with none of those packages importable."""
-    extras = ["torch", "transformers", "nncf", "onnx", "networkx", "safetensors", "gguf", "starlette", "uvicorn",
-              "jinja2", "prometheus_client", "ray", "cryptography"]
+    extras = ["torch", "transformers", "nncf", "onnx", "networkx", "safetensors", "gguf", "huggingface_hub", "starlette",
+              "uvicorn", "jinja2", "prometheus_client", "ray", "cryptography"]
     script = f"""
 import sys
 for name in {extras!r}:
