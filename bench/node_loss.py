@@ -10,8 +10,9 @@ a stage, in one of two ways:
   watch finds the stage silent and gives the node up after ``--grace-s``;
 - ``shutdown``: the node's processes stopped cleanly (`ray stop`): Ray reports the node dead at once.
 
-It times, from the removal: the first and the last stream's first text after it (every stream progressing
-again), and reads the re-plan's own duration from `ovshard status`. Every stream's text is checked against an
+It times, from the removal, when each stream's longest wait after it ended (its text flowing again), the first
+and the last stream's (every stream progressing again), and reads the re-plan's own duration from `ovshard
+status`. Every stream's text is checked against an
 uninterrupted run. A round adds a node back for the next one.
 
 Run: .venv/bin/python bench/node_loss.py [--rounds 2] [--grace-s 5] [--streams 4]
@@ -60,6 +61,20 @@ def stream(client: Any, model: str, prompt: str, times: list[float], text: list[
             ready.set()
 
 
+def longest_gap(times: list[float]) -> float:
+    return max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
+
+
+def resumed_after(times: list[float], lost: float) -> float | None:
+    """Seconds from the loss to the text that ended the stream's longest wait after it (the tokens already on
+    their way when the node went are not progress: the stall is)."""
+    after = [t for t in times if t > lost]
+    if not after:
+        return None
+    gaps = [(b - a, b) for a, b in zip([lost, *after], after, strict=False)]
+    return max(gaps)[1] - lost
+
+
 def status(address: str) -> tuple[dict[str, str], dict]:
     out = subprocess.run([*CLI, "status", "--ray", address], capture_output=True, text=True, timeout=120, check=True)
     rows = [json.loads(line) for line in out.stdout.splitlines()]
@@ -85,12 +100,13 @@ def round_once(nodes: Any, address: str, api: str, how: str, streams: int, expec
     nodes.remove_node(victim, allow_graceful=how == "shutdown")
     for t in threads:
         t.join(600)
-    after = [next((t for t in times[p] if t > lost + 0.05), None) for p in prompts]
+    resumed = [resumed_after(times[p], lost) for p in prompts]
     finished = [p for p in prompts if "".join(texts[p]) == expected[p]]
     _, replan = status(address)
-    resumed = [t - lost for t in after if t is not None]
-    return {"how": how, "streams": streams, "first_resumed_s": round(min(resumed), 2) if resumed else None,
-            "all_resumed_s": round(max(resumed), 2) if len(resumed) == len(prompts) else None,
+    known = [r for r in resumed if r is not None]
+    return {"how": how, "streams": streams, "first_resumed_s": round(min(known), 2) if known else None,
+            "all_resumed_s": round(max(known), 2) if len(known) == len(prompts) else None,
+            "longest_gap_before_loss_s": round(max(longest_gap([t for t in times[p] if t < lost]) for p in prompts), 3),
             "replan_s": replan["last_replan"]["seconds"] if replan["last_replan"] else None,
             "cause": replan["last_replan"]["cause"] if replan["last_replan"] else None,
             "uninterrupted_text": len(finished) == len(prompts)}

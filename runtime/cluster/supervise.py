@@ -93,8 +93,15 @@ class Supervisor:
         return self
 
     def close(self) -> None:
+        """Stop watching, and take this ``up``'s state out of the GCS (`status` then no longer shows it)."""
+        from ray.experimental import internal_kv
+
         self.stop.set()
         self.thread.join(10)
+        try:
+            internal_kv._internal_kv_del(kv_key(STATE_KEY, self.cluster))
+        except Exception as e:  # Ray already gone: so is the state
+            log.debug("could not remove the published state: %s", e)
 
     def _run(self) -> None:
         while not self.stop.wait(self.timeouts.poll_s):
