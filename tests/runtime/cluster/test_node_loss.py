@@ -1,7 +1,8 @@
 """`ovshard up --api` on a real local Ray cluster (ray.cluster_utils.Cluster) whose nodes leave for good and join:
 a node SIGKILLed mid-stream under 4 live API streams, too little memory left (503 with the reason) and recovery
-when a node joins, a joined node shown unused and used after `ovshard rebalance`. One cluster and one `up`
-serve the three tests, in order; each node declares a Ray memory resource that holds half the model and a bit,
+when a node joins, a joined node shown unused and used after `ovshard rebalance`; then, on a cluster of its
+own, a joined node taken by itself for its predicted speed-up. One cluster and one `up` serve the first three
+tests, in order; each node declares a Ray memory resource that holds half the model and a bit,
 so that two nodes hold it and one does not. The node `up` runs on is the cluster's head (the PC that
 runs `ovshard up` stays); the others leave and join."""
 
@@ -228,3 +229,43 @@ def test_a_joined_node_is_shown_unused_and_serves_after_rebalance(home: Home) ->
     assert replan["last_replan"]["cause"] == "ovshard rebalance" and replan["last_replan"]["stages"] == 3, replan
     assert _complete(home, PROMPTS[1]) == home.expected[PROMPTS[1]]
     assert os.path.exists(home.log)
+
+
+def test_a_node_that_joins_is_taken_by_itself_when_it_predicts_enough_speed_up(
+        stories: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`up --rebalance-at 1.2` on a one-node cluster serves one stage; a node that joins makes a two-stage plan
+    predict at least 1.25x (a layer or more moves off the one node), so the stages move onto it by themselves,
+    and the text stays that of the one-node run."""
+    from ray.cluster_utils import Cluster
+
+    root = tmp_path_factory.mktemp("join")
+    bundle = compile_fp32(stories, root / "stories5", stages=5)
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                          "env_vars": _env(root / "head")})
+    home = Home(nodes, 0, root, None, "", root / "up.log")  # type: ignore[arg-type]
+    process = None
+    try:
+        with open(home.log, "w") as err:
+            process = subprocess.Popen([*CLI, "up", str(bundle), "--ray", nodes.address, "--exact", "--context-tokens",
+                                        str(CONTEXT), "--port-base", str(free_port_base(2)), "--api", "127.0.0.1:0",
+                                        "--grace-s", "5", "--max-tokens", str(TOKENS)],
+                                       stdout=subprocess.PIPE, stderr=err, text=True)
+        assert process.stdout is not None
+        while not (line := process.stdout.readline()).startswith('{"event": "listening"'):
+            assert line, home.log.read_text()
+        home.api = json.loads(line)["api"]
+        alone = _complete(home, PROMPTS[2])
+        joined = nodes.add_node(num_cpus=1, env_vars=_env(root / "n1"), node_ip_address="127.0.0.2").node_id[:12]
+        write_node_ip_address(nodes.head_node.get_session_dir_path(), nodes.head_node.node_ip_address)
+        deadline = time.monotonic() + 180
+        while (states := _status(home))[0].get(joined, {}).get("state") != "serving":
+            assert time.monotonic() < deadline, (states, home.log.read_text()[-3000:])
+            time.sleep(1)
+        last = states[1]["last_replan"]
+        assert "predicted" in last["cause"] and last["stages"] == 2, last
+        assert _complete(home, PROMPTS[2]) == alone
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(60)
+        nodes.shutdown()
