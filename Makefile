@@ -40,6 +40,7 @@ bench: setup
 	CI=true $(BIN)/python bench/suite.py
 	$(BIN)/python bench/api_load.py --models stories260K,llama-3.2-1b --requests 2  # ovshard api at 1-8 clients vs the bare Session
 	$(BIN)/python bench/placement.py --rounds 3  # ovshard up: measured placement vs equal split on an emulated unequal pair
+	$(BIN)/python bench/node_loss.py --rounds 2  # ovshard up: a node lost for good mid-stream -> every stream progressing again
 	CI=true $(BIN)/python bench/int4_frontier.py --llama-cpp  # weight formats on real models, llama.cpp's beside: bits, perplexity, compile memory
 	CI=true $(BIN)/python bench/nncf_options.py  # NNCF's own options (data-free and data-aware) on the real Gemma 3 270M
 	CI=true $(BIN)/python bench/int4_kernels.py  # decode speed of weight formats on the 1B shape (INT4 sym/asym, groups, INT8 share)

@@ -15,6 +15,7 @@ from ovshard.commands import compile as compile_cmd
 from ovshard.commands import inspect as inspect_cmd
 from ovshard.commands import verify as verify_cmd
 from ovshard.errors import DiskFullError, OvshardError
+from ovshard.runtime.cluster.up import PlanChoice
 from ovshard.runtime.commands import api, chat, generate, keygen, proxy, serve, up
 
 log = logging.getLogger("ovshard")
@@ -45,14 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cluster_planner(manifest: Any, probes: list[dict], head: str, rtt: dict, stages: int | None,
-                     context_tokens: int, strategy: str) -> tuple[list[str], list[tuple[int, ...]], str, list[str]]:
+                     context_tokens: int, strategy: str) -> PlanChoice:
     """`ovshard up`'s planner: the probes its actors returned, planned by ovshard.plan.placement."""
     from ovshard.plan.placement import NodeProbe, plan_placement
 
     nodes = [NodeProbe(p["node"], p["host"], p["seconds_per_byte"], p["free_bytes"]) for p in probes]
     placement = plan_placement(manifest, nodes, head, rtt, stages, context_tokens, strategy)
-    return (list(placement.nodes), [tuple(g) for g in placement.groups], placement.format_table(),
-            [message for _, message in placement.left_out])
+    return PlanChoice(list(placement.nodes), [tuple(g) for g in placement.groups], placement.format_table(),
+                      [message for _, message in placement.left_out], placement.slowest_step_s)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

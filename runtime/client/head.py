@@ -15,6 +15,11 @@ Faults: when a stage goes away (connection lost, or a stage reports it lost the 
 ``retry_s``), reopens its stream and replays the stream's visible tokens as one prefill, then repeats
 the step. The replayed cache holds the same tokens at the same positions, so a greedy stream finishes
 with the tokens of an uninterrupted run.
+
+Moves: whoever supervises the stages (``ovshard up``) may :meth:`Head.hold` every reconnect while it places
+the stages anew, then :meth:`Head.retarget` the head to the new chain (its own manifest, addresses and
+fingerprint; the stale chain is closed, so every stream replays onto the new one with a fresh retry window),
+or :meth:`Head.refuse` with the reason the pipeline cannot serve, which ends the waiting streams with it.
 """
 
 from __future__ import annotations
@@ -268,12 +273,66 @@ class Head:
         self.chain = Chain(addresses, self.fingerprint, timeout, tls, self.batching, kv_blocks)
         self.reconnects = 0
         self._reconnect_lock = threading.Lock()
+        self._moves = threading.Condition()  # guards held, down, fresh_until, retargets, replayed_tokens
+        self.held = False  # a move is under way: reconnects wait for it, their retry windows stopped
+        self.down: str | None = None  # why the pipeline cannot serve now (refuse), None while it can
+        self.fresh_until = 0.0  # monotonic time up to which a retarget renewed every stream's retry window
+        self.retargets = 0  # moves onto a new chain
+        self.refusals = 0  # moves that found no chain to serve from (refuse)
+        self.replayed_tokens = 0  # tokens fed again to rebuild the KV of streams whose chain broke
         self.streams = itertools.count()
         self.seq = itertools.count()
         self.prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk  # stateful stages
 
     def close(self) -> None:
         self.chain.close()
+
+    def hold(self) -> None:
+        """A move begins: reconnects wait (their retry windows stopped) until :meth:`retarget` or :meth:`refuse`."""
+        with self._moves:
+            self.held = True
+
+    def retarget(self, bundle: Path, addresses: list[str]) -> None:
+        """Serve from now on the chain at ``addresses`` of the pipeline ``bundle`` (the same model placed anew):
+        the stale chain is closed, and every stream replays its tokens onto the new one within a fresh
+        ``retry_s``."""
+        manifest = read_manifest(bundle)
+        if len(addresses) != manifest.num_stages:
+            raise OvshardError(f"retarget to {len(addresses)} addresses; the pipeline {bundle} has "
+                               f"{manifest.num_stages} stages")
+        with self._moves:
+            self.manifest, self.addresses, self.fingerprint = manifest, list(addresses), bundle_fingerprint(bundle)
+            self.held, self.down = False, None
+            self.fresh_until = time.monotonic() + self.retry_s
+            self.retargets += 1
+            stale = self.chain
+            self._moves.notify_all()
+        stale.close()  # wakes every step waiting on it: each replays onto the new chain
+
+    def refuse(self, reason: str) -> None:
+        """The pipeline cannot serve (``reason`` says why); waiting streams end with it until a retarget."""
+        with self._moves:
+            self.held, self.down = False, reason
+            self.refusals += 1
+            self._moves.notify_all()
+        self.chain.close()
+
+    def expired(self, deadline: float) -> bool:
+        """Whether a stream's retry window that ends at ``deadline`` is over (never while a move is under way)."""
+        with self._moves:
+            return not self.held and time.monotonic() > max(deadline, self.fresh_until)
+
+    def count_replay(self, tokens: int) -> None:
+        with self._moves:
+            self.replayed_tokens += tokens
+
+    def _await_move(self) -> None:
+        """Wait while a move is under way; raise the reason when the pipeline cannot serve."""
+        with self._moves:
+            while self.held:
+                self._moves.wait(1.0)
+            if self.down is not None:
+                raise OvshardError(self.down)
 
     def reconnect(self, stale: Chain, deadline: float, cause: OvshardError) -> Chain:
         """A new chain in place of ``stale`` (once, however many streams ask), retrying until ``deadline``."""
@@ -283,6 +342,7 @@ class Head:
             stale.close()
             pause = _BACKOFF_S[0]
             while True:
+                self._await_move()
                 try:
                     self.chain = Chain(self.addresses, self.fingerprint, self.timeout, self.tls, self.batching,
                                        self.kv_blocks)
@@ -290,7 +350,7 @@ class Head:
                     log.warning("reconnected to every stage after: %s", cause)
                     return self.chain
                 except StageUnreachable as e:
-                    if time.monotonic() + pause > deadline:
+                    if self.expired(deadline - pause):
                         raise OvshardError(f"{cause}; gave up after {self.retry_s:.0f} s of retries "
                                            f"(--retry-s): {e}") from e
                     log.info("stages not reachable yet (%s); retrying in %.1f s", e, pause)
@@ -385,7 +445,7 @@ class StreamTarget:
             try:
                 return self.head.open_stream(stale)
             except StageFailure as e:
-                if not e.recoverable or time.monotonic() > deadline:
+                if not e.recoverable or self.head.expired(deadline):
                     raise
                 time.sleep(_BACKOFF_S[0])
                 stale = self.head.reconnect(stale, deadline, e)
@@ -418,10 +478,11 @@ class StreamTarget:
                 self.stream, self.chain = self.head.open_stream(chain)
                 if self.visible:
                     self.head.step(self.chain, self.stream, 0, self.visible, "argmax@1")
+                    self.head.count_replay(len(self.visible))
                 self.replays += 1
                 return
             except StageFailure as e:
-                if not e.recoverable or time.monotonic() > deadline:
+                if not e.recoverable or self.head.expired(deadline):
                     raise OvshardError(f"{cause}; recovery failed: {e}") from e
                 cause, stale = e, chain
                 time.sleep(_BACKOFF_S[0])
@@ -464,7 +525,7 @@ class PagedTarget:
                 if not e.recoverable:
                     raise
                 deadline = deadline or time.monotonic() + self.head.retry_s
-                if time.monotonic() > deadline:
+                if self.head.expired(deadline):
                     raise OvshardError(f"{e}; gave up after {self.head.retry_s:.0f} s (--retry-s)") from e
                 log.warning("stream %d: %s; starting it again with its %d tokens", self.stream, e,
                             len(self.visible) + len(tokens))
@@ -474,6 +535,7 @@ class PagedTarget:
                     self.chain = self.head.reconnect(self.chain, deadline, e)
                 self.stream, self.fresh, self.replays = next(self.head.streams), True, self.replays + 1
                 feed, rewind = self.visible + tokens, 0
+                self.head.count_replay(len(self.visible))
         if self.fresh and not self.visible:
             self.cached_tokens = batcher.cached(self.stream)
         self.fresh = False

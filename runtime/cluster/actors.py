@@ -66,9 +66,18 @@ class ProbeActor:
                 "echo": self.address}
 
     def probe(self, manifest: Manifest, threads: int | None) -> dict[str, Any]:
+        """The probe's figures; free memory no more than the node's Ray ``memory`` resource (``ray start
+        --memory BYTES`` caps what ovshard places there)."""
+        import ray
+
         from ovshard.runtime.cluster.probe import probe_layer
 
-        return {**probe_layer(manifest, node_threads(threads)), **self.where()}
+        measured = probe_layer(manifest, node_threads(threads))
+        here = ray.get_runtime_context().get_node_id()
+        declared = next((n["Resources"].get("memory") for n in ray.nodes() if n["NodeID"] == here), None)
+        if declared:
+            measured["free_bytes"] = min(measured["free_bytes"], int(declared))
+        return {**measured, **self.where()}
 
     def round_trips(self, addresses: list[str]) -> list[float]:
         from ovshard.runtime.cluster.probe import round_trip_s

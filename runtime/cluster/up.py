@@ -15,7 +15,9 @@ the TCP chain between consecutive stages.
    mutual TLS with a certificate from a CA this command makes for the run (beyond loopback, unless
    ``--insecure``).
 4. **Supervise**: Ray restarts an actor that dies (``max_restarts``) with the order it was given; it listens
-   where it did and the head's reconnect and replay (runtime/client/head.py) carry every stream across.
+   where it did and the head's reconnect and replay (runtime/client/head.py) carry every stream across. A node
+   that leaves for good, or joins, is runtime/cluster/supervise.py's: :meth:`Cluster.replan` places the stages
+   anew and starts them as the next generation of actors.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,11 +45,17 @@ START_TIMEOUT_S = 300.0
 PREFIX = "ovshard-stage-"
 
 
-def _actor_name(bundle: Path, stage: int) -> str:
-    """``ovshard-stage-<k>-<8 hex of the bundle's path>``: the same in every process (``status``, ``down``)."""
+def bundle_tag(bundle: Path) -> str:
+    """8 hex of the bundle's path: names its actors and its state in the GCS, the same in every process."""
     import hashlib
 
-    return f"{PREFIX}{stage}-{hashlib.sha256(str(bundle).encode()).hexdigest()[:8]}"
+    return hashlib.sha256(str(bundle).encode()).hexdigest()[:8]
+
+
+def _actor_name(bundle: Path, stage: int, generation: int) -> str:
+    """``ovshard-stage-<k>-<bundle_tag>-<generation>`` (``status``, ``down``); a re-plan starts the next
+    generation."""
+    return f"{PREFIX}{stage}-{bundle_tag(bundle)}-{generation}"
 
 
 def place(stages: int, alive: list[str]) -> list[str]:
@@ -55,7 +64,7 @@ def place(stages: int, alive: list[str]) -> list[str]:
     return [alive[i % len(alive)] for i in range(stages)]
 
 
-def _alive_nodes() -> list[str]:
+def alive_nodes() -> list[str]:
     """The cluster's alive node ids, this command's node first."""
     import ray
 
@@ -89,58 +98,80 @@ class UpConfig:
     max_restarts: int = -1
 
 
-# (manifest, probes, head node, round trips, stages, context tokens, strategy) -> (nodes, groups, table, left out)
-Planner = Callable[..., tuple[list[str], list[tuple[int, ...]], str, list[str]]]
+@dataclass(frozen=True)
+class PlanChoice:
+    """The planner's answer: placed stage i runs the bundle's stages ``groups[i]`` on node ``nodes[i]``."""
+
+    nodes: list[str]
+    groups: list[tuple[int, ...]]
+    table: str  # the plan table (predicted ms and memory per stage), for stderr
+    left_out: list[str]  # why each node that holds no stage holds none
+    slowest_s: float  # the predicted slowest stage's step (0: not predicted, as for --placement bundle)
+
+
+# (manifest, probes, head node, round trips, stages, context tokens, strategy) -> PlanChoice; raises PlanError
+Planner = Callable[..., PlanChoice]
 
 
 class Cluster:
-    """The stage actors of one bundle on a Ray cluster (``ray`` "local": a private instance)."""
+    """The stage actors of one bundle on a Ray cluster (``ray`` "local": a private instance). Each placement is
+    a generation of actors; :meth:`replan` places the stages anew over the nodes it is given and starts the
+    next generation (the supervisor's answer to a node that left or joined)."""
 
     def __init__(self, config: UpConfig, planner: Planner | None = None) -> None:
-        import ray
-
-        self.config = config
+        self.config, self.planner = config, planner
         self.bundle = Path(config.bundle).resolve()
         self.manifest = read_manifest(self.bundle)
         self.owned = config.ray == "local"
         self.host = "127.0.0.1" if self.owned else "0.0.0.0"  # what probes and stages bind
         join_ray(config.ray)
-        self.alive = _alive_nodes()  # this command's node first
+        self.alive = alive_nodes()  # this command's node first
         self.actors: list[Any] = []
+        self.generation = 0
+        self.moving = False  # a re-plan is replacing the actors
         self.tmp = Path(tempfile.mkdtemp(prefix="ovshard-up-"))
         self.head_credentials: Path | None = None
+        self.measured: dict[str, dict[str, Any]] = {}  # node -> its probe (measured once, when first seen)
+        self.rtt: dict[tuple[str, str], float] = {}
         self.probes: dict[str, Any] = {}  # what placement by measurement measured: its planner's inputs
         try:
-            self.nodes, self.groups, self.plan_table, self.left_out = self._place(planner)
-            tls = None if self.owned or config.insecure else self._credentials()
-            self._start(tls)
-            self.head_bundle = self._pipeline_bundle()
-            self.stages = ray.get([a.info.remote() for a in self.actors], timeout=START_TIMEOUT_S)
+            self.tls = None if self.owned or config.insecure else self._credentials()
+            self.source: Any = None
+            choice = self.plan(self.alive)
+            self.plan_table, self.left_out = choice.table, choice.left_out
+            self._launch(choice)
         except Exception:
             self.close()
             raise
 
-    def _place(self, planner: Planner | None) -> tuple[list[str], list[tuple[int, ...]], str, list[str]]:
+    def plan(self, alive: list[str]) -> PlanChoice:
+        """Where the stages go on ``alive`` (this command's node first): the rules ``up`` was given, over the
+        nodes' probes (each node is probed when first seen). Raises PlanError when they cannot hold the model."""
         fine = self.manifest.num_stages
         if self.config.placement == "bundle":
             if self.config.stages not in (None, fine):
                 raise OvshardError(f"--stages {self.config.stages} with --placement bundle: the bundle has {fine} "
                                    f"stages, one actor each; leave --stages out or use --placement measured")
-            return place(fine, self.alive), [(i,) for i in range(fine)], "", []
-        if planner is None:
+            return PlanChoice(place(fine, alive), [(i,) for i in range(fine)], "", [], 0.0)
+        if self.planner is None:
             raise OvshardError("placement by measurement needs the planner (ovshard.plan): run `ovshard up`")
-        probes, rtt = self._probe(self.alive)
+        self.measure([n for n in alive if n not in self.measured])
+        probes = [self.measured[n] for n in alive]
         self.probes = {"nodes": [{k: p[k] for k in ("node", "host", "seconds_per_byte", "free_bytes")} for p in probes],
-                       "rtt_s": [[a, b, s] for (a, b), s in rtt.items()], "head": self.alive[0]}
-        return planner(self.manifest, probes, self.alive[0], rtt, self.config.stages, self.config.context_tokens,
-                       self.config.placement)
+                       "rtt_s": [[a, b, s] for (a, b), s in self.rtt.items() if a in alive and b in alive],
+                       "head": alive[0]}
+        stages = None if self.config.stages is None else min(self.config.stages, len(alive))
+        return self.planner(self.manifest, probes, alive[0], self.rtt, stages, self.config.context_tokens,
+                            self.config.placement)
 
-    def _probe(self, nodes: list[str]) -> tuple[list[dict[str, Any]], dict[tuple[str, str], float]]:
-        """Each node's probe, one node at a time (nodes may share a machine), and the round trips between them."""
+    def measure(self, nodes: list[str]) -> None:
+        """Probe each of ``nodes``, one at a time (nodes may share a machine), and the round trips between them."""
         import ray
 
         from ovshard.runtime.cluster.actors import ProbeActor
 
+        if not nodes:
+            return
         actors = [_pinned(ProbeActor, node).remote(self.host) for node in nodes]
         try:
             probes = []
@@ -148,25 +179,68 @@ class Cluster:
                 probes.append(ray.get(actor.probe.remote(self.manifest, self.config.threads), timeout=START_TIMEOUT_S))
                 log.info("probe of node %s (%s): %.3f ms a layer step, %.1f GB free", node[:12], probes[-1]["host"],
                          1e3 * probes[-1]["step_s"], probes[-1]["free_bytes"] / 1e9)
+                self.measured[node] = probes[-1]
             echoes = [p["echo"] for p in probes]
-            rtt = {}
             for node, actor in zip(nodes, actors, strict=True):
                 for other, seconds in zip(nodes, ray.get(actor.round_trips.remote(echoes), timeout=60), strict=True):
-                    rtt[(node, other)] = seconds
-            return probes, rtt
+                    self.rtt[(node, other)] = seconds
         finally:
             for actor in actors:
                 ray.kill(actor)
 
     def _credentials(self) -> list[dict[str, bytes]]:
-        """A CA of this command's own and a certificate per stage and for the head (``head_credentials``):
-        every link is mutual TLS. Returns each stage's ca.pem, cert.pem and key.pem."""
+        """A CA of this command's own and a certificate per possible placed stage (at most one per bundle stage)
+        and for the head (``head_credentials``): every link is mutual TLS. Returns each stage's ca.pem,
+        cert.pem and key.pem."""
         from ovshard.runtime.wire.keygen import keygen
 
-        stages = [f"stage{i}" for i in range(len(self.groups))]
+        stages = [f"stage{i}" for i in range(self.manifest.num_stages)]
         keygen(self.tmp / "tls", stages, ["head"])
         self.head_credentials = self.tmp / "tls" / "head"
         return [{n: (self.tmp / "tls" / s / n).read_bytes() for n in (CA_FILE, CERT_FILE, KEY_FILE)} for s in stages]
+
+    def _launch(self, choice: PlanChoice) -> None:
+        """Start this generation's actors for ``choice`` and wait until each serves."""
+        import ray
+
+        self.nodes, self.groups, self.slowest_s = choice.nodes, choice.groups, choice.slowest_s
+        self._start(self.tls)
+        self.head_bundle = self._pipeline_bundle()
+        self.stages = ray.get([a.info.remote() for a in self.actors], timeout=START_TIMEOUT_S)
+
+    def replan(self, alive: list[str]) -> PlanChoice:
+        """Place the stages anew on ``alive`` and start them there as the next generation (the old one is
+        stopped first: its ports are reused). Raises PlanError, with nothing stopped, when the nodes cannot
+        hold the model."""
+        choice = self.plan(alive)
+        self.moving = True
+        try:
+            self.stop_actors(alive)
+            self.generation += 1
+            self.alive = alive
+            self._launch(choice)
+        finally:
+            self.moving = False
+        return choice
+
+    def stop_actors(self, alive: list[str] | None = None) -> None:
+        """Stop this generation's stage actors for good; with fixed ports, wait until those on ``alive`` nodes
+        are gone (a lost node's ports are not this node's to reuse)."""
+        import ray
+
+        waited = {_actor_name(self.bundle, i, self.generation) for i, node in enumerate(self.nodes)
+                  if alive is None or node in alive}
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already gone
+                pass
+        self.actors = []
+        deadline = time.monotonic() + 30.0
+        while self.config.port_base and time.monotonic() < deadline:
+            if all(s["state"] == "DEAD" for s in actor_states() if s["name"] in waited):
+                return
+            time.sleep(0.2)
 
     def _start(self, tls: list[dict[str, bytes]] | None) -> None:
 
@@ -176,13 +250,14 @@ class Cluster:
         config, count = self.config, len(self.groups)
         here = self.alive[0]
         need_source = config.pull or any(node != here for node in self.nodes)
-        self.source = _pinned(BundleSource, here, max_restarts=-1).remote(str(self.bundle)) if need_source else None
+        if need_source and self.source is None:
+            self.source = _pinned(BundleSource, here, max_restarts=-1).remote(str(self.bundle))
         ports = [free_port() if self.owned and not config.port_base else config.port_base + i for i in range(count)]
         fingerprint = bundle_fingerprint(self.bundle)
         self.orders = [StageOrder(str(self.bundle), fingerprint, tuple(self.groups), i, self.host, ports[i],
                                   config.exact, config.threads, tls[i] if tls else None, self.source, config.pull)
                        for i in range(count)]
-        self.actors = [_pinned(StageActor, self.nodes[i], name=_actor_name(self.bundle, i),
+        self.actors = [_pinned(StageActor, self.nodes[i], name=_actor_name(self.bundle, i, self.generation),
                                max_restarts=config.max_restarts, max_task_retries=0).remote(order)
                        for i, order in enumerate(self.orders)]
 
@@ -195,7 +270,7 @@ class Cluster:
         from ovshard.runtime.cluster.regroup import write_group_bundle
 
         entries = ray.get([a.entry_of.remote() for a in self.actors], timeout=START_TIMEOUT_S)  # files in place
-        out = self.tmp / "pipeline"
+        out = self.tmp / f"pipeline-{self.generation}"
         manifest = write_group_bundle(self.bundle, self.manifest, self.groups, entries, out)
         ray.get([a.serve.remote(manifest.to_json()) for a in self.actors], timeout=START_TIMEOUT_S)
         return out
@@ -207,7 +282,10 @@ class Cluster:
         return str(ray.get_runtime_context().gcs_address)
 
     def stopped(self) -> bool:
-        """Whether every stage actor is gone for good (killed without restart, as `ovshard down` does)."""
+        """Whether every stage actor is gone for good (killed without restart, as `ovshard down` does); never
+        while a re-plan replaces them."""
+        if self.moving:
+            return False
         try:
             states = {s["state"] for s in actor_states() if s["name"] in self.names}
         except Exception as e:  # a hiccup reading the actor table must not end the pipeline
@@ -216,8 +294,12 @@ class Cluster:
         return not states or states <= {"DEAD"}
 
     @property
+    def names_tag(self) -> str:
+        return bundle_tag(self.bundle)
+
+    @property
     def names(self) -> set[str]:
-        return {_actor_name(self.bundle, i) for i in range(len(self.actors))}
+        return {_actor_name(self.bundle, i, self.generation) for i in range(len(self.actors))}
 
     @property
     def addresses(self) -> list[str]:

@@ -6,12 +6,14 @@ import argparse
 import json
 import logging
 import os
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from ovshard.bundle.manifest import read_manifest
 from ovshard.errors import OvshardError
+from ovshard.runtime.client.head import Head
 from ovshard.runtime.client.scheduler import Scheduler
 from ovshard.runtime.client.text import Text
 from ovshard.runtime.commands.options import add_http, add_pipeline, add_security, pipeline_head
@@ -37,8 +39,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: Any) -> int:
-    """``ovshard api``: a head over ``--stages`` (or local workers) and the HTTP server in front of it."""
+def run(args: Any, watch: Callable[[Head], Callable[[], None]] | None = None) -> int:
+    """``ovshard api``: a head over ``--stages`` (or local workers) and the HTTP server in front of it;
+    ``watch(head)`` (``up``: the supervisor that moves the head with the stages) starts once the head is
+    there and returns what stops it."""
     host, port = parse_address(args.listen)
     api_key = args.api_key or os.environ.get("OVSHARD_API_KEY") or None
     if api_key is None and not is_loopback(host) and not args.insecure:
@@ -46,6 +50,8 @@ def run(args: Any) -> int:
                            "beyond this machine, found none; pass one, listen on 127.0.0.1, or pass --insecure")
     manifest = read_manifest(args.bundle)
     with pipeline_head(args) as head, ExitStack() as stack:
+        if watch is not None:
+            stack.callback(watch(head))
         session = Scheduler(head, args.streams, max_queue=args.queue)
         stack.callback(session.close)
         text = Text(args.bundle, manifest, chat=manifest.chat is not None and manifest.tokenizer is not None)

@@ -1,4 +1,4 @@
-"""``ovshard up | status | down``: a pipeline on a Ray cluster."""
+"""``ovshard up | status | rebalance | down``: a pipeline on a Ray cluster."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ovshard.errors import OvshardError
+from ovshard.runtime.cluster.supervise import Replan, Supervisor, Timeouts, ask_rebalance, published_states
 from ovshard.runtime.cluster.up import Cluster, Planner, UpConfig, actor_states, join_ray
 from ovshard.runtime.commands.options import add_http, add_security
 
@@ -50,18 +51,30 @@ def add_up_parser(sub: argparse._SubParsersAction, planner: Planner | None = Non
                    "every node pulls into its cache ($OVSHARD_CACHE_DIR or ~/.cache/ovshard)")
     p.add_argument("--exact", action="store_true", help="f32 inference and KV cache")
     p.add_argument("--threads", type=int, help="CPU threads per stage worker ($OVSHARD_THREADS on a node wins)")
+    p.add_argument("--grace-s", type=float, default=Timeouts.grace_s,
+                   help="a node whose stage has not answered for this long is lost and its stages move to the "
+                   f"others (default {Timeouts.grace_s:.0f}; a node Ray reports dead is lost at once); keep it below "
+                   "--retry-s")
+    p.add_argument("--rebalance-at", type=float, default=Timeouts.rebalance_at, metavar="X",
+                   help="move the stages onto a node that joins by itself when the plan with it predicts a step "
+                   f"X times faster (default {Timeouts.rebalance_at}; 0: only on `ovshard rebalance`)")
     add_http(p)
     add_security(p)
     p.set_defaults(func=functools.partial(main_up, planner=planner))
 
 
 def add_status_down_parsers(sub: argparse._SubParsersAction) -> None:
-    for name, what in (("status", "each stage actor's state, restarts, node, address, layers and memory"),
-                       ("down", "stop every ovshard stage actor on the cluster (a waiting `ovshard up` then leaves)")):
+    commands = {"status": ("each stage actor's state, restarts, node, address, layers and memory; each node's state "
+                           "(serving, lost, joined, unused) and the last re-plan", main_status),
+                "rebalance": ("place the stages of a running `ovshard up` anew over every node alive now (nodes "
+                              "that joined included) and wait for it", main_rebalance),
+                "down": ("stop every ovshard stage actor on the cluster (a waiting `ovshard up` then leaves)",
+                         main_down)}
+    for name, (what, func) in commands.items():
         p = sub.add_parser(name, help=what, description=f"On a Ray cluster: {what}.")
         p.add_argument("--ray", default="auto", metavar="auto|ADDRESS",
                        help="the cluster (default auto); for `up --ray local`, the \"ray\" address it printed")
-        p.set_defaults(func=main_status if name == "status" else main_down)
+        p.set_defaults(func=func)
 
 
 def up_config(args: Any) -> UpConfig:
@@ -73,16 +86,32 @@ def up_config(args: Any) -> UpConfig:
         raise OvshardError(f"--stages {args.stages}: expected at least 1 placed stage, or leave it out")
     if args.context_tokens < 1:
         raise OvshardError(f"--context-tokens {args.context_tokens}: expected a positive number of tokens")
+    if args.grace_s <= 0 or (args.api and args.grace_s >= args.retry_s):
+        raise OvshardError(f"--grace-s {args.grace_s}: expected seconds > 0 and below --retry-s {args.retry_s} (the "
+                           "streams wait --retry-s for a lost stage; past --grace-s its stages move): lower "
+                           "--grace-s or raise --retry-s")
+    if args.rebalance_at < 0:
+        raise OvshardError(f"--rebalance-at {args.rebalance_at}: expected a speed-up >= 1, or 0 for never by itself")
     return UpConfig(Path(args.bundle), args.ray, 0 if args.ray == "local" else args.port_base, args.exact,
                     args.threads, args.insecure, args.placement, args.stages, args.context_tokens,
                     args.pull == "always")
 
 
+def _announce(cluster: Cluster, replan: Replan) -> None:
+    """A JSON line for each move of the stages (``up`` without ``--api``: heads started by hand follow it)."""
+    print(json.dumps({"event": "replan", "stages": ",".join(cluster.addresses), "bundle": str(cluster.head_bundle),
+                      "nodes": [s["node"] for s in cluster.stages], "layers": [s["layers"] for s in cluster.stages],
+                      "cause": replan.cause, "seconds": replan.seconds}), flush=True)
+
+
 def main_up(args: Any, planner: Planner | None = None) -> int:
-    """``ovshard up``: measure, place, ship, start; the stage table on stdout, then the API or a wait."""
+    """``ovshard up``: measure, place, ship, start; the stage table on stdout, then the API or a wait; the
+    supervisor moves the stages when a node leaves or joins."""
 
     started = time.perf_counter()
-    cluster = Cluster(up_config(args), planner)
+    config = up_config(args)
+    timeouts = Timeouts(grace_s=args.grace_s, rebalance_at=args.rebalance_at)
+    cluster = Cluster(config, planner)
     try:
         if cluster.plan_table:
             print(cluster.plan_table, file=sys.stderr, flush=True)
@@ -103,7 +132,8 @@ def main_up(args: Any, planner: Planner | None = None) -> int:
             args.listen, args.local, args.stages = args.api, False, ",".join(cluster.addresses)
             args.model = args.model or Path(args.bundle).name
             args.bundle, args.credentials = cluster.head_bundle, cluster.head_credentials
-            return api.run(args)
+            return api.run(args, lambda head: Supervisor(cluster, timeouts, head).start().close)
+        supervisor = Supervisor(cluster, timeouts, announce=_announce).start()
         stop = threading.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
@@ -114,6 +144,7 @@ def main_up(args: Any, planner: Planner | None = None) -> int:
             if cluster.stopped():
                 log.info("the stage actors were stopped (`ovshard down`); leaving")
                 break
+        supervisor.close()
         return 0
     finally:
         cluster.close()
@@ -138,9 +169,44 @@ def main_status(args: Any) -> int:
             rows.append(row)
         for row in rows:
             print(json.dumps(row))
-        if not rows:
+        states = published_states()
+        for state in states:
+            for node in state["nodes"]:
+                print(json.dumps(node))
+            print(json.dumps({"bundle": state["bundle"], "serving": state["serving"], "refused": state["refused"],
+                              "last_replan": state["last_replan"]}))
+        if not rows and not states:
             print(f"no ovshard stage is running on the Ray cluster at {args.ray}", file=sys.stderr)
-        return 0 if rows else 1
+        return 0 if rows or states else 1
+    finally:
+        ray.shutdown()
+
+
+def main_rebalance(args: Any, timeout_s: float = 600.0) -> int:
+    """``ovshard rebalance --ray ADDRESS``: ask each running ``up`` to re-plan over the nodes alive now, wait for
+    its answer and print its re-plan (exit 1 when one was refused: the nodes cannot hold the model)."""
+    import secrets
+
+    import ray
+
+    join_ray(args.ray)
+    try:
+        asked = {state["key"]: secrets.token_hex(8) for state in published_states()}
+        if not asked:
+            print(f"no `ovshard up` is running on the Ray cluster at {args.ray}", file=sys.stderr)
+            return 1
+        for tag, request in asked.items():
+            ask_rebalance(tag, request)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            done = [s for s in published_states() if asked.get(s["key"]) == s["answered"]]
+            if len(done) == len(asked):
+                for state in done:
+                    print(json.dumps({"bundle": state["bundle"], "nodes": state["nodes"],
+                                      "last_replan": state["last_replan"]}))
+                return 0 if all(s["serving"] for s in done) else 1
+            time.sleep(0.5)
+        raise OvshardError(f"no answer to the rebalance within {timeout_s:.0f} s: is `ovshard up` still running?")
     finally:
         ray.shutdown()
 

@@ -10,7 +10,8 @@
 
 Requests run on the head's :class:`Scheduler` (``--streams`` slots, ``--queue`` waiting; beyond that 429). A
 client that disconnects cancels its request, which frees its stream on every stage. A stage that is down
-past ``--retry-s`` answers 503 naming the stage. The HTTP stack lives in the ``api`` extra.
+past ``--retry-s`` answers 503 naming the stage; so does every request while the head is refused (``ovshard
+up``: what is left of the cluster cannot hold the model), naming why. The HTTP stack lives in the ``api`` extra.
 """
 
 from __future__ import annotations
@@ -43,10 +44,18 @@ class Engine:
                  model: str, default_max_tokens: int = 256) -> None:
         self.bundle, self.manifest, self.head, self.session, self.text = bundle, manifest, head, session, text
         self.model, self.default_max_tokens = model, default_max_tokens
-        self.metrics = Metrics(lambda: session.waiting, lambda: session.active, head.batch_stats)
-        self.view = PipelineView(manifest, list(head.addresses))
+        self.metrics = Metrics(lambda: session.waiting, lambda: session.active, head.batch_stats,
+                               lambda: (head.retargets, head.refusals, head.replayed_tokens))
+        self._view, self._view_of = PipelineView(manifest, list(head.addresses)), head.retargets
         self.eos_ids = tuple(manifest.generation.eos_token_ids)
         self.chat_stop_ids = tuple(text.stops) if text.chat is not None else self.eos_ids
+
+    @property
+    def view(self) -> PipelineView:
+        """The live view of the chain the head serves from (a new one after the stages moved)."""
+        if self._view_of != self.head.retargets:
+            self._view, self._view_of = PipelineView(self.head.manifest, list(self.head.addresses)), self.head.retargets
+        return self._view
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """The conversation rendered by the bundle's chat template with the generation prompt, tokenized with
@@ -73,6 +82,9 @@ class Engine:
                             f"found {prompt!r:.80}", param="prompt")
 
     def start(self, ids: list[int], params: Params, events: Events, chat: bool) -> Run:
+        if self.head.down is not None:
+            raise ApiError(503, f"the pipeline cannot serve: {self.head.down}", kind="server_error",
+                           code="stage_unavailable")
         limit = self.manifest.runtime_hints.max_positions
         if len(ids) >= limit:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; this bundle serves {limit} positions in all",

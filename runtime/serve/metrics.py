@@ -22,6 +22,13 @@ and, over paged stages (continuous batching; client/batcher.py, counted since th
     ovshard_prefix_lookup_tokens_total             prompt tokens looked up in the prefix cache
     ovshard_prefix_hit_tokens_total                of those, found computed (hit rate = hit / lookup)
     ovshard_preemptions_total                      sequences preempted (a full pool), recomputed later
+
+and, where the stages may move (``ovshard up`` re-plans when a node leaves or joins):
+
+    ovshard_replans_total{outcome}                 re-plans: "moved" (the head serves a new chain), "refused"
+                                                   (what is left cannot hold the model: 503 until a node joins)
+    ovshard_replayed_tokens_total                  tokens fed again to rebuild the KV cache of streams whose
+                                                   chain broke (a stage restarted or moved)
 """
 
 from __future__ import annotations
@@ -67,9 +74,28 @@ class _BatchCollector:
         yield blocks
 
 
+class _MoveCollector:
+    """The head's re-plans and replayed tokens, read when /metrics is scraped."""
+
+    def __init__(self, moves: Callable[[], tuple[int, int, int]]) -> None:
+        self.moves = moves  # () -> (moved, refused, replayed tokens)
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily
+
+        moved, refused, replayed = self.moves()
+        replans = CounterMetricFamily("ovshard_replans", "Re-plans of the stages by outcome", labels=["outcome"])
+        replans.add_metric(["moved"], moved)
+        replans.add_metric(["refused"], refused)
+        yield replans
+        yield CounterMetricFamily("ovshard_replayed_tokens", "Tokens fed again to rebuild streams' KV caches",
+                                  value=replayed)
+
+
 class Metrics:
     def __init__(self, queue_depth: Callable[[], int], active: Callable[[], int],
-                 batching: Callable[[], BatchStats | None] | None = None) -> None:
+                 batching: Callable[[], BatchStats | None] | None = None,
+                 moves: Callable[[], tuple[int, int, int]] | None = None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
@@ -91,6 +117,8 @@ class Metrics:
         Gauge("ovshard_active_streams", "Requests a stream slot is running", registry=r).set_function(active)
         if batching is not None:
             r.register(_BatchCollector(batching))
+        if moves is not None:
+            r.register(_MoveCollector(moves))
 
     def observe(self, stats: Stats) -> None:
         """One finished request's figures."""

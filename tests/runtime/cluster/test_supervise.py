@@ -1,0 +1,20 @@
+"""The supervisor's rule for moving onto a node that joined by itself: a predicted speed-up of --rebalance-at."""
+
+from __future__ import annotations
+
+import pytest
+
+from ovshard.runtime.cluster.supervise import worth_moving
+
+
+@pytest.mark.parametrize(("current_s", "planned_s", "threshold", "moves"), [
+    (0.012, 0.010, 1.2, True),  # exactly 1.2x
+    (0.012, 0.0101, 1.2, False),  # just short of it
+    (0.030, 0.010, 1.2, True),
+    (0.030, 0.010, 0.0, False),  # 0: only `ovshard rebalance` moves them
+    (0.030, 0.0, 1.2, False),  # no prediction (--placement bundle)
+])
+def test_the_stages_move_by_themselves_from_the_threshold_speed_up(current_s: float, planned_s: float,
+                                                                   threshold: float, moves: bool) -> None:
+    """current / planned slowest step >= threshold moves; below it, or threshold 0, or no prediction, does not."""
+    assert worth_moving(current_s, planned_s, threshold) is moves
