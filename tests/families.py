@@ -14,10 +14,12 @@ from transformers import (
     Gemma3Config,
     Gemma3TextConfig,
     MistralConfig,
+    MixtralConfig,
     Phi3Config,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 SEED_STD = 0.2  # weights ~ N(0, 0.2^2); norm scales and biases get the same noise added
@@ -116,6 +118,30 @@ def _gemma3_multimodal() -> PretrainedConfig:
                         eoi_token_index=301, image_token_index=302, tie_word_embeddings=True)
 
 
+def _qwen3_moe() -> PretrainedConfig:
+    # 8 experts of 32, top-2 renormalized (norm_topk_prob, as Qwen3-30B-A3B); q/k norms; head_dim 16; untied
+    return Qwen3MoeConfig(vocab_size=320, eos_token_id=319, hidden_size=64, intermediate_size=128,
+                          moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          tie_word_embeddings=False, max_position_embeddings=128, rope_parameters=ROPE)
+
+
+def _qwen3_moe_top4() -> PretrainedConfig:
+    # 6 experts of 24, top-4 NOT renormalized (norm_topk_prob false: the weights sum to less than 1); tied
+    return Qwen3MoeConfig(vocab_size=320, eos_token_id=319, hidden_size=48, intermediate_size=96,
+                          moe_intermediate_size=24, num_experts=6, num_experts_per_tok=4, norm_topk_prob=False,
+                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, head_dim=12,
+                          tie_word_embeddings=True, max_position_embeddings=128, rope_parameters=ROPE)
+
+
+def _mixtral() -> PretrainedConfig:
+    # Mixtral's block: 4 experts of 48 (w1/w3/w2), top-2 always renormalized; GQA 4:1; every layer slides over 8
+    return MixtralConfig(vocab_size=300, eos_token_id=299, hidden_size=64, intermediate_size=48, num_local_experts=4,
+                         num_experts_per_tok=2, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+                         sliding_window=8, tie_word_embeddings=False, max_position_embeddings=128,
+                         rope_parameters=ROPE)
+
+
 FAMILIES: dict[str, Family] = {
     "qwen2": Family(_qwen2),
     "qwen3": Family(_qwen3),
@@ -125,6 +151,9 @@ FAMILIES: dict[str, Family] = {
     "gemma2": Family(_gemma2, embed_std=SEED_STD / 8, explicit_attention=True),
     "gemma3_text": Family(_gemma3_text, embed_std=SEED_STD / 8),
     "gemma3": Family(_gemma3_multimodal, embed_std=SEED_STD / 8, seed=2),  # seed 0 emits the image token
+    "qwen3_moe": Family(_qwen3_moe),
+    "qwen3_moe_top4": Family(_qwen3_moe_top4),
+    "mixtral": Family(_mixtral),
 }
 
 

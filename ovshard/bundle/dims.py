@@ -26,6 +26,15 @@ class ModelDims:
     rope_theta: float
     o_bias: bool = False  # the attention output projection's bias (Qwen2: q, k, v biased, o not)
     attention_softcap: float | None = None  # Gemma 2: tanh soft-capping of attention scores (no SDPA op form)
+    # mixture of experts: each layer's MLP is num_experts gated MLPs of expert_size, experts_per_token of them
+    # routed to per token; 0 experts: a dense MLP of intermediate_size
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def kv_groups(self) -> int:

@@ -45,7 +45,9 @@ class Weights(nn.Module):
 def layer_weights(norms: dict[str, torch.Tensor],
                   linears: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> Weights:
     """One decoder layer: its norm scales by role (``attn_norm``, ``mlp_norm``, ``attn_out_norm``,
-    ``mlp_out_norm``, ``q_norm``, ``k_norm``) and q,k,v,o,gate,up,down (weight [out, in], bias or None)."""
+    ``mlp_out_norm``, ``q_norm``, ``k_norm``) and q,k,v,o,gate,up,down (weight [out, in], bias or None);
+    a mixture of experts holds router [experts, hidden] and experts_gate, experts_up, experts_down
+    (every expert's weight stacked: [experts, out, in]) instead of gate, up and down."""
     tensors: dict[str, torch.Tensor | None] = dict(norms)
     for key, (weight, bias) in linears.items():
         tensors[f"{key}_weight"], tensors[f"{key}_bias"] = weight, bias
@@ -125,6 +127,40 @@ def _activation(x: torch.Tensor, kind: str) -> torch.Tensor:
     return F.gelu(x, approximate="tanh" if kind == "gelu_tanh" else "none")
 
 
+def gated_mlp(m: torch.Tensor, layer: Weights, blk: Block) -> torch.Tensor:
+    """The dense MLP: down(act(gate(m)) * up(m))."""
+    gate = _activation(F.linear(m, layer.gate_weight, layer.gate_bias), blk.activation)
+    return F.linear(gate * F.linear(m, layer.up_weight, layer.up_bias), layer.down_weight, layer.down_bias)
+
+
+def experts_mlp(m: torch.Tensor, layer: Weights, d: ModelDims, blk: Block) -> torch.Tensor:
+    """A mixture of experts, written in the "tiled" form the CPU plugin reads only the routed experts of.
+
+    The router's softmax over all experts picks the top k (renormalized when ``blk.norm_topk``), scattered
+    into a dense [tokens, experts] weight map; every token runs through every expert as one batched MatMul
+    per projection (weights stacked [experts, out, in]); the map weights the outputs and a sum over experts
+    ends it. OpenVINO's ConvertTiledMoeBlockToGatherMatmuls matches exactly this graph (Reshape -> Tile ->
+    Reshape, three MatMuls with transposed weights, Swish * up, Reshape; ScatterElementsUpdate -> Transpose
+    -> Reshape -> Unsqueeze; Multiply, ReduceSum) and turns the MatMuls into GatherMatmul ops that read the
+    top-k experts' weights only: the dense math here is what the graph means, not what the plugin runs.
+    """
+    b, t, hidden = m.shape
+    experts = d.num_experts
+    flat = m.reshape(-1, hidden)  # [tokens, hidden]
+    logits = F.linear(flat, layer.router_weight)  # [tokens, experts]
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    top_weights, top_index = torch.topk(probs, d.experts_per_token, dim=-1)  # [tokens, k]
+    if blk.norm_topk:
+        top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+    routing = torch.zeros_like(logits).scatter(1, top_index, top_weights)  # [tokens, experts]
+    tiled = flat.repeat(experts, 1).view(experts, -1, hidden)  # [experts, tokens, hidden]
+    gate = _activation(torch.matmul(tiled, layer.experts_gate_weight.transpose(1, 2)), blk.activation)
+    up = torch.matmul(tiled, layer.experts_up_weight.transpose(1, 2))  # [experts, tokens, expert_size]
+    out = torch.matmul(gate * up, layer.experts_down_weight.transpose(1, 2)).view(experts, b, t, hidden)
+    weights = routing.transpose(0, 1).reshape(experts, b, t)[..., None]  # [experts, batch, seq, 1]
+    return (out * weights).sum(dim=0)  # [batch, seq, hidden]
+
+
 def decoder_layer(d: ModelDims, blk: Block, layer: Weights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   mask: torch.Tensor, past_k: torch.Tensor,
                   past_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -149,9 +185,7 @@ def decoder_layer(d: ModelDims, blk: Block, layer: Weights, h: torch.Tensor, cos
         out = rms_norm(out, layer.attn_out_norm, eps, offset)
     h = h + out
     m = rms_norm(h, layer.mlp_norm, eps, offset)
-    gate = _activation(F.linear(m, layer.gate_weight, layer.gate_bias), blk.activation)
-    up = F.linear(m, layer.up_weight, layer.up_bias)
-    out = F.linear(gate * up, layer.down_weight, layer.down_bias)
+    out = experts_mlp(m, layer, d, blk) if d.moe else gated_mlp(m, layer, blk)
     if blk.sandwich_norms:
         out = rms_norm(out, layer.mlp_out_norm, eps, offset)
     return h + out, k, v

@@ -77,6 +77,20 @@ def _split(weight: torch.Tensor, bias: torch.Tensor | None,
     return list(zip(weights, biases, strict=True))
 
 
+def _experts(ckpt: Checkpoint, i: int, stage: StageSpec) -> dict[str, tuple[torch.Tensor, None]]:
+    """Layer ``i``'s router and its experts' gate, up and down weights, each stacked [experts, out, in]."""
+    spec, experts = ckpt.spec, range(ckpt.dims.num_experts)
+    assert spec.router and spec.expert_gate and spec.expert_up and spec.expert_down
+
+    def stacked(template: str) -> torch.Tensor:
+        prefix = template.replace("{i}", str(i))
+        return torch.stack([_load(ckpt, prefix.replace("{e}", str(e)) + ".weight", stage) for e in experts])
+
+    return {"router": (_load(ckpt, spec.router.format(i=i) + ".weight", stage), None),
+            "experts_gate": (stacked(spec.expert_gate), None), "experts_up": (stacked(spec.expert_up), None),
+            "experts_down": (stacked(spec.expert_down), None)}
+
+
 def load_layer(ckpt: Checkpoint, i: int, stage: StageSpec) -> Weights:
     spec, dims = ckpt.spec, ckpt.dims
 
@@ -93,13 +107,16 @@ def load_layer(ckpt: Checkpoint, i: int, stage: StageSpec) -> Weights:
         for key, template in (("q", spec.q_proj), ("k", spec.k_proj), ("v", spec.v_proj)):
             linears[key] = linear(template, dims.attention_bias)
     linears["o"] = linear(spec.o_proj, dims.o_bias)
-    if spec.gate_up_proj:
+    if spec.moe:
+        linears.update(_experts(ckpt, i, stage))
+    elif spec.gate_up_proj:
         parts = _split(*linear(spec.gate_up_proj, dims.mlp_bias), [dims.intermediate_size] * 2)
         linears.update(zip(("gate", "up"), parts, strict=True))
     else:
         linears["gate"] = linear(spec.gate_proj, dims.mlp_bias)
         linears["up"] = linear(spec.up_proj, dims.mlp_bias)
-    linears["down"] = linear(spec.down_proj, dims.mlp_bias)
+    if not spec.moe:
+        linears["down"] = linear(spec.down_proj, dims.mlp_bias)
     return layer_weights(_norms(ckpt, i, stage), linears)
 
 
