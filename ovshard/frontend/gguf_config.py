@@ -72,8 +72,9 @@ def rebuild_config(path: Path, arch: str, family: GGUFFamily, meta: dict[str, An
 
     if key("expert_count", None):  # Mixtral is written as "llama"
         raise UnsupportedArchitectureError(
-            f"{path} is a mixture-of-experts (MoE) model ({key('expert_count')} experts); ovshard compiles dense "
-            "models only for now")
+            f"{path} is a mixture-of-experts (MoE) model ({key('expert_count')} experts); ovshard compiles MoE "
+            "models (qwen3_moe, mixtral) from safetensors checkpoints only: reading GGUF's stacked expert tensors "
+            "(ffn_gate_exps, ffn_up_exps, ffn_down_exps) is not implemented. Start from the safetensors checkpoint.")
     hidden, heads, layers = int(key("embedding_length")), int(key("attention.head_count")), int(key("block_count"))
     head_dim = int(key("attention.key_length", None) or key("rope.dimension_count", None) or hidden // heads)
     kv_heads = key("attention.head_count_kv", heads)
