@@ -83,8 +83,16 @@ def _experts(ckpt: Checkpoint, i: int, stage: StageSpec) -> dict[str, tuple[torc
     assert spec.router and spec.expert_gate and spec.expert_up and spec.expert_down
 
     def stacked(template: str) -> torch.Tensor:
-        prefix = template.replace("{i}", str(i))
-        return torch.stack([_load(ckpt, prefix.replace("{e}", str(e)) + ".weight", stage) for e in experts])
+        """[experts, out, in], filled one expert at a time: one copy of the layer's experts, not two."""
+        names = [template.replace("{i}", str(i)).replace("{e}", str(e)) + ".weight" for e in experts]
+        out: torch.Tensor | None = None
+        for e, name in enumerate(names):
+            weight = _load(ckpt, name, stage)
+            if out is None:
+                out = torch.empty((len(names), *weight.shape), dtype=weight.dtype)
+            out[e] = weight
+        assert out is not None
+        return out
 
     return {"router": (_load(ckpt, spec.router.format(i=i) + ".weight", stage), None),
             "experts_gate": (stacked(spec.expert_gate), None), "experts_up": (stacked(spec.expert_up), None),
