@@ -16,7 +16,8 @@ power-of-two group that divides them, or INT8 when none does (NNCF's ADJUST fall
 
 A mixture of experts' stacked expert weights ([experts, out, in]) are compressed like any MatMul weight:
 NNCF groups each expert's rows on its own, and the CPU plugin's GatherMatmul reads them compressed. The
-router ([experts, hidden], a fraction of a percent of a layer) stays f32 in every format, as llama.cpp keeps
+router ([experts, hidden], a fraction of a percent of a layer) and a shared expert's one-output gate stay f32
+in every format, as llama.cpp keeps
 its ``ffn_gate_inp``: its top-k is a discrete choice that a quantization error near a tie would flip.
 
 The default format and why it was chosen: ``ovshard.bundle.weights``.
@@ -45,7 +46,7 @@ _COMPRESSED_TYPES = {ov.Type.u4, ov.Type.i4, ov.Type.u8, ov.Type.i8, ov.Type.f16
 _MIN_WEIGHT_ELEMENTS = 1024  # smaller constants (norms, shapes, tables) are never compressed
 
 
-_ROUTER_WEIGHT = re.compile(r"layers\.\d+\.router_weight$")
+_ROUTER_WEIGHT = re.compile(r"layers\.\d+\.(shared_)?router_weight$")
 
 
 def router_ops(model: ov.Model) -> list[str]:
@@ -77,7 +78,9 @@ def weight_ops(model: ov.Model) -> list[ov.Node]:
             and op.input_value(0 if op.get_type_name() == "Gather" else 1).get_node().get_friendly_name() in weights]
 
 
-_DECODER_WEIGHT = re.compile(r"layers\.(\d+)\.(q|k|v|o|gate|up|down|experts_gate|experts_up|experts_down)_weight$")
+_DECODER_WEIGHT = re.compile(
+    r"layers\.(\d+)\.(q|k|v|o|gate|up|down|experts_gate|experts_up|experts_down|shared_gate|shared_up|shared_down)"
+    r"_weight$")
 
 
 def backup_ops(model: ov.Model, ctx: PassContext, fmt: WeightFormat) -> set[str]:

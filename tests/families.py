@@ -18,6 +18,7 @@ from transformers import (
     Phi3Config,
     PretrainedConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
 )
@@ -134,6 +135,15 @@ def _qwen3_moe_top4() -> PretrainedConfig:
                           tie_word_embeddings=True, max_position_embeddings=128, rope_parameters=ROPE)
 
 
+def _qwen2_moe() -> PretrainedConfig:
+    # q/k/v biases; 6 experts of 24, top-2 not renormalized, plus a shared expert of 40 behind its sigmoid gate
+    return Qwen2MoeConfig(vocab_size=320, eos_token_id=319, hidden_size=48, intermediate_size=96,
+                          moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=6,
+                          num_experts_per_tok=2, norm_topk_prob=False, num_hidden_layers=3, num_attention_heads=4,
+                          num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=128,
+                          rope_parameters=ROPE)
+
+
 def _mixtral() -> PretrainedConfig:
     # Mixtral's block: 4 experts of 48 (w1/w3/w2), top-2 always renormalized; GQA 4:1; every layer slides over 8
     return MixtralConfig(vocab_size=300, eos_token_id=299, hidden_size=64, intermediate_size=48, num_local_experts=4,
@@ -153,6 +163,7 @@ FAMILIES: dict[str, Family] = {
     "gemma3": Family(_gemma3_multimodal, embed_std=SEED_STD / 8, seed=2),  # seed 0 emits the image token
     "qwen3_moe": Family(_qwen3_moe),
     "qwen3_moe_top4": Family(_qwen3_moe_top4),
+    "qwen2_moe": Family(_qwen2_moe, seed=1),
     "mixtral": Family(_mixtral),
 }
 

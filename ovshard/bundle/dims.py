@@ -31,6 +31,7 @@ class ModelDims:
     num_experts: int = 0
     experts_per_token: int = 0
     expert_size: int = 0
+    shared_expert_size: int = 0  # an expert every token runs, gated by sigmoid(x . w) (Qwen2-MoE); 0: none
 
     @property
     def moe(self) -> bool:

@@ -21,7 +21,6 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DYNAMIC_ROPE_TYPES = ("dynamic",)
 # mixture-of-experts families the table does not hold, refused by name with what each would need
 UNSUPPORTED_MOE = {
-    "qwen2_moe": "a shared expert beside the routed ones, gated by its own sigmoid (shared_expert_gate)",
     "deepseek_v2": "multi-head latent attention (MLA: low-rank compressed K/V) and grouped top-k routing",
     "deepseek_v3": "multi-head latent attention (MLA: low-rank compressed K/V), sigmoid routing with a score "
                    "correction bias and shared experts",
@@ -99,6 +98,11 @@ class ArchSpec:
     expert_size_key: str = "intermediate_size"  # the config key of one expert's intermediate size
     # the config key saying whether the top-k routing weights are renormalized to sum to 1; None: always
     norm_topk_key: str | None = None
+    # a shared expert every token runs (Qwen2-MoE): a gated MLP's prefix over {i}, its sigmoid gate's [1, hidden]
+    # weight prefix, and the config key of its intermediate size
+    shared_expert: str | None = None
+    shared_expert_gate: str | None = None
+    shared_expert_size_key: str = "shared_expert_intermediate_size"
 
     @property
     def moe(self) -> bool:
@@ -191,6 +195,10 @@ QWEN3_MOE = replace(QWEN3, family="qwen3_moe", model_types=("qwen3_moe",),
                     expert_down="model.layers.{i}.mlp.experts.{e}.down_proj",
                     experts_keys=("num_experts", "num_local_experts"), expert_size_key="moe_intermediate_size",
                     norm_topk_key="norm_topk_prob")
+QWEN2_MOE = replace(QWEN3_MOE, family="qwen2_moe", model_types=("qwen2_moe",), q_norm=None, k_norm=None,
+                    qkv_bias=True, o_bias=False, wires=_QWEN_SLIDING,
+                    shared_expert="model.layers.{i}.mlp.shared_expert",
+                    shared_expert_gate="model.layers.{i}.mlp.shared_expert_gate")
 MIXTRAL = replace(MISTRAL, family="mixtral", model_types=("mixtral",),
                   router="model.layers.{i}.block_sparse_moe.gate",
                   expert_gate="model.layers.{i}.block_sparse_moe.experts.{e}.w1",
@@ -198,7 +206,7 @@ MIXTRAL = replace(MISTRAL, family="mixtral", model_types=("mixtral",),
                   expert_down="model.layers.{i}.block_sparse_moe.experts.{e}.w2",
                   experts_keys=("num_local_experts",), expert_size_key="intermediate_size")
 
-FAMILIES = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3_TEXT, GEMMA3, QWEN3_MOE, MIXTRAL)
+FAMILIES = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3_TEXT, GEMMA3, QWEN3_MOE, QWEN2_MOE, MIXTRAL)
 ARCHITECTURES: dict[str, ArchSpec] = {t: spec for spec in FAMILIES for t in spec.model_types}
 
 
@@ -213,7 +221,7 @@ def arch_for(config: dict[str, Any]) -> ArchSpec:
             needs = UNSUPPORTED_MOE.get(model_type, "its routing and expert layout described as a family")
             raise UnsupportedArchitectureError(
                 f"config.json has model_type={model_type!r}, a mixture-of-experts (MoE) model ovshard does not "
-                f"compile yet: it would need {needs}. Supported: {supported} (MoE: qwen3_moe, mixtral)."
+                f"compile yet: it would need {needs}. Supported: {supported} (MoE: qwen2_moe, qwen3_moe, mixtral)."
             )
         raise UnsupportedArchitectureError(
             f"config.json has model_type={model_type!r}; ovshard supports: {supported}. A new family needs an "
@@ -319,7 +327,9 @@ def _expert_dims(spec: ArchSpec, config: dict[str, Any]) -> dict[str, int]:
     experts, per_token = int(count), int(config["num_experts_per_tok"])
     if not 0 < per_token <= experts:
         raise CheckpointError(f"num_experts_per_tok={per_token} must be between 1 and the {experts} experts")
-    return {"num_experts": experts, "experts_per_token": per_token, "expert_size": int(config[spec.expert_size_key])}
+    shared = int(config[spec.shared_expert_size_key]) if spec.shared_expert else 0
+    return {"num_experts": experts, "experts_per_token": per_token, "expert_size": int(config[spec.expert_size_key]),
+            "shared_expert_size": shared}
 
 
 def _optional_float(value: Any) -> float | None:
@@ -333,8 +343,11 @@ def linear_shapes(dims: ModelDims) -> dict[str, tuple[int, int]]:
     attention = {"q": (q_out, hidden), "k": (kv_out, hidden), "v": (kv_out, hidden), "o": (hidden, q_out)}
     if dims.moe:  # every expert's matrix stacked: [experts * out, in]; the router stays float (not listed)
         experts, size = dims.num_experts, dims.expert_size
+        shared = dims.shared_expert_size
+        shared_linears = {"shared_gate": (shared, hidden), "shared_up": (shared, hidden),
+                          "shared_down": (hidden, shared)} if shared else {}
         return {**attention, "experts_gate": (experts * size, hidden), "experts_up": (experts * size, hidden),
-                "experts_down": (experts * hidden, size)}
+                "experts_down": (experts * hidden, size), **shared_linears}
     return {**attention, "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
 
 
@@ -372,7 +385,8 @@ def layer_tensors(spec: ArchSpec, dims: ModelDims, i: int) -> dict[str, tuple[in
 
 
 def _expert_linears(spec: ArchSpec, dims: ModelDims) -> dict[str, tuple[int, int, bool]]:
-    """The router and every expert's gate, up and down projection (templates over {i}; no biases)."""
+    """The router, every expert's gate, up and down projection and a shared expert with its gate (templates over
+    {i}; no biases)."""
     assert spec.router and spec.expert_gate and spec.expert_up and spec.expert_down
     hidden, size = dims.hidden_size, dims.expert_size
     linear = {spec.router: (dims.num_experts, hidden, False)}
@@ -380,6 +394,12 @@ def _expert_linears(spec: ArchSpec, dims: ModelDims) -> dict[str, tuple[int, int
         linear[spec.expert_gate.replace("{e}", str(e))] = (size, hidden, False)
         linear[spec.expert_up.replace("{e}", str(e))] = (size, hidden, False)
         linear[spec.expert_down.replace("{e}", str(e))] = (hidden, size, False)
+    if spec.shared_expert and spec.shared_expert_gate:
+        shared = dims.shared_expert_size
+        linear[spec.shared_expert + ".gate_proj"] = (shared, hidden, False)
+        linear[spec.shared_expert + ".up_proj"] = (shared, hidden, False)
+        linear[spec.shared_expert + ".down_proj"] = (hidden, shared, False)
+        linear[spec.shared_expert_gate] = (1, hidden, False)
     return linear
 
 

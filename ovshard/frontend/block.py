@@ -47,6 +47,7 @@ UNWIRED: dict[str, tuple[Any, ...]] = {
     # Qwen MoE: layers listed here (or off the sparse step) would hold a dense MLP instead of experts
     "mlp_only_layers": (None, []),
     "decoder_sparse_step": (None, 1),
+    "qkv_bias": (None, True),  # Qwen2-MoE's switch for q, k, v biases: ovshard's qwen2_moe is always biased
 }
 ALWAYS_REFUSED: dict[str, tuple[Any, ...]] = {  # no family implements these
     "use_bidirectional_attention": (None, False),

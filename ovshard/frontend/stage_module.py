@@ -127,10 +127,12 @@ def _activation(x: torch.Tensor, kind: str) -> torch.Tensor:
     return F.gelu(x, approximate="tanh" if kind == "gelu_tanh" else "none")
 
 
-def gated_mlp(m: torch.Tensor, layer: Weights, blk: Block) -> torch.Tensor:
-    """The dense MLP: down(act(gate(m)) * up(m))."""
-    gate = _activation(F.linear(m, layer.gate_weight, layer.gate_bias), blk.activation)
-    return F.linear(gate * F.linear(m, layer.up_weight, layer.up_bias), layer.down_weight, layer.down_bias)
+def gated_mlp(m: torch.Tensor, layer: Weights, blk: Block, prefix: str = "") -> torch.Tensor:
+    """The dense MLP: down(act(gate(m)) * up(m)), of the weights ``{prefix}gate_weight`` ..."""
+    w = {key: getattr(layer, f"{prefix}{key}") for key in ("gate_weight", "gate_bias", "up_weight", "up_bias",
+                                                            "down_weight", "down_bias")}
+    gate = _activation(F.linear(m, w["gate_weight"], w["gate_bias"]), blk.activation)
+    return F.linear(gate * F.linear(m, w["up_weight"], w["up_bias"]), w["down_weight"], w["down_bias"])
 
 
 def experts_mlp(m: torch.Tensor, layer: Weights, d: ModelDims, blk: Block) -> torch.Tensor:
@@ -143,6 +145,8 @@ def experts_mlp(m: torch.Tensor, layer: Weights, d: ModelDims, blk: Block) -> to
     Reshape, three MatMuls with transposed weights, Swish * up, Reshape; ScatterElementsUpdate -> Transpose
     -> Reshape -> Unsqueeze; Multiply, ReduceSum) and turns the MatMuls into GatherMatmul ops that read the
     top-k experts' weights only: the dense math here is what the graph means, not what the plugin runs.
+    A shared expert (``d.shared_expert_size``), which every token runs, is added after, scaled by the
+    sigmoid of its own one-output gate.
     """
     b, t, hidden = m.shape
     experts = d.num_experts
@@ -158,7 +162,10 @@ def experts_mlp(m: torch.Tensor, layer: Weights, d: ModelDims, blk: Block) -> to
     up = torch.matmul(tiled, layer.experts_up_weight.transpose(1, 2))  # [experts, tokens, expert_size]
     out = torch.matmul(gate * up, layer.experts_down_weight.transpose(1, 2)).view(experts, b, t, hidden)
     weights = routing.transpose(0, 1).reshape(experts, b, t)[..., None]  # [experts, batch, seq, 1]
-    return (out * weights).sum(dim=0)  # [batch, seq, hidden]
+    routed = (out * weights).sum(dim=0)  # [batch, seq, hidden]
+    if not d.shared_expert_size:
+        return routed
+    return routed + torch.sigmoid(F.linear(m, layer.shared_router_weight)) * gated_mlp(m, layer, blk, "shared_")
 
 
 def decoder_layer(d: ModelDims, blk: Block, layer: Weights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -94,9 +94,16 @@ def _experts(ckpt: Checkpoint, i: int, stage: StageSpec) -> dict[str, tuple[torc
         assert out is not None
         return out
 
-    return {"router": (_load(ckpt, spec.router.format(i=i) + ".weight", stage), None),
-            "experts_gate": (stacked(spec.expert_gate), None), "experts_up": (stacked(spec.expert_up), None),
-            "experts_down": (stacked(spec.expert_down), None)}
+    found: dict[str, tuple[torch.Tensor, None]] = {
+        "router": (_load(ckpt, spec.router.format(i=i) + ".weight", stage), None),
+        "experts_gate": (stacked(spec.expert_gate), None), "experts_up": (stacked(spec.expert_up), None),
+        "experts_down": (stacked(spec.expert_down), None)}
+    if spec.shared_expert and spec.shared_expert_gate:
+        shared = spec.shared_expert.format(i=i)
+        for key in ("gate", "up", "down"):
+            found[f"shared_{key}"] = (_load(ckpt, f"{shared}.{key}_proj.weight", stage), None)
+        found["shared_router"] = (_load(ckpt, spec.shared_expert_gate.format(i=i) + ".weight", stage), None)
+    return found
 
 
 def load_layer(ckpt: Checkpoint, i: int, stage: StageSpec) -> Weights:
