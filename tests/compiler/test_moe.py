@@ -1,7 +1,8 @@
 """Mixtures of experts beyond exactness (tests/compiler/test_families.py proves the fp32 rows against HF): the
 default INT4 compile keeps the router f32 and each expert INT4 while the CPU plugin still reads only the routed
-experts; the planner counts a layer's memory by all its experts and its step by the routed ones; and a cut of
-the Qwen3-30B-A3B preset (its 128 experts, top 8) compiles from ``ovshard synth``."""
+experts; the planner counts a layer's memory by all its experts and its step by the routed ones; a cut of
+the Qwen3-30B-A3B preset (its 128 experts, top 8) compiles from ``ovshard synth``; and speculative decoding
+over stage worker processes runs an MoE bundle unchanged."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import openvino as ov
 import pytest
+from conftest import compile_fp32
 from families import FAMILIES, write_random_checkpoint
 
 from ovshard.bundle.manifest import read_manifest
@@ -19,6 +21,13 @@ from ovshard.cli import main
 from ovshard.compile import CompileConfig, compile_bundle
 from ovshard.frontend.description import describe
 from ovshard.plan.costs import bytes_per_weight, model_costs
+from ovshard.runtime.client.head import Head
+from ovshard.runtime.client.inprocess import LocalPipeline
+from ovshard.runtime.client.launch import local_workers
+from ovshard.runtime.decoding.decode import Stats
+from ovshard.runtime.decoding.speculative import make_speculation
+from ovshard.runtime.engine.sampler import SamplingConfig
+from ovshard.runtime.engine.stage import EXACT_HINTS
 from ovshard.tools.shapes import preset
 from ovshard.tools.synth import with_layers
 from ovshard.verify.fusion import GATHER_MATMULS_PER_MOE_LAYER, check_cpu_fusion
@@ -84,3 +93,23 @@ def test_a_one_layer_cut_of_qwen3_30b_a3b_compiles_with_its_experts_gathered(tmp
     weights = _weight_types(tmp_path / "b" / manifest.stages[0].model_xml)
     assert weights["0.router_weight"] == ("f32", [128, 256])
     assert math.prod(weights["0.experts_gate_weight"][1]) == 128 * 64 * 256
+
+
+@pytest.mark.slow
+def test_speculative_greedy_over_worker_processes_equals_plain_greedy(tmp_path: Path) -> None:
+    """A 2-stage fp32 Qwen3-MoE bundle over `ovshard serve` processes: plain and prompt-lookup greedy (K=3,
+    rewinds by mask) give the one-stage in-process greedy tokens, which test_families ties to HF."""
+    checkpoint = write_random_checkpoint(FAMILIES["qwen3_moe"], tmp_path / "ckpt")
+    one, two = compile_fp32(checkpoint, tmp_path / "b1", stages=1), compile_fp32(checkpoint, tmp_path / "b2", stages=2)
+    prompt, config = [2, 17, 42, 17, 42, 17, 42], SamplingConfig(max_tokens=40)
+    plain = list(LocalPipeline(one, config=EXACT_HINTS).generate(prompt, config))
+    with local_workers(two, exact=True) as addresses:
+        head = Head(two, addresses)
+        try:
+            assert list(head.generate(prompt, config)) == plain
+            stats = Stats()
+            speculation = make_speculation("prompt-lookup", 3, read_manifest(two), config=EXACT_HINTS)
+            assert list(head.generate(prompt, config, stats, speculation)) == plain
+            assert stats.drafted > 0
+        finally:
+            head.close()
