@@ -13,6 +13,7 @@ from transformers import (
     Gemma2Config,
     Gemma3Config,
     Gemma3TextConfig,
+    GptOssConfig,
     MistralConfig,
     MixtralConfig,
     Phi3Config,
@@ -144,6 +145,18 @@ def _qwen2_moe() -> PretrainedConfig:
                           rope_parameters=ROPE)
 
 
+def _gpt_oss() -> PretrainedConfig:
+    # attention sinks; q/k/v/o biased; sliding (8) and full layers; yarn rope; 4 experts, top-2 by logit then a
+    # softmax over those two; biased router; clamped SwiGLU with a limit (0.6) low enough to clamp here
+    return GptOssConfig(vocab_size=320, eos_token_id=319, hidden_size=64, intermediate_size=32, num_local_experts=4,
+                        num_experts_per_tok=2, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, sliding_window=8, layer_types=[SLIDING, FULL, SLIDING], swiglu_limit=0.6,
+                        tie_word_embeddings=False, max_position_embeddings=4096,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                         "original_max_position_embeddings": 128})
+
+
 def _mixtral() -> PretrainedConfig:
     # Mixtral's block: 4 experts of 48 (w1/w3/w2), top-2 always renormalized; GQA 4:1; every layer slides over 8
     return MixtralConfig(vocab_size=300, eos_token_id=299, hidden_size=64, intermediate_size=48, num_local_experts=4,
@@ -165,6 +178,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe_top4": Family(_qwen3_moe_top4),
     "qwen2_moe": Family(_qwen2_moe, seed=1),
     "mixtral": Family(_mixtral),
+    "gpt_oss": Family(_gpt_oss, max_positions=256, explicit_attention=True, seed=3),
 }
 
 

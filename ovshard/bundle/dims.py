@@ -31,7 +31,9 @@ class ModelDims:
     num_experts: int = 0
     experts_per_token: int = 0
     expert_size: int = 0
-    shared_expert_size: int = 0  # an expert every token runs, gated by sigmoid(x . w) (Qwen2-MoE); 0: none
+    shared_expert_size: int = 0
+    expert_projections: int = 0  # an expert's weight matrices: 3 (gate, up, down) or 2 (gate and up fused, down)
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax (no SDPA op form)  # an expert every token runs, gated by sigmoid(x . w) (Qwen2-MoE); 0: none
 
     @property
     def moe(self) -> bool:

@@ -26,8 +26,6 @@ UNSUPPORTED_MOE = {
                    "correction bias and shared experts",
     "phimoe": "sparsemixer routing (a different top-2 selection than softmax top-k)",
     "olmoe": "q/k norms over the whole projection (not per head) with its MoE block",
-    "gpt_oss": "attention sinks, a biased router with softmax over the top-k, clamped SwiGLU with biases, and "
-               "alternating sliding/full attention",
     "llama4": "interleaved chunked/no-rope attention layers and a shared expert with sigmoid routing",
     "llama4_text": "interleaved chunked/no-rope attention layers and a shared expert with sigmoid routing",
     "granitemoe": "Granite's embedding/residual/attention/logit multipliers with its MoE block",
@@ -103,6 +101,12 @@ class ArchSpec:
     shared_expert: str | None = None
     shared_expert_gate: str | None = None
     shared_expert_size_key: str = "shared_expert_intermediate_size"
+    # gpt-oss: every expert stored in 3-D tensors under this prefix over {i}: gate_up_proj [E, hidden, 2 * size]
+    # (gate and up interleaved), down_proj [E, size, hidden], each with a bias; None: one 2-D matrix an expert
+    stacked_experts: str | None = None
+    router_bias: bool = False  # the router has a bias
+    topk_softmax: bool = False  # softmax over the top-k logits (gpt-oss), not top-k of a softmax over all
+    sinks: str | None = None  # a learned attention-sink logit per head, a tensor over {i} (gpt-oss)
 
     @property
     def moe(self) -> bool:
@@ -199,6 +203,12 @@ QWEN2_MOE = replace(QWEN3_MOE, family="qwen2_moe", model_types=("qwen2_moe",), q
                     qkv_bias=True, o_bias=False, wires=_QWEN_SLIDING,
                     shared_expert="model.layers.{i}.mlp.shared_expert",
                     shared_expert_gate="model.layers.{i}.mlp.shared_expert_gate")
+GPT_OSS = ArchSpec(
+    family="gpt_oss", model_types=("gpt_oss",), **_names(), wires=_SLIDING | {"swiglu_alpha", "swiglu_limit"},
+    router="model.layers.{i}.mlp.router", stacked_experts="model.layers.{i}.mlp.experts",
+    experts_keys=("num_local_experts",), expert_size_key="intermediate_size", router_bias=True, topk_softmax=True,
+    sinks="model.layers.{i}.self_attn.sinks",
+)
 MIXTRAL = replace(MISTRAL, family="mixtral", model_types=("mixtral",),
                   router="model.layers.{i}.block_sparse_moe.gate",
                   expert_gate="model.layers.{i}.block_sparse_moe.experts.{e}.w1",
@@ -206,7 +216,7 @@ MIXTRAL = replace(MISTRAL, family="mixtral", model_types=("mixtral",),
                   expert_down="model.layers.{i}.block_sparse_moe.experts.{e}.w2",
                   experts_keys=("num_local_experts",), expert_size_key="intermediate_size")
 
-FAMILIES = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3_TEXT, GEMMA3, QWEN3_MOE, QWEN2_MOE, MIXTRAL)
+FAMILIES = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3_TEXT, GEMMA3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, GPT_OSS)
 ARCHITECTURES: dict[str, ArchSpec] = {t: spec for spec in FAMILIES for t in spec.model_types}
 
 
@@ -221,7 +231,8 @@ def arch_for(config: dict[str, Any]) -> ArchSpec:
             needs = UNSUPPORTED_MOE.get(model_type, "its routing and expert layout described as a family")
             raise UnsupportedArchitectureError(
                 f"config.json has model_type={model_type!r}, a mixture-of-experts (MoE) model ovshard does not "
-                f"compile yet: it would need {needs}. Supported: {supported} (MoE: qwen2_moe, qwen3_moe, mixtral)."
+                f"compile yet: it would need {needs}. Supported: {supported} (MoE: gpt_oss, mixtral, qwen2_moe, "
+                "qwen3_moe)."
             )
         raise UnsupportedArchitectureError(
             f"config.json has model_type={model_type!r}; ovshard supports: {supported}. A new family needs an "
@@ -304,6 +315,7 @@ def read_dims(spec: ArchSpec, config: dict[str, Any]) -> ModelDims:
             rope_theta=float(rope["rope_theta"]),
             o_bias=attention_bias if spec.o_bias is None else spec.o_bias,
             attention_softcap=_optional_float(config.get("attn_logit_softcapping")),
+            attention_sinks=spec.sinks is not None,
             **_expert_dims(spec, config),
         )
     except KeyError as e:
@@ -329,7 +341,7 @@ def _expert_dims(spec: ArchSpec, config: dict[str, Any]) -> dict[str, int]:
         raise CheckpointError(f"num_experts_per_tok={per_token} must be between 1 and the {experts} experts")
     shared = int(config[spec.shared_expert_size_key]) if spec.shared_expert else 0
     return {"num_experts": experts, "experts_per_token": per_token, "expert_size": int(config[spec.expert_size_key]),
-            "shared_expert_size": shared}
+            "shared_expert_size": shared, "expert_projections": 2 if spec.stacked_experts else 3}
 
 
 def _optional_float(value: Any) -> float | None:
@@ -343,6 +355,9 @@ def linear_shapes(dims: ModelDims) -> dict[str, tuple[int, int]]:
     attention = {"q": (q_out, hidden), "k": (kv_out, hidden), "v": (kv_out, hidden), "o": (hidden, q_out)}
     if dims.moe:  # every expert's matrix stacked: [experts * out, in]; the router stays float (not listed)
         experts, size = dims.num_experts, dims.expert_size
+        if ARCHITECTURES[dims.model_type].stacked_experts:  # gpt-oss: gate and up in one matrix, interleaved
+            return {**attention, "experts_gate_up": (experts * 2 * size, hidden),
+                    "experts_down": (experts * hidden, size)}
         shared = dims.shared_expert_size
         shared_linears = {"shared_gate": (shared, hidden), "shared_up": (shared, hidden),
                           "shared_down": (hidden, shared)} if shared else {}
@@ -381,15 +396,33 @@ def layer_tensors(spec: ArchSpec, dims: ModelDims, i: int) -> dict[str, tuple[in
         shapes[prefix.format(i=i) + ".weight"] = (out_f, in_f)
         if bias:
             shapes[prefix.format(i=i) + ".bias"] = (out_f,)
+    shapes.update(_stacked_expert_tensors(spec, dims, i))
+    return shapes
+
+
+def _stacked_expert_tensors(spec: ArchSpec, dims: ModelDims, i: int) -> dict[str, tuple[int, ...]]:
+    """gpt-oss's 3-D expert tensors and its attention sinks (nothing for other families)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    if spec.stacked_experts:
+        experts, hidden, size, prefix = dims.num_experts, dims.hidden_size, dims.expert_size, spec.stacked_experts
+        prefix = prefix.format(i=i)
+        shapes |= {f"{prefix}.gate_up_proj": (experts, hidden, 2 * size),
+                   f"{prefix}.gate_up_proj_bias": (experts, 2 * size),
+                   f"{prefix}.down_proj": (experts, size, hidden), f"{prefix}.down_proj_bias": (experts, hidden)}
+    if spec.sinks:
+        shapes[spec.sinks.format(i=i)] = (dims.num_heads,)
     return shapes
 
 
 def _expert_linears(spec: ArchSpec, dims: ModelDims) -> dict[str, tuple[int, int, bool]]:
     """The router, every expert's gate, up and down projection and a shared expert with its gate (templates over
     {i}; no biases)."""
-    assert spec.router and spec.expert_gate and spec.expert_up and spec.expert_down
+    assert spec.router
     hidden, size = dims.hidden_size, dims.expert_size
-    linear = {spec.router: (dims.num_experts, hidden, False)}
+    linear = {spec.router: (dims.num_experts, hidden, spec.router_bias)}
+    if spec.stacked_experts:
+        return linear
+    assert spec.expert_gate and spec.expert_up and spec.expert_down
     for e in range(dims.num_experts):
         linear[spec.expert_gate.replace("{e}", str(e))] = (size, hidden, False)
         linear[spec.expert_up.replace("{e}", str(e))] = (size, hidden, False)

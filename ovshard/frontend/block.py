@@ -74,6 +74,12 @@ class Block:
     # mixture of experts: the top-k routing weights (softmax over all experts, then the top k) are divided by
     # their sum (Mixtral always; Qwen3-MoE when norm_topk_prob)
     norm_topk: bool = False
+    topk_softmax: bool = False  # the routing weights are a softmax over the top-k logits (gpt-oss)
+    # gpt-oss's clamped SwiGLU: gate = min(gate, limit), up = clamp(up, -limit, limit) + 1,
+    # out = up * gate * sigmoid(alpha * gate); None: the plain gated MLP
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
+    attention_sinks: bool = False  # a learned logit per head joins each attention softmax (no SDPA op form)
 
     def mask_kind(self, layer: int) -> str:
         return self.layer_types[layer]
@@ -175,7 +181,12 @@ def read_block(spec: ArchSpec, config: dict[str, Any], dims: ModelDims) -> Block
         sliding_window=None if window is None or SLIDING not in layer_types else int(window),
         layer_types=layer_types,
         rope_keys=rope_keys,
-        norm_topk=spec.moe and (spec.norm_topk_key is None or bool(config.get(spec.norm_topk_key, False))),
+        norm_topk=spec.moe and not spec.topk_softmax and (spec.norm_topk_key is None
+                                                          or bool(config.get(spec.norm_topk_key, False))),
+        topk_softmax=spec.topk_softmax,
+        swiglu_limit=float(config["swiglu_limit"]) if "swiglu_limit" in spec.wires else None,
+        swiglu_alpha=float(config.get("swiglu_alpha", 1.0)),
+        attention_sinks=dims.attention_sinks,
     )
 
 

@@ -82,6 +82,12 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                   "decoder_sparse_step": 1, "mlp_only_layers": [], "moe_intermediate_size": 32, "norm_topk_prob": True,
                   "num_local_experts": 8, "num_experts_per_tok": 2, "output_router_logits": False,
                   "router_aux_loss_coef": 0.001},
+    "gpt_oss": {**_common("GptOssForCausalLM", "gpt_oss"), "attention_bias": True, "head_dim": 16,
+                "layer_types": [SLIDING, FULL] * 2, "num_experts_per_tok": 2, "num_local_experts": 4,
+                "output_router_logits": False, "rms_norm_eps": 1e-5, "router_aux_loss_coef": 0.9, "sliding_window": 8,
+                "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+                "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}},
     "mixtral": {**_common("MixtralForCausalLM", "mixtral"), "head_dim": 16, "num_experts_per_tok": 2,
                 "num_local_experts": 4, "output_router_logits": False, "router_aux_loss_coef": 0.001,
                 "router_jitter_noise": 0.0, "sliding_window": None},
@@ -250,6 +256,15 @@ SHAPES: dict[str, dict[str, Any]] = {
         head_dim=128, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
         max_position_embeddings=32768, rms_norm_eps=1e-5, router_aux_loss_coef=0.02, initializer_range=0.02,
         dtype=BF16, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "gpt-oss-20b": family_config(  # 32 experts of 2880, 4 routed a token: 20.9B parameters (stored here in bf16;
+        # the release stores its experts in MXFP4, which ovshard refuses until dequantized)
+        "gpt_oss", hidden_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=64, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
+        max_position_embeddings=131072, sliding_window=128, layer_types=[SLIDING, FULL] * 12,
+        bos_token_id=199998, eos_token_id=200002, pad_token_id=199999, initializer_range=0.02, dtype=BF16,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
     ),
 }  # fmt: skip
 

@@ -21,7 +21,7 @@ import openvino as ov
 
 from ovshard.bundle.manifest import Manifest, read_manifest, verify_files
 from ovshard.errors import ConfigError
-from ovshard.verify.fusion import GATHER_MATMULS_PER_MOE_LAYER, explicit_attention_layers, runtime_fusion
+from ovshard.verify.fusion import explicit_attention_layers, runtime_fusion
 from ovshard.verify.rows import Row
 
 
@@ -78,12 +78,12 @@ def runtime_rows(bundle: Path, m: Manifest, device: str, core: ov.Core) -> list[
         compiled = core.compile_model(str(bundle / entry.model_xml), device)
         layers = entry.layers[1] - entry.layers[0]
         fusion = runtime_fusion(compiled, entry.index, layers, explicit_attention_layers(m, layers),
-                                layers if m.architecture.moe else 0)
+                                layers if m.architecture.moe else 0, m.architecture.expert_projections)
         rows.append(Row(entry.index, "KV-fused SDPA (beam_idx + 2 MemoryInput)", str(fusion.expected_fused),
                         str(fusion.fused_sdpa), _verdict(fusion.fused_sdpa == fusion.expected_fused)))
         if fusion.moe_layers:
             rows.append(Row(entry.index, "experts as GatherMatmul (reading only the routed experts)",
-                            str(GATHER_MATMULS_PER_MOE_LAYER * fusion.moe_layers), str(fusion.gather_matmuls),
+                            str(fusion.expected_gather_matmuls), str(fusion.gather_matmuls),
                             _verdict(fusion.experts_gathered)))
         if fusion.explicit_layers:
             rows.append(Row(entry.index, "explicit attention (soft-capped scores have no SDPA form)",

@@ -30,7 +30,6 @@ from transformers import (
     DbrxConfig,
     DeepseekV3Config,
     GPTNeoXConfig,
-    GptOssConfig,
     JambaConfig,
     Llama4TextConfig,
     Phi3Config,
@@ -40,6 +39,7 @@ from transformers import (
 from ovshard.bundle.manifest import read_manifest
 from ovshard.errors import ConfigError, UnsupportedArchitectureError
 from ovshard.frontend.arch import UNSUPPORTED_MOE, arch_for
+from ovshard.frontend.description import describe
 from ovshard.runtime.client.inprocess import LocalPipeline
 from ovshard.runtime.engine.stage import EXACT_HINTS
 from ovshard.verify.fusion import check_cpu_fusion
@@ -227,7 +227,7 @@ def test_unknown_family_error_lists_the_supported_ones() -> None:
     assert not missing, f"the message does not list {missing}: {message}"
 
 
-UNSUPPORTED_MOE_CONFIGS = [DeepseekV3Config, GptOssConfig, Llama4TextConfig, JambaConfig, DbrxConfig]
+UNSUPPORTED_MOE_CONFIGS = [DeepseekV3Config, Llama4TextConfig, JambaConfig, DbrxConfig]
 
 
 @pytest.mark.parametrize("config", UNSUPPORTED_MOE_CONFIGS, ids=[c.model_type for c in UNSUPPORTED_MOE_CONFIGS])
@@ -238,3 +238,11 @@ def test_unsupported_mixture_of_experts_is_refused_by_name(config: type[Pretrain
     message = str(e.value)
     assert config.model_type in message and "mixture-of-experts" in message, message
     assert f"would need {UNSUPPORTED_MOE[config.model_type]}" in message, message
+
+
+def test_a_prequantized_checkpoint_is_refused_naming_its_method() -> None:
+    """gpt-oss as released (MXFP4 experts, quantization_config) is refused, saying how to dequantize first."""
+    config = {**FAMILIES["gpt_oss"].config().to_dict(), "quantization_config": {"quant_method": "mxfp4"}}
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        describe(config)
+    assert "quant_method='mxfp4'" in str(e.value) and "dequantize" in str(e.value).lower(), str(e.value)

@@ -30,7 +30,7 @@ from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.engine.stage import EXACT_HINTS
 from ovshard.tools.shapes import preset
 from ovshard.tools.synth import with_layers
-from ovshard.verify.fusion import GATHER_MATMULS_PER_MOE_LAYER, check_cpu_fusion
+from ovshard.verify.fusion import check_cpu_fusion
 
 
 def _weight_types(xml: Path) -> dict[str, tuple[str, list[int]]]:
@@ -51,7 +51,7 @@ def test_int4_compile_keeps_the_router_f32_and_gathers_int4_experts(tmp_path: Pa
     assert manifest.weights.mode.startswith("int4")
     reports = check_cpu_fusion(tmp_path / "b", manifest)
     found = [(r.stage, r.moe_layers, r.gather_matmuls, r.fused_sdpa) for r in reports]
-    assert all(r.ok and r.gather_matmuls == GATHER_MATMULS_PER_MOE_LAYER * r.layers for r in reports), found
+    assert all(r.ok and r.gather_matmuls == 3 * r.layers for r in reports), found  # gate, up, down a layer
     weights = _weight_types(tmp_path / "b" / manifest.stages[0].model_xml)
     assert weights["0.router_weight"] == ("f32", [8, 64])
     int8_kept = set(manifest.weights.int8_weights)
@@ -89,7 +89,7 @@ def test_a_one_layer_cut_of_qwen3_30b_a3b_compiles_with_its_experts_gathered(tmp
     assert describe(config).dims.num_experts == 128 and describe(config).dims.experts_per_token == 8
     manifest = compile_bundle(CompileConfig(tmp_path / "ckpt", tmp_path / "b", stages=1))
     (report,) = check_cpu_fusion(tmp_path / "b", read_manifest(tmp_path / "b"))
-    assert report.ok and report.gather_matmuls == GATHER_MATMULS_PER_MOE_LAYER, report.runtime_ops
+    assert report.ok and report.gather_matmuls == 3, report.runtime_ops
     weights = _weight_types(tmp_path / "b" / manifest.stages[0].model_xml)
     assert weights["0.router_weight"] == ("f32", [128, 256])
     assert math.prod(weights["0.experts_gate_weight"][1]) == 128 * 64 * 256

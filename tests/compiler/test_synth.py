@@ -468,7 +468,7 @@ def _as_saved(state: dict[str, torch.Tensor], model_type: str) -> dict[str, torc
     """A transformers 5 state dict as its checkpoint stores it: a MoE model holds each layer's experts fused
     (gate_up [E, 2I, H], down [E, H, I]) and saves one matrix per expert, under the family's names."""
     spec = ARCHITECTURES[model_type]
-    if not spec.moe:
+    if not spec.moe or spec.stacked_experts:  # gpt-oss saves its 3-D expert tensors as it holds them
         return state
     assert spec.router and spec.expert_gate and spec.expert_up and spec.expert_down
     saved = {}
