@@ -30,6 +30,7 @@ from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.engine.stage import EXACT_HINTS
 from ovshard.tools.shapes import preset
 from ovshard.tools.synth import with_layers
+from ovshard.verify.checks import runtime_rows
 from ovshard.verify.fusion import check_cpu_fusion
 
 
@@ -45,13 +46,17 @@ def _weight_types(xml: Path) -> dict[str, tuple[str, list[int]]]:
 
 
 def test_int4_compile_keeps_the_router_f32_and_gathers_int4_experts(tmp_path: Path) -> None:
-    """Default INT4 (2 stages): every expert INT4 per group, the router f32, and GatherMatmul on every stage."""
+    """Default INT4 (2 stages): every expert INT4 per group, the router f32, GatherMatmul on every stage, and
+    `ovshard verify`'s runtime rows all pass (the f32 router counted as such, not as an uncompressed weight)."""
     checkpoint = write_random_checkpoint(FAMILIES["qwen3_moe"], tmp_path / "ckpt")
     manifest = compile_bundle(CompileConfig(checkpoint, tmp_path / "b", stages=2))
     assert manifest.weights.mode.startswith("int4")
     reports = check_cpu_fusion(tmp_path / "b", manifest)
     found = [(r.stage, r.moe_layers, r.gather_matmuls, r.fused_sdpa) for r in reports]
     assert all(r.ok and r.gather_matmuls == 3 * r.layers for r in reports), found  # gate, up, down a layer
+    rows = runtime_rows(tmp_path / "b", manifest, "CPU", ov.Core())  # what `ovshard verify` prints
+    assert [r.verdict for r in rows] == ["pass"] * len(rows), rows
+    assert {r.check for r in rows} >= {"experts as GatherMatmul (reading only the routed experts)", "weight storage"}
     weights = _weight_types(tmp_path / "b" / manifest.stages[0].model_xml)
     assert weights["0.router_weight"] == ("f32", [8, 64])
     int8_kept = set(manifest.weights.int8_weights)
