@@ -3,6 +3,7 @@ logit-row tests compile them)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
 )
+
+from ovshard.frontend.arch import ARCHITECTURES
 
 SEED_STD = 0.2  # weights ~ N(0, 0.2^2); norm scales and biases get the same noise added
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
@@ -180,6 +183,34 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family(_mixtral),
     "gpt_oss": Family(_gpt_oss, max_positions=256, explicit_attention=True, seed=3),
 }
+
+
+_FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)")
+
+
+def as_saved_state(state: dict[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
+    """A transformers 5 state dict as its checkpoint stores it: a MoE model holds each layer's experts fused
+    (gate_up [E, 2I, H], down [E, H, I]) and saves one matrix per expert, under the family's names."""
+    spec = ARCHITECTURES[model_type]
+    if not spec.moe or spec.stacked_experts:  # gpt-oss saves its 3-D expert tensors as it holds them
+        return state
+    assert spec.router and spec.expert_gate and spec.expert_up and spec.expert_down
+    saved = {}
+    for name, tensor in state.items():
+        match = _FUSED_EXPERTS.fullmatch(name)
+        if match is None:
+            saved[name] = tensor
+        elif match[2] == "gate.weight":
+            saved[spec.router.format(i=match[1]) + ".weight"] = tensor
+        else:
+            for e in range(tensor.shape[0]):
+                gate, up, down = (t.replace("{i}", match[1]).replace("{e}", str(e)) + ".weight"
+                                  for t in (spec.expert_gate, spec.expert_up, spec.expert_down))
+                if match[2] == "experts.down_proj":
+                    saved[down] = tensor[e]
+                else:
+                    saved[gate], saved[up] = tensor[e].chunk(2, dim=0)
+    return saved
 
 
 def write_random_checkpoint(family: Family, root: Path) -> Path:

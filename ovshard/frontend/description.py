@@ -59,8 +59,10 @@ def describe(config: Mapping[str, Any]) -> ModelDescription:
 def _refuse_prequantized(config: dict[str, Any]) -> None:
     """A checkpoint whose weights are stored quantized (GPTQ, AWQ, MXFP4 ...): ovshard reads float weights."""
     quant = config.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum, in a config it built
+    # "gguf": transformers' mark on a config read from a GGUF file, whose weights it hands over dequantized
+    if quant and method != "gguf" and not (isinstance(quant, dict) and quant.get("dequantize")):
         raise UnsupportedArchitectureError(
             f"config.json has a quantization_config (quant_method={method!r}): the weights are stored pre-quantized "
             "and ovshard reads floating-point checkpoints (its compile quantizes them itself). Dequantize first "

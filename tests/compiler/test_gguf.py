@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from families import as_saved_state
 from real_gemma import gemma_gguf, gemma_hf_reference  # noqa: F401  (fixtures)
 
 from ovshard.errors import CheckpointError, UnsupportedArchitectureError
@@ -171,6 +172,31 @@ def assert_config_matches(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
 
 
 # ---- the tiny families against transformers ------------------------------------------------------
+
+def test_qwen3moe_experts_match_transformers_tensor_by_tensor(tmp_path: Path) -> None:
+    """A qwen3moe GGUF (experts stacked in ffn_*_exps, router ffn_gate_inp): the config, and every expert's
+    matrix read as its slab of the stacked tensor, equal transformers' reading of the same file."""
+    d = dims_of("qwen3", head_dim=16)
+    experts, size = 4, 768  # transformers reads no expert size from a GGUF: its default, 768, must be the file's
+    weights = {n: w for n, w in hf_weights("qwen3", head_dim=16).items() if ".mlp." not in n}
+    rng = np.random.default_rng(1)
+    stacked = {}
+    for i in range(d["layers"]):
+        stacked[f"blk.{i}.ffn_gate_inp.weight"] = rng.standard_normal((experts, d["hidden"])).astype(np.float32)
+        for kind, shape in (("gate", (size, d["hidden"])), ("up", (size, d["hidden"])), ("down", (d["hidden"], size))):
+            stacked[f"blk.{i}.ffn_{kind}_exps.weight"] = rng.standard_normal((experts, *shape)).astype(np.float32)
+    meta = {"{arch}.expert_count": experts, "{arch}.expert_used_count": 2, "{arch}.expert_feed_forward_length": size}
+    path = write_gguf(tmp_path / "moe.gguf", "qwen3", weights, meta=meta, extra=stacked, arch="qwen3moe", dims=d)
+    ckpt = open_gguf(path)
+    ckpt.validate_tensors()
+    config, state = hf_reading(path)
+    assert_config_matches(ckpt.config, config)
+    assert (ckpt.dims.num_experts, ckpt.dims.experts_per_token, ckpt.dims.expert_size) == (experts, 2, size)
+    saved = as_saved_state(state, "qwen3_moe")
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in ckpt.tensor_names()
+    for name in ckpt.tensor_names():
+        assert torch.equal(ckpt.load(name), saved[name]), name
+
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_matches_transformers(tmp_path: Path, family: str) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO
+from families import as_saved_state
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -461,34 +462,6 @@ def test_shape_is_a_complete_transformers_config(name: str) -> None:
     assert {k: v for k, v in written.items() if k in config} == config
 
 
-_FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)")
-
-
-def _as_saved(state: dict[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
-    """A transformers 5 state dict as its checkpoint stores it: a MoE model holds each layer's experts fused
-    (gate_up [E, 2I, H], down [E, H, I]) and saves one matrix per expert, under the family's names."""
-    spec = ARCHITECTURES[model_type]
-    if not spec.moe or spec.stacked_experts:  # gpt-oss saves its 3-D expert tensors as it holds them
-        return state
-    assert spec.router and spec.expert_gate and spec.expert_up and spec.expert_down
-    saved = {}
-    for name, tensor in state.items():
-        match = _FUSED_EXPERTS.fullmatch(name)
-        if match is None:
-            saved[name] = tensor
-        elif match[2] == "gate.weight":
-            saved[spec.router.format(i=match[1]) + ".weight"] = tensor
-        else:
-            for e in range(tensor.shape[0]):
-                gate, up, down = (t.replace("{i}", match[1]).replace("{e}", str(e)) + ".weight"
-                                  for t in (spec.expert_gate, spec.expert_up, spec.expert_down))
-                if match[2] == "experts.down_proj":
-                    saved[down] = tensor[e]
-                else:
-                    saved[gate], saved[up] = tensor[e].chunk(2, dim=0)
-    return saved
-
-
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_shape_tensors_are_the_transformers_model_state(name: str) -> None:
     """The tensors checkpoint_layout lists (what --dry-run counts) are the state dict of the transformers model."""
@@ -496,7 +469,7 @@ def test_shape_tensors_are_the_transformers_model_state(name: str) -> None:
     config = AutoConfig.for_model(SHAPES[name]["model_type"], **fields)
     with torch.device("meta"):  # shapes only: a 70B model costs no memory
         model = AutoModelForCausalLM.from_config(config)
-    state = {n: tuple(t.shape) for n, t in _as_saved(model.state_dict(), SHAPES[name]["model_type"]).items()}
+    state = {n: tuple(t.shape) for n, t in as_saved_state(model.state_dict(), SHAPES[name]["model_type"]).items()}
     if config.tie_word_embeddings:
         del state["lm_head.weight"]  # tied: transformers stores only the embedding
     layout = synth.checkpoint_layout(SHAPES[name])
@@ -512,7 +485,7 @@ def test_each_family_writes_a_checkpoint_transformers_loads(tmp_path: Path, mode
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     ckpt = open_checkpoint(root)
     ckpt.validate_tensors()
-    state = _as_saved(model.state_dict(), model_type)
+    state = as_saved_state(model.state_dict(), model_type)
     for name in ckpt.tensor_names():
         assert torch.equal(state[name], ckpt.load(name)), name
 
