@@ -146,8 +146,11 @@ def write_gguf(path: Path, family: str, weights: dict[str, np.ndarray], qtype: s
             writer.add_tensor(gguf_name(family, hf), gguf.quants.quantize(data, kind), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name(family, hf), data)
-    for name, data in (extra or {}).items():
-        writer.add_tensor(name, data)
+    for name, data in (extra or {}).items():  # stacked experts (3-D) quantized like the matrices, as llama.cpp does
+        if data.ndim == 3 and kind != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -174,8 +177,8 @@ def assert_config_matches(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
 # ---- the tiny families against transformers ------------------------------------------------------
 
 def test_qwen3moe_experts_match_transformers_tensor_by_tensor(tmp_path: Path) -> None:
-    """A qwen3moe GGUF (experts stacked in ffn_*_exps, router ffn_gate_inp): the config, and every expert's
-    matrix read as its slab of the stacked tensor, equal transformers' reading of the same file."""
+    """A qwen3moe GGUF (Q8_0 experts stacked in ffn_*_exps, an f32 router ffn_gate_inp): the config, and every
+    expert's matrix read as its slab of the stacked tensor, equal transformers' reading of the same file."""
     d = dims_of("qwen3", head_dim=16)
     experts, size = 4, 768  # transformers reads no expert size from a GGUF: its default, 768, must be the file's
     weights = {n: w for n, w in hf_weights("qwen3", head_dim=16).items() if ".mlp." not in n}
@@ -186,7 +189,8 @@ def test_qwen3moe_experts_match_transformers_tensor_by_tensor(tmp_path: Path) ->
         for kind, shape in (("gate", (size, d["hidden"])), ("up", (size, d["hidden"])), ("down", (d["hidden"], size))):
             stacked[f"blk.{i}.ffn_{kind}_exps.weight"] = rng.standard_normal((experts, *shape)).astype(np.float32)
     meta = {"{arch}.expert_count": experts, "{arch}.expert_used_count": 2, "{arch}.expert_feed_forward_length": size}
-    path = write_gguf(tmp_path / "moe.gguf", "qwen3", weights, meta=meta, extra=stacked, arch="qwen3moe", dims=d)
+    path = write_gguf(tmp_path / "moe.gguf", "qwen3", weights, qtype="Q8_0", meta=meta, extra=stacked, arch="qwen3moe",
+                      dims=d)
     ckpt = open_gguf(path)
     ckpt.validate_tensors()
     config, state = hf_reading(path)
