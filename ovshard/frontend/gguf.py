@@ -389,7 +389,11 @@ def _split_experts(tensors: dict[str, GGUFTensor], spec: ArchSpec, dims: ModelDi
     """Each stacked expert tensor (``blk.N.ffn_gate_exps`` [E, out, in], mapped under its own GGUF name) as one
     entry an expert under the checkpoint's names, each its byte slab of the file (rows stay whole blocks)."""
     out = {}
+    shared_gates = {spec.shared_expert_gate.format(i=i) + ".weight" for i in range(dims.num_layers)} \
+        if spec.shared_expert_gate else set()
     for name, t in tensors.items():
+        if name in shared_gates and len(t.shape) == 1:  # llama.cpp stores the [1, hidden] gate as [hidden]
+            t = replace(t, shape=(1, *t.shape))
         kind = t.gguf_name.split(".")[-2] if t.gguf_name.startswith("blk.") else ""
         template = getattr(spec, _STACKED[kind]) if kind in _STACKED and spec.moe else None
         if template is None:

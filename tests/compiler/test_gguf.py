@@ -202,6 +202,35 @@ def test_qwen3moe_experts_match_transformers_tensor_by_tensor(tmp_path: Path) ->
         assert torch.equal(ckpt.load(name), saved[name]), name
 
 
+def test_qwen2moe_shared_expert_matches_transformers(tmp_path: Path) -> None:
+    """A qwen2moe GGUF: routed experts (ffn_*_exps) and the shared expert (ffn_*_shexp, its gate stored 1-D)
+    equal transformers' reading of the same file, tensor by tensor."""
+    d = dims_of("qwen2")
+    experts, size, shared = 4, 1408, 5632  # transformers reads neither size from a GGUF: its defaults
+    weights = {n: w for n, w in hf_weights("qwen2").items() if ".mlp." not in n}
+    rng = np.random.default_rng(2)
+    h = d["hidden"]
+    extra = {}
+    for i in range(d["layers"]):
+        extra[f"blk.{i}.ffn_gate_inp.weight"] = rng.standard_normal((experts, h)).astype(np.float32)
+        extra[f"blk.{i}.ffn_gate_inp_shexp.weight"] = rng.standard_normal(h).astype(np.float32)
+        for kind, shape in (("gate", (size, h)), ("up", (size, h)), ("down", (h, size))):
+            extra[f"blk.{i}.ffn_{kind}_exps.weight"] = rng.standard_normal((experts, *shape)).astype(np.float32)
+        for kind, shape in (("gate", (shared, h)), ("up", (shared, h)), ("down", (h, shared))):
+            extra[f"blk.{i}.ffn_{kind}_shexp.weight"] = rng.standard_normal(shape).astype(np.float32)
+    meta = {"{arch}.expert_count": experts, "{arch}.expert_used_count": 2, "{arch}.expert_feed_forward_length": size,
+            "{arch}.expert_shared_feed_forward_length": shared}
+    path = write_gguf(tmp_path / "moe.gguf", "qwen2", weights, meta=meta, extra=extra, arch="qwen2moe", dims=d)
+    ckpt = open_gguf(path)
+    ckpt.validate_tensors()
+    config, state = hf_reading(path)
+    assert_config_matches(ckpt.config, config)
+    assert ckpt.dims.shared_expert_size == shared and not ckpt.block.norm_topk
+    saved = as_saved_state(state, "qwen2_moe")
+    for name in ckpt.tensor_names():
+        assert torch.equal(ckpt.load(name), saved[name]), name
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_matches_transformers(tmp_path: Path, family: str) -> None:
     """Config and every tensor (Q8_0 matrices) equal what transformers reads from the same GGUF file."""
