@@ -457,7 +457,7 @@ def test_truncated_file_refused(tmp_path: Path) -> None:
 
 def test_unsupported_architectures_refused(tmp_path: Path) -> None:
     """An architecture outside the table, and Mixtral written as "llama", name what is supported."""
-    with pytest.raises(UnsupportedArchitectureError, match=r"architecture 'phi2'.*gemma2, gemma3, llama, qwen2, qwen3"):
+    with pytest.raises(UnsupportedArchitectureError, match=r"architecture 'phi2'.*gemma2, gemma3, llama, qwen2, qwen2moe, qwen3, qwen3moe"):
         open_gguf(write_gguf(tmp_path / "phi2.gguf", "llama", hf_weights("llama"), arch="phi2"))
     with pytest.raises(UnsupportedArchitectureError, match="mixture-of-experts"):
         open_gguf(write_gguf(tmp_path / "moe.gguf", "llama", hf_weights("llama"), meta={"{arch}.expert_count": 8}))
