@@ -14,6 +14,12 @@ piece's kind (``embedding``, ``head``, ``layers``), in a whole-stage compile by 
 weights and the MatMuls that feed the logits). Channels not divisible by the group size get the largest
 power-of-two group that divides them, or INT8 when none does (NNCF's ADJUST fallback).
 
+A mixture of experts' stacked expert weights ([experts, out, in]) are compressed like any MatMul weight:
+NNCF groups each expert's rows on its own, and the CPU plugin's GatherMatmul reads them compressed. The
+router ([experts, hidden], a fraction of a percent of a layer) and a shared expert's one-output gate stay f32
+in every format, as llama.cpp keeps
+its ``ffn_gate_inp``: its top-k is a discrete choice that a quantization error near a tie would flip.
+
 The default format and why it was chosen: ``ovshard.bundle.weights``.
 """
 
@@ -46,8 +52,18 @@ SCALE_ESTIMATION_ROUNDS = 2
 SCALE_ESTIMATION_GRID_STEPS = 0
 
 
+_ROUTER_WEIGHT = re.compile(r"layers\.\d+\.(shared_)?router_weight$")
+
+
+def router_ops(model: ov.Model) -> list[str]:
+    """Names of the MatMuls that read a mixture of experts' router weight, which stays f32."""
+    return [op.get_friendly_name() for op in model.get_ordered_ops() if op.get_type_name() == "MatMul"
+            and _ROUTER_WEIGHT.search(op.input_value(1).get_node().get_friendly_name())]
+
+
 def float_weights(model: ov.Model) -> list[ov.Node]:
-    """Float constants of weight size that feed a MatMul or Gather directly: still uncompressed."""
+    """Float constants of weight size that feed a MatMul or Gather directly: still uncompressed (routers,
+    kept f32 on purpose, not counted)."""
     found = []
     for op in model.get_ordered_ops():
         if op.get_type_name() not in ("MatMul", "Gather"):
@@ -55,7 +71,8 @@ def float_weights(model: ov.Model) -> list[ov.Node]:
         src = op.input_value(0 if op.get_type_name() == "Gather" else 1).get_node()
         if (src.get_type_name() == "Constant" and src.get_output_element_type(0) == ov.Type.f32
                 and int(np.prod(src.get_output_shape(0))) >= _MIN_WEIGHT_ELEMENTS
-                and src.get_friendly_name() != names.ROTARY_TABLE):
+                and src.get_friendly_name() != names.ROTARY_TABLE
+                and not _ROUTER_WEIGHT.search(src.get_friendly_name())):
             found.append(src)
     return found
 
@@ -67,7 +84,9 @@ def weight_ops(model: ov.Model) -> list[ov.Node]:
             and op.input_value(0 if op.get_type_name() == "Gather" else 1).get_node().get_friendly_name() in weights]
 
 
-_DECODER_WEIGHT = re.compile(r"layers\.(\d+)\.(q|k|v|o|gate|up|down)_weight$")
+_DECODER_WEIGHT = re.compile(
+    r"layers\.(\d+)\.(q|k|v|o|gate|up|down|experts_gate|experts_up|experts_down|experts_gate_up|shared_gate|shared_up"
+    r"|shared_down)_weight$")
 
 
 def backup_ops(model: ov.Model, ctx: PassContext, fmt: WeightFormat) -> set[str]:
@@ -119,6 +138,12 @@ def _ends(model: ov.Model, ctx: PassContext, ops_here: list[ov.Node]) -> set[str
     return backup & {op.get_friendly_name() for op in ops_here}
 
 
+def _ignored(ops_names: list[str]) -> object:
+    import nncf
+
+    return nncf.IgnoredScope(names=sorted(ops_names)) if ops_names else None
+
+
 def _to_fp16(model: ov.Model, weights: list[ov.Node]) -> None:
     for const in weights:
         half = ops.constant(const.get_data().astype(np.float16))
@@ -151,17 +176,18 @@ class CompressWeightsPass(GraphPass):
         logging.getLogger("nncf").setLevel(logging.WARNING)
         backup = set() if self.fmt.mode == "int8" else backup_ops(model, ctx, self.fmt)
         rest = [op.get_friendly_name() for op in weight_ops(model) if op.get_friendly_name() not in backup]
+        routers = router_ops(model)
         where = f"stage {ctx.stage.index}" + (f" {ctx.piece}" if ctx.piece is not None else "")
         log.log(logging.DEBUG if ctx.piece is not None else logging.INFO, "%s: NNCF %s on %d weights, %d in INT8",
                 where, self.fmt.mode, len(rest) + len(backup), len(backup))
         with contextlib.redirect_stdout(sys.stderr):  # NNCF's progress bars: stdout carries results only
             if backup:
                 nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM,
-                                      ignored_scope=nncf.IgnoredScope(names=rest) if rest else None)
+                                      ignored_scope=_ignored([*rest, *routers]))
             if rest:
                 data_aware = self._data_aware(ctx, where)
                 nncf.compress_weights(model, **self._nncf_args(), **data_aware,
-                                      ignored_scope=nncf.IgnoredScope(names=sorted(backup)) if backup else None)
+                                      ignored_scope=_ignored([*backup, *routers]))
                 if data_aware:  # NNCF's statistics and graphs are cyclic garbage: free them before the next layer
                     del data_aware
                     gc.collect()

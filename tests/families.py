@@ -3,6 +3,7 @@ logit-row tests compile them)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,12 +14,18 @@ from transformers import (
     Gemma2Config,
     Gemma3Config,
     Gemma3TextConfig,
+    GptOssConfig,
     MistralConfig,
+    MixtralConfig,
     Phi3Config,
     PretrainedConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
+
+from ovshard.frontend.arch import ARCHITECTURES
 
 SEED_STD = 0.2  # weights ~ N(0, 0.2^2); norm scales and biases get the same noise added
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
@@ -116,6 +123,51 @@ def _gemma3_multimodal() -> PretrainedConfig:
                         eoi_token_index=301, image_token_index=302, tie_word_embeddings=True)
 
 
+def _qwen3_moe() -> PretrainedConfig:
+    # 8 experts of 32, top-2 renormalized (norm_topk_prob, as Qwen3-30B-A3B); q/k norms; head_dim 16; untied
+    return Qwen3MoeConfig(vocab_size=320, eos_token_id=319, hidden_size=64, intermediate_size=128,
+                          moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          tie_word_embeddings=False, max_position_embeddings=128, rope_parameters=ROPE)
+
+
+def _qwen3_moe_top4() -> PretrainedConfig:
+    # 6 experts of 24, top-4 NOT renormalized (norm_topk_prob false: the weights sum to less than 1); tied
+    return Qwen3MoeConfig(vocab_size=320, eos_token_id=319, hidden_size=48, intermediate_size=96,
+                          moe_intermediate_size=24, num_experts=6, num_experts_per_tok=4, norm_topk_prob=False,
+                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, head_dim=12,
+                          tie_word_embeddings=True, max_position_embeddings=128, rope_parameters=ROPE)
+
+
+def _qwen2_moe() -> PretrainedConfig:
+    # q/k/v biases; 6 experts of 24, top-2 not renormalized, plus a shared expert of 40 behind its sigmoid gate
+    return Qwen2MoeConfig(vocab_size=320, eos_token_id=319, hidden_size=48, intermediate_size=96,
+                          moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=6,
+                          num_experts_per_tok=2, norm_topk_prob=False, num_hidden_layers=3, num_attention_heads=4,
+                          num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=128,
+                          rope_parameters=ROPE)
+
+
+def _gpt_oss() -> PretrainedConfig:
+    # attention sinks; q/k/v/o biased; sliding (8) and full layers; yarn rope; 4 experts, top-2 by logit then a
+    # softmax over those two; biased router; clamped SwiGLU with a limit (0.6) low enough to clamp here
+    return GptOssConfig(vocab_size=320, eos_token_id=319, hidden_size=64, intermediate_size=32, num_local_experts=4,
+                        num_experts_per_tok=2, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, sliding_window=8, layer_types=[SLIDING, FULL, SLIDING], swiglu_limit=0.6,
+                        tie_word_embeddings=False, max_position_embeddings=4096,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                         "original_max_position_embeddings": 128})
+
+
+def _mixtral() -> PretrainedConfig:
+    # Mixtral's block: 4 experts of 48 (w1/w3/w2), top-2 always renormalized; GQA 4:1; every layer slides over 8
+    return MixtralConfig(vocab_size=300, eos_token_id=299, hidden_size=64, intermediate_size=48, num_local_experts=4,
+                         num_experts_per_tok=2, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+                         sliding_window=8, tie_word_embeddings=False, max_position_embeddings=128,
+                         rope_parameters=ROPE)
+
+
 FAMILIES: dict[str, Family] = {
     "qwen2": Family(_qwen2),
     "qwen3": Family(_qwen3),
@@ -125,7 +177,40 @@ FAMILIES: dict[str, Family] = {
     "gemma2": Family(_gemma2, embed_std=SEED_STD / 8, explicit_attention=True),
     "gemma3_text": Family(_gemma3_text, embed_std=SEED_STD / 8),
     "gemma3": Family(_gemma3_multimodal, embed_std=SEED_STD / 8, seed=2),  # seed 0 emits the image token
+    "qwen3_moe": Family(_qwen3_moe),
+    "qwen3_moe_top4": Family(_qwen3_moe_top4),
+    "qwen2_moe": Family(_qwen2_moe, seed=1),
+    "mixtral": Family(_mixtral),
+    "gpt_oss": Family(_gpt_oss, max_positions=256, explicit_attention=True, seed=3),
 }
+
+
+_FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)")
+
+
+def as_saved_state(state: dict[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
+    """A transformers 5 state dict as its checkpoint stores it: a MoE model holds each layer's experts fused
+    (gate_up [E, 2I, H], down [E, H, I]) and saves one matrix per expert, under the family's names."""
+    spec = ARCHITECTURES[model_type]
+    if not spec.moe or spec.stacked_experts:  # gpt-oss saves its 3-D expert tensors as it holds them
+        return state
+    assert spec.router and spec.expert_gate and spec.expert_up and spec.expert_down
+    saved = {}
+    for name, tensor in state.items():
+        match = _FUSED_EXPERTS.fullmatch(name)
+        if match is None:
+            saved[name] = tensor
+        elif match[2] == "gate.weight":
+            saved[spec.router.format(i=match[1]) + ".weight"] = tensor
+        else:
+            for e in range(tensor.shape[0]):
+                gate, up, down = (t.replace("{i}", match[1]).replace("{e}", str(e)) + ".weight"
+                                  for t in (spec.expert_gate, spec.expert_up, spec.expert_down))
+                if match[2] == "experts.down_proj":
+                    saved[down] = tensor[e]
+                else:
+                    saved[gate], saved[up] = tensor[e].chunk(2, dim=0)
+    return saved
 
 
 def write_random_checkpoint(family: Family, root: Path) -> Path:

@@ -26,6 +26,18 @@ class ModelDims:
     rope_theta: float
     o_bias: bool = False  # the attention output projection's bias (Qwen2: q, k, v biased, o not)
     attention_softcap: float | None = None  # Gemma 2: tanh soft-capping of attention scores (no SDPA op form)
+    # mixture of experts: each layer's MLP is num_experts gated MLPs of expert_size, experts_per_token of them
+    # routed to per token; 0 experts: a dense MLP of intermediate_size
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
+    shared_expert_size: int = 0
+    expert_projections: int = 0  # an expert's weight matrices: 3 (gate, up, down) or 2 (gate and up fused, down)
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax (no SDPA op form)  # an expert every token runs, gated by sigmoid(x . w) (Qwen2-MoE); 0: none
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def kv_groups(self) -> int:

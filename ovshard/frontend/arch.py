@@ -19,9 +19,19 @@ from ovshard.errors import CheckpointError, UnsupportedArchitectureError
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # rope types whose frequencies depend on the running sequence length; refused, see README
 DYNAMIC_ROPE_TYPES = ("dynamic",)
-# mixture-of-experts families: refused by name (routing is a later issue)
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe", "olmoe", "gpt_oss",
-             "llama4", "llama4_text", "granitemoe", "jamba", "dbrx")
+# mixture-of-experts families the table does not hold, refused by name with what each would need
+UNSUPPORTED_MOE = {
+    "deepseek_v2": "multi-head latent attention (MLA: low-rank compressed K/V) and grouped top-k routing",
+    "deepseek_v3": "multi-head latent attention (MLA: low-rank compressed K/V), sigmoid routing with a score "
+                   "correction bias and shared experts",
+    "phimoe": "sparsemixer routing (a different top-2 selection than softmax top-k)",
+    "olmoe": "q/k norms over the whole projection (not per head) with its MoE block",
+    "llama4": "interleaved chunked/no-rope attention layers and a shared expert with sigmoid routing",
+    "llama4_text": "interleaved chunked/no-rope attention layers and a shared expert with sigmoid routing",
+    "granitemoe": "Granite's embedding/residual/attention/logit multipliers with its MoE block",
+    "jamba": "Mamba state-space layers interleaved with attention (no KV cache form)",
+    "dbrx": "DBRX's fused expert tensors, clipped QKV and LayerNorm (not RMSNorm)",
+}
 # activations the block computes, by the names transformers gives them
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                "gelu": "gelu"}
@@ -77,6 +87,30 @@ class ArchSpec:
     text_config: bool = False  # a multimodal config whose "text_config" describes the language model
     ignored_prefixes: tuple[str, ...] = ()  # tensors of other towers (vision) that the text model never reads
     wires: frozenset[str] = frozenset()  # config keys that change the math and that this family implements
+    # mixture of experts (None: a dense MLP). Expert tensors are templates over {i} (layer) and {e} (expert).
+    router: str | None = None  # the router's [experts, hidden] matrix (no bias), a prefix like the projections
+    expert_gate: str | None = None
+    expert_up: str | None = None
+    expert_down: str | None = None
+    experts_keys: tuple[str, ...] = ()  # config keys that may hold the expert count, first found wins
+    expert_size_key: str = "intermediate_size"  # the config key of one expert's intermediate size
+    # the config key saying whether the top-k routing weights are renormalized to sum to 1; None: always
+    norm_topk_key: str | None = None
+    # a shared expert every token runs (Qwen2-MoE): a gated MLP's prefix over {i}, its sigmoid gate's [1, hidden]
+    # weight prefix, and the config key of its intermediate size
+    shared_expert: str | None = None
+    shared_expert_gate: str | None = None
+    shared_expert_size_key: str = "shared_expert_intermediate_size"
+    # gpt-oss: every expert stored in 3-D tensors under this prefix over {i}: gate_up_proj [E, hidden, 2 * size]
+    # (gate and up interleaved), down_proj [E, size, hidden], each with a bias; None: one 2-D matrix an expert
+    stacked_experts: str | None = None
+    router_bias: bool = False  # the router has a bias
+    topk_softmax: bool = False  # softmax over the top-k logits (gpt-oss), not top-k of a softmax over all
+    sinks: str | None = None  # a learned attention-sink logit per head, a tensor over {i} (gpt-oss)
+
+    @property
+    def moe(self) -> bool:
+        return self.router is not None
 
     @property
     def sandwich_norms(self) -> bool:
@@ -159,7 +193,30 @@ GEMMA3 = replace(GEMMA3_TEXT, family="gemma3", model_types=("gemma3",),
                  text_config=True,
                  ignored_prefixes=("vision_tower.", "multi_modal_projector."))
 
-FAMILIES = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3_TEXT, GEMMA3)
+QWEN3_MOE = replace(QWEN3, family="qwen3_moe", model_types=("qwen3_moe",),
+                    router="model.layers.{i}.mlp.gate", expert_gate="model.layers.{i}.mlp.experts.{e}.gate_proj",
+                    expert_up="model.layers.{i}.mlp.experts.{e}.up_proj",
+                    expert_down="model.layers.{i}.mlp.experts.{e}.down_proj",
+                    experts_keys=("num_experts", "num_local_experts"), expert_size_key="moe_intermediate_size",
+                    norm_topk_key="norm_topk_prob")
+QWEN2_MOE = replace(QWEN3_MOE, family="qwen2_moe", model_types=("qwen2_moe",), q_norm=None, k_norm=None,
+                    qkv_bias=True, o_bias=False, wires=_QWEN_SLIDING,
+                    shared_expert="model.layers.{i}.mlp.shared_expert",
+                    shared_expert_gate="model.layers.{i}.mlp.shared_expert_gate")
+GPT_OSS = ArchSpec(
+    family="gpt_oss", model_types=("gpt_oss",), **_names(), wires=_SLIDING | {"swiglu_alpha", "swiglu_limit"},
+    router="model.layers.{i}.mlp.router", stacked_experts="model.layers.{i}.mlp.experts",
+    experts_keys=("num_local_experts",), expert_size_key="intermediate_size", router_bias=True, topk_softmax=True,
+    sinks="model.layers.{i}.self_attn.sinks",
+)
+MIXTRAL = replace(MISTRAL, family="mixtral", model_types=("mixtral",),
+                  router="model.layers.{i}.block_sparse_moe.gate",
+                  expert_gate="model.layers.{i}.block_sparse_moe.experts.{e}.w1",
+                  expert_up="model.layers.{i}.block_sparse_moe.experts.{e}.w3",
+                  expert_down="model.layers.{i}.block_sparse_moe.experts.{e}.w2",
+                  experts_keys=("num_local_experts",), expert_size_key="intermediate_size")
+
+FAMILIES = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3_TEXT, GEMMA3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, GPT_OSS)
 ARCHITECTURES: dict[str, ArchSpec] = {t: spec for spec in FAMILIES for t in spec.model_types}
 
 
@@ -169,10 +226,13 @@ def arch_for(config: dict[str, Any]) -> ArchSpec:
     spec = ARCHITECTURES.get(model_type)
     if spec is None:
         supported = ", ".join(sorted(ARCHITECTURES))
-        if model_type in MOE_TYPES or any(k in config for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        if model_type in UNSUPPORTED_MOE or any(k in config for k in ("num_experts", "num_local_experts",
+                                                                      "n_routed_experts")):
+            needs = UNSUPPORTED_MOE.get(model_type, "its routing and expert layout described as a family")
             raise UnsupportedArchitectureError(
-                f"config.json has model_type={model_type!r}, a mixture-of-experts (MoE) model; ovshard compiles "
-                f"dense models only for now (supported: {supported}). MoE routing is a later issue."
+                f"config.json has model_type={model_type!r}, a mixture-of-experts (MoE) model ovshard does not "
+                f"compile yet: it would need {needs}. Supported: {supported} (MoE: gpt_oss, mixtral, qwen2_moe, "
+                "qwen3_moe)."
             )
         raise UnsupportedArchitectureError(
             f"config.json has model_type={model_type!r}; ovshard supports: {supported}. A new family needs an "
@@ -255,6 +315,8 @@ def read_dims(spec: ArchSpec, config: dict[str, Any]) -> ModelDims:
             rope_theta=float(rope["rope_theta"]),
             o_bias=attention_bias if spec.o_bias is None else spec.o_bias,
             attention_softcap=_optional_float(config.get("attn_logit_softcapping")),
+            attention_sinks=spec.sinks is not None,
+            **_expert_dims(spec, config),
         )
     except KeyError as e:
         raise CheckpointError(f"config.json lacks the key {e.args[0]!r}, which a {spec.family} model needs") from e
@@ -267,6 +329,21 @@ def read_dims(spec: ArchSpec, config: dict[str, Any]) -> ModelDims:
     return dims
 
 
+def _expert_dims(spec: ArchSpec, config: dict[str, Any]) -> dict[str, int]:
+    """num_experts, experts_per_token and expert_size of a MoE family's config (nothing for a dense one)."""
+    if not spec.moe:
+        return {}
+    count = next((config[k] for k in spec.experts_keys if config.get(k) is not None), None)
+    if count is None:
+        raise KeyError(spec.experts_keys[0])
+    experts, per_token = int(count), int(config["num_experts_per_tok"])
+    if not 0 < per_token <= experts:
+        raise CheckpointError(f"num_experts_per_tok={per_token} must be between 1 and the {experts} experts")
+    shared = int(config[spec.shared_expert_size_key]) if spec.shared_expert else 0
+    return {"num_experts": experts, "experts_per_token": per_token, "expert_size": int(config[spec.expert_size_key]),
+            "shared_expert_size": shared, "expert_projections": 2 if spec.stacked_experts else 3}
+
+
 def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
@@ -275,8 +352,18 @@ def linear_shapes(dims: ModelDims) -> dict[str, tuple[int, int]]:
     """A decoder layer's seven projections as the stage module holds them (fused ones split): key -> (out, in)."""
     q_out, kv_out = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
     hidden, inter = dims.hidden_size, dims.intermediate_size
-    return {"q": (q_out, hidden), "k": (kv_out, hidden), "v": (kv_out, hidden), "o": (hidden, q_out),
-            "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    attention = {"q": (q_out, hidden), "k": (kv_out, hidden), "v": (kv_out, hidden), "o": (hidden, q_out)}
+    if dims.moe:  # every expert's matrix stacked: [experts * out, in]; the router stays float (not listed)
+        experts, size = dims.num_experts, dims.expert_size
+        if ARCHITECTURES[dims.model_type].stacked_experts:  # gpt-oss: gate and up in one matrix, interleaved
+            return {**attention, "experts_gate_up": (experts * 2 * size, hidden),
+                    "experts_down": (experts * hidden, size)}
+        shared = dims.shared_expert_size
+        shared_linears = {"shared_gate": (shared, hidden), "shared_up": (shared, hidden),
+                          "shared_down": (hidden, shared)} if shared else {}
+        return {**attention, "experts_gate": (experts * size, hidden), "experts_up": (experts * size, hidden),
+                "experts_down": (experts * hidden, size), **shared_linears}
+    return {**attention, "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
 
 
 def layer_tensors(spec: ArchSpec, dims: ModelDims, i: int) -> dict[str, tuple[int, ...]]:
@@ -292,12 +379,15 @@ def layer_tensors(spec: ArchSpec, dims: ModelDims, i: int) -> dict[str, tuple[in
         linear[spec.k_proj] = (kv_out, dims.hidden_size, qkv_bias)
         linear[spec.v_proj] = (kv_out, dims.hidden_size, qkv_bias)
     linear[spec.o_proj] = (dims.hidden_size, q_out, o_bias)
-    if spec.gate_up_proj:
+    if spec.moe:
+        linear.update(_expert_linears(spec, dims))
+    elif spec.gate_up_proj:
         linear[spec.gate_up_proj] = (2 * dims.intermediate_size, dims.hidden_size, mlp_bias)
     else:
         linear[spec.gate_proj] = (dims.intermediate_size, dims.hidden_size, mlp_bias)
         linear[spec.up_proj] = (dims.intermediate_size, dims.hidden_size, mlp_bias)
-    linear[spec.down_proj] = (dims.hidden_size, dims.intermediate_size, mlp_bias)
+    if not spec.moe:
+        linear[spec.down_proj] = (dims.hidden_size, dims.intermediate_size, mlp_bias)
     shapes: dict[str, tuple[int, ...]] = {}
     for template in spec.norm_templates():
         per_head = template in (spec.q_norm, spec.k_norm)
@@ -306,7 +396,44 @@ def layer_tensors(spec: ArchSpec, dims: ModelDims, i: int) -> dict[str, tuple[in
         shapes[prefix.format(i=i) + ".weight"] = (out_f, in_f)
         if bias:
             shapes[prefix.format(i=i) + ".bias"] = (out_f,)
+    shapes.update(_stacked_expert_tensors(spec, dims, i))
     return shapes
+
+
+def _stacked_expert_tensors(spec: ArchSpec, dims: ModelDims, i: int) -> dict[str, tuple[int, ...]]:
+    """gpt-oss's 3-D expert tensors and its attention sinks (nothing for other families)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    if spec.stacked_experts:
+        experts, hidden, size, prefix = dims.num_experts, dims.hidden_size, dims.expert_size, spec.stacked_experts
+        prefix = prefix.format(i=i)
+        shapes |= {f"{prefix}.gate_up_proj": (experts, hidden, 2 * size),
+                   f"{prefix}.gate_up_proj_bias": (experts, 2 * size),
+                   f"{prefix}.down_proj": (experts, size, hidden), f"{prefix}.down_proj_bias": (experts, hidden)}
+    if spec.sinks:
+        shapes[spec.sinks.format(i=i)] = (dims.num_heads,)
+    return shapes
+
+
+def _expert_linears(spec: ArchSpec, dims: ModelDims) -> dict[str, tuple[int, int, bool]]:
+    """The router, every expert's gate, up and down projection and a shared expert with its gate (templates over
+    {i}; no biases)."""
+    assert spec.router
+    hidden, size = dims.hidden_size, dims.expert_size
+    linear = {spec.router: (dims.num_experts, hidden, spec.router_bias)}
+    if spec.stacked_experts:
+        return linear
+    assert spec.expert_gate and spec.expert_up and spec.expert_down
+    for e in range(dims.num_experts):
+        linear[spec.expert_gate.replace("{e}", str(e))] = (size, hidden, False)
+        linear[spec.expert_up.replace("{e}", str(e))] = (size, hidden, False)
+        linear[spec.expert_down.replace("{e}", str(e))] = (hidden, size, False)
+    if spec.shared_expert and spec.shared_expert_gate:
+        shared = dims.shared_expert_size
+        linear[spec.shared_expert + ".gate_proj"] = (shared, hidden, False)
+        linear[spec.shared_expert + ".up_proj"] = (shared, hidden, False)
+        linear[spec.shared_expert + ".down_proj"] = (hidden, shared, False)
+        linear[spec.shared_expert_gate] = (1, hidden, False)
+    return linear
 
 
 def model_tensors(spec: ArchSpec, dims: ModelDims) -> dict[str, tuple[int, ...]]:

@@ -44,6 +44,10 @@ UNWIRED: dict[str, tuple[Any, ...]] = {
     "residual_multiplier": (None, 1.0),
     "attention_multiplier": (None,),
     "logit_scale": (None, 1.0),
+    # Qwen MoE: layers listed here (or off the sparse step) would hold a dense MLP instead of experts
+    "mlp_only_layers": (None, []),
+    "decoder_sparse_step": (None, 1),
+    "qkv_bias": (None, True),  # Qwen2-MoE's switch for q, k, v biases: ovshard's qwen2_moe is always biased
 }
 ALWAYS_REFUSED: dict[str, tuple[Any, ...]] = {  # no family implements these
     "use_bidirectional_attention": (None, False),
@@ -67,6 +71,15 @@ class Block:
     sliding_window: int | None  # a sliding layer sees keys fewer than this many visible positions back
     layer_types: tuple[str, ...]  # per layer: FULL or SLIDING
     rope_keys: tuple[str, ...]  # per layer: the rotary table it reads (DEFAULT_ROPE, or its layer type)
+    # mixture of experts: the top-k routing weights (softmax over all experts, then the top k) are divided by
+    # their sum (Mixtral always; Qwen3-MoE when norm_topk_prob)
+    norm_topk: bool = False
+    topk_softmax: bool = False  # the routing weights are a softmax over the top-k logits (gpt-oss)
+    # gpt-oss's clamped SwiGLU: gate = min(gate, limit), up = clamp(up, -limit, limit) + 1,
+    # out = up * gate * sigmoid(alpha * gate); None: the plain gated MLP
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
+    attention_sinks: bool = False  # a learned logit per head joins each attention softmax (no SDPA op form)
 
     def mask_kind(self, layer: int) -> str:
         return self.layer_types[layer]
@@ -168,6 +181,12 @@ def read_block(spec: ArchSpec, config: dict[str, Any], dims: ModelDims) -> Block
         sliding_window=None if window is None or SLIDING not in layer_types else int(window),
         layer_types=layer_types,
         rope_keys=rope_keys,
+        norm_topk=spec.moe and not spec.topk_softmax and (spec.norm_topk_key is None
+                                                          or bool(config.get(spec.norm_topk_key, False))),
+        topk_softmax=spec.topk_softmax,
+        swiglu_limit=float(config["swiglu_limit"]) if "swiglu_limit" in spec.wires else None,
+        swiglu_alpha=float(config.get("swiglu_alpha", 1.0)),
+        attention_sinks=dims.attention_sinks,
     )
 
 

@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ovshard.bundle.dims import ModelDims
+from ovshard.errors import UnsupportedArchitectureError
 from ovshard.frontend.arch import ArchSpec, arch_for, language_config, read_dims
 from ovshard.frontend.block import Block, RopeTable, read_block, read_rope
 
@@ -40,6 +41,7 @@ class ModelDescription:
 def describe(config: Mapping[str, Any]) -> ModelDescription:
     """Read ``config`` (a config.json's object) once; refuse a family, key or value ovshard cannot compute."""
     config = dict(config)
+    _refuse_prequantized(config)
     spec = arch_for(config)
     text = language_config(spec, config)
     dims = read_dims(spec, text)
@@ -52,6 +54,21 @@ def describe(config: Mapping[str, Any]) -> ModelDescription:
         pad_token_id=_token_ids(config.get("pad_token_id")),
         language_config=MappingProxyType(copy.deepcopy(text)),
     )
+
+
+def _refuse_prequantized(config: dict[str, Any]) -> None:
+    """A checkpoint whose weights are stored quantized (GPTQ, AWQ, MXFP4 ...): ovshard reads float weights."""
+    quant = config.get("quantization_config")
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum, in a config it built
+    # "gguf": transformers' mark on a config read from a GGUF file, whose weights it hands over dequantized
+    if quant and method != "gguf" and not (isinstance(quant, dict) and quant.get("dequantize")):
+        raise UnsupportedArchitectureError(
+            f"config.json has a quantization_config (quant_method={method!r}): the weights are stored pre-quantized "
+            "and ovshard reads floating-point checkpoints (its compile quantizes them itself). Dequantize first "
+            "(gpt-oss's MXFP4 experts: transformers from_pretrained with Mxfp4Config(dequantize=True), then "
+            "save_pretrained), or start from a floating-point release."
+        )
 
 
 def _token_ids(value: Any) -> TokenIds:

@@ -20,7 +20,7 @@ import json
 import logging
 import struct
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -113,11 +113,12 @@ class GGUFTensor:
     end: int
     norm_offset: bool = False  # stored 1 + w
     permute_heads: int | None = None  # rows permuted per head into llama.cpp's rotary layout
+    expert: int | None = None  # one expert's [out, in] slab of a stacked [E, out, in] tensor (ffn_*_exps)
 
     @property
     def undo(self) -> str:
         """The transform, as a string for digests."""
-        return f"norm_offset={self.norm_offset};permute_heads={self.permute_heads}"
+        return f"norm_offset={self.norm_offset};permute_heads={self.permute_heads};expert={self.expert}"
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,8 @@ class GGUFCheckpoint(Checkpoint):
         from gguf.quants import dequantize
 
         stored = self._reader.tensors[t.index]
-        data = stored.data if rows is None else stored.data[rows]  # [rows, bytes or values of a row]
+        whole = stored.data if t.expert is None else stored.data[t.expert]  # an expert: its [out, row] slab
+        data = whole if rows is None else whole[rows]  # [rows, bytes or values of a row]
         try:
             values = dequantize(data, stored.tensor_type)
         except (NotImplementedError, ValueError) as e:
@@ -358,6 +360,8 @@ def _map_tensors(reader: GGUFReader, arch: str, family: GGUFFamily, spec: ArchSp
     hf_names = [*model_tensors(spec, dims), spec.lm_head]
     to_hf = {names.get_name(n, try_suffixes=(".weight", ".bias")): n for n in hf_names}
     to_hf.pop(None, None)  # a name the table lacks: validate_tensors reports it missing
+    if spec.moe:  # stacked experts keep their GGUF name here; _split_experts gives each expert its own
+        to_hf |= {f"blk.{i}.{kind}.weight": f"blk.{i}.{kind}.weight" for i in range(dims.num_layers) for kind in _STACKED}
     norms = {t.format(i=i) for t in spec.norm_templates() for i in range(dims.num_layers)} | {spec.final_norm}
     heads = {spec.q_proj.format(i=i): dims.num_heads for i in range(dims.num_layers)}
     heads |= {spec.k_proj.format(i=i): dims.num_kv_heads for i in range(dims.num_layers)}
@@ -375,7 +379,32 @@ def _map_tensors(reader: GGUFReader, arch: str, family: GGUFFamily, spec: ArchSp
             end=int(t.data_offset) + int(t.n_bytes), norm_offset=family.norm_offset and hf in norms,
             permute_heads=heads.get(module) if family.permute_qk else None,
         )
-    return tensors, tuple(unmapped)
+    return _split_experts(tensors, spec, dims), tuple(unmapped)
+
+
+_STACKED = {"ffn_gate_exps": "expert_gate", "ffn_up_exps": "expert_up", "ffn_down_exps": "expert_down"}
+
+
+def _split_experts(tensors: dict[str, GGUFTensor], spec: ArchSpec, dims: ModelDims) -> dict[str, GGUFTensor]:
+    """Each stacked expert tensor (``blk.N.ffn_gate_exps`` [E, out, in], mapped under its own GGUF name) as one
+    entry an expert under the checkpoint's names, each its byte slab of the file (rows stay whole blocks)."""
+    out = {}
+    shared_gates = {spec.shared_expert_gate.format(i=i) + ".weight" for i in range(dims.num_layers)} \
+        if spec.shared_expert_gate else set()
+    for name, t in tensors.items():
+        if name in shared_gates and len(t.shape) == 1:  # llama.cpp stores the [1, hidden] gate as [hidden]
+            t = replace(t, shape=(1, *t.shape))
+        kind = t.gguf_name.split(".")[-2] if t.gguf_name.startswith("blk.") else ""
+        template = getattr(spec, _STACKED[kind]) if kind in _STACKED and spec.moe else None
+        if template is None:
+            out[name] = t
+            continue
+        layer, experts = int(t.gguf_name.split(".")[1]), t.shape[0]
+        slab = (t.end - t.begin) // experts
+        for e in range(experts):
+            hf = template.replace("{i}", str(layer)).replace("{e}", str(e)) + ".weight"
+            out[hf] = replace(t, shape=t.shape[1:], begin=t.begin + e * slab, end=t.begin + (e + 1) * slab, expert=e)
+    return out
 
 
 def _permutation(rows: int, heads: int) -> np.ndarray:

@@ -32,6 +32,8 @@ class GGUFFamily:
     large_layers: int | None = None  # the 27B's layer count: llama.cpp scales its queries by hidden/heads
     local_rope_theta: float | None = None  # the sliding layers' rope base, which the file does not store
     softcaps: tuple[float | None, float | None] = (None, None)  # attention, final logits: when not stored
+    experts: bool = False  # a mixture of experts: its experts stored stacked, one [E, out, in] tensor a projection
+    norm_topk: bool = True  # llama.cpp renormalizes the top-k routing weights (qwen3moe yes, qwen2moe no)
 
 
 _GELU = ("hidden_activation", "gelu_pytorch_tanh")
@@ -39,6 +41,8 @@ FAMILIES: dict[str, GGUFFamily] = {
     "llama": GGUFFamily("llama", permute_qk=True),
     "qwen2": GGUFFamily("qwen2"),
     "qwen3": GGUFFamily("qwen3"),
+    "qwen2moe": GGUFFamily("qwen2_moe", experts=True, norm_topk=False),
+    "qwen3moe": GGUFFamily("qwen3_moe", experts=True),
     "gemma2": GGUFFamily("gemma2", norm_offset=True, activation=_GELU, sliding_period=2, large_layers=46,
                          softcaps=(50.0, 30.0)),
     "gemma3": GGUFFamily("gemma3_text", norm_offset=True, activation=_GELU, sliding_period=6, large_layers=62,
@@ -70,10 +74,11 @@ def rebuild_config(path: Path, arch: str, family: GGUFFamily, meta: dict[str, An
                                   "convert the model again with a current llama.cpp")
         return value
 
-    if key("expert_count", None):  # Mixtral is written as "llama"
+    if key("expert_count", None) and not family.experts:  # Mixtral is written as "llama"
         raise UnsupportedArchitectureError(
-            f"{path} is a mixture-of-experts (MoE) model ({key('expert_count')} experts); ovshard compiles dense "
-            "models only for now")
+            f"{path} is a mixture-of-experts (MoE) model ({key('expert_count')} experts) of GGUF architecture "
+            f"{arch!r}; ovshard reads MoE GGUF files of architectures qwen2moe and qwen3moe only (Mixtral's, written as llama, "
+            "would need its experts mapped to the mixtral family). Start from the safetensors checkpoint.")
     hidden, heads, layers = int(key("embedding_length")), int(key("attention.head_count")), int(key("block_count"))
     head_dim = int(key("attention.key_length", None) or key("rope.dimension_count", None) or hidden // heads)
     kv_heads = key("attention.head_count_kv", heads)
@@ -94,6 +99,12 @@ def rebuild_config(path: Path, arch: str, family: GGUFFamily, meta: dict[str, An
         "attention_bias": "blk.0.attn_q.bias" in shapes,
         "rope_parameters": _rope(path, arch, family, meta, rope_freqs, head_dim),
     }
+    if family.experts:  # whether the top-k weights are renormalized is llama.cpp's per architecture, not stored
+        config |= {"num_experts": int(key("expert_count")), "num_experts_per_tok": int(key("expert_used_count")),
+                   "moe_intermediate_size": int(key("expert_feed_forward_length")),
+                   "norm_topk_prob": family.norm_topk}
+        if key("expert_shared_feed_forward_length", None):
+            config["shared_expert_intermediate_size"] = int(key("expert_shared_feed_forward_length"))
     for name, ggml_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                            ("pad_token_id", "padding_token_id"), ("unk_token_id", "unknown_token_id")):
         if f"tokenizer.ggml.{ggml_key}" in meta:

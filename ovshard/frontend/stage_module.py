@@ -45,7 +45,9 @@ class Weights(nn.Module):
 def layer_weights(norms: dict[str, torch.Tensor],
                   linears: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> Weights:
     """One decoder layer: its norm scales by role (``attn_norm``, ``mlp_norm``, ``attn_out_norm``,
-    ``mlp_out_norm``, ``q_norm``, ``k_norm``) and q,k,v,o,gate,up,down (weight [out, in], bias or None)."""
+    ``mlp_out_norm``, ``q_norm``, ``k_norm``) and q,k,v,o,gate,up,down (weight [out, in], bias or None);
+    a mixture of experts holds router [experts, hidden] and experts_gate, experts_up, experts_down
+    (every expert's weight stacked: [experts, out, in]) instead of gate, up and down."""
     tensors: dict[str, torch.Tensor | None] = dict(norms)
     for key, (weight, bias) in linears.items():
         tensors[f"{key}_weight"], tensors[f"{key}_bias"] = weight, bias
@@ -109,20 +111,90 @@ def rotary(inv_freq: torch.Tensor, scaling: float, position_ids: torch.Tensor) -
     return emb.cos() * scaling, emb.sin() * scaling
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, blk: Block) -> torch.Tensor:
-    """Scores, mask, softmax, values: one SDPA op, or (with soft-capping, which SDPA cannot express) explicit."""
-    if blk.attention_softcap is None:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, blk: Block,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores, mask, softmax, values: one SDPA op, or explicit where SDPA cannot express the block: soft-capping,
+    or attention sinks (a learned logit per head [heads] joins the softmax, then its column is dropped)."""
+    if blk.attention_softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=blk.attention_scale)
-    cap = blk.attention_softcap
-    scores = torch.matmul(q, k.transpose(2, 3)) * blk.attention_scale
-    scores = torch.tanh(scores / cap) * cap + mask
-    return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32), v)
+    scores = torch.matmul(q, k.transpose(2, 3)) * blk.attention_scale  # [batch, heads, seq, total]
+    if blk.attention_softcap is not None:
+        cap = blk.attention_softcap
+        scores = torch.tanh(scores / cap) * cap
+    scores = scores + mask
+    if sinks is None:
+        return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32), v)
+    sink = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    probs = F.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs[..., :-1], v)
 
 
 def _activation(x: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "silu":
         return F.silu(x)
     return F.gelu(x, approximate="tanh" if kind == "gelu_tanh" else "none")
+
+
+def gated_mlp(m: torch.Tensor, layer: Weights, blk: Block, prefix: str = "") -> torch.Tensor:
+    """The dense MLP: down(act(gate(m)) * up(m)), of the weights ``{prefix}gate_weight`` ..."""
+    w = {key: getattr(layer, f"{prefix}{key}") for key in ("gate_weight", "gate_bias", "up_weight", "up_bias",
+                                                            "down_weight", "down_bias")}
+    gate = _activation(F.linear(m, w["gate_weight"], w["gate_bias"]), blk.activation)
+    return F.linear(gate * F.linear(m, w["up_weight"], w["up_bias"]), w["down_weight"], w["down_bias"])
+
+
+def _clamped_swiglu_experts(tiled: torch.Tensor, layer: Weights, blk: Block) -> torch.Tensor:
+    """gpt-oss's experts on tiled tokens [experts, tokens, hidden]: gate and up interleaved in one biased
+    projection, clamped, ``(up + 1) * gate * sigmoid(alpha * gate)``, a biased down projection (the form of
+    ConvertTiledMoeBlockTo2GatherMatmuls: Slice, Clamp, Add; Slice, Minimum, Swish)."""
+    limit, alpha = cast(float, blk.swiglu_limit), blk.swiglu_alpha
+    gate_up = torch.matmul(tiled, layer.experts_gate_up_weight.transpose(1, 2)) + layer.experts_gate_up_bias[:, None]
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]  # [experts, tokens, expert_size] each
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    glu = gate * torch.sigmoid(gate * alpha)
+    down = torch.matmul((up + 1) * glu, layer.experts_down_weight.transpose(1, 2))
+    return down + layer.experts_down_bias[:, None]
+
+
+def experts_mlp(m: torch.Tensor, layer: Weights, d: ModelDims, blk: Block) -> torch.Tensor:
+    """A mixture of experts, written in the "tiled" form the CPU plugin reads only the routed experts of.
+
+    The router's softmax over all experts picks the top k (renormalized when ``blk.norm_topk``), scattered
+    into a dense [tokens, experts] weight map; every token runs through every expert as one batched MatMul
+    per projection (weights stacked [experts, out, in]); the map weights the outputs and a sum over experts
+    ends it. OpenVINO's ConvertTiledMoeBlockToGatherMatmuls matches exactly this graph (Reshape -> Tile ->
+    Reshape, three MatMuls with transposed weights, Swish * up, Reshape; ScatterElementsUpdate -> Transpose
+    -> Reshape -> Unsqueeze; Multiply, ReduceSum) and turns the MatMuls into GatherMatmul ops that read the
+    top-k experts' weights only: the dense math here is what the graph means, not what the plugin runs.
+    A shared expert (``d.shared_expert_size``), which every token runs, is added after, scaled by the
+    sigmoid of its own one-output gate.
+    """
+    b, t, hidden = m.shape
+    experts = d.num_experts
+    flat = m.reshape(-1, hidden)  # [tokens, hidden]
+    logits = F.linear(flat, layer.router_weight, layer.router_bias)  # [tokens, experts]
+    if blk.topk_softmax:
+        top_logits, top_index = torch.topk(logits, d.experts_per_token, dim=-1)  # [tokens, k]
+        top_weights = F.softmax(top_logits, dim=-1, dtype=torch.float32)
+    else:
+        top_weights, top_index = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), d.experts_per_token,
+                                            dim=-1)
+    if blk.norm_topk:
+        top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+    routing = torch.zeros_like(logits).scatter(1, top_index, top_weights)  # [tokens, experts]
+    tiled = flat.repeat(experts, 1).view(experts, -1, hidden)  # [experts, tokens, hidden]
+    if blk.swiglu_limit is not None:
+        out = _clamped_swiglu_experts(tiled, layer, blk).view(experts, b, t, hidden)
+    else:
+        gate = _activation(torch.matmul(tiled, layer.experts_gate_weight.transpose(1, 2)), blk.activation)
+        up = torch.matmul(tiled, layer.experts_up_weight.transpose(1, 2))  # [experts, tokens, expert_size]
+        out = torch.matmul(gate * up, layer.experts_down_weight.transpose(1, 2)).view(experts, b, t, hidden)
+    weights = routing.transpose(0, 1).reshape(experts, b, t)[..., None]  # [experts, batch, seq, 1]
+    routed = (out * weights).sum(dim=0)  # [batch, seq, hidden]
+    if not d.shared_expert_size:
+        return routed
+    return routed + torch.sigmoid(F.linear(m, layer.shared_router_weight)) * gated_mlp(m, layer, blk, "shared_")
 
 
 def decoder_layer(d: ModelDims, blk: Block, layer: Weights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -143,15 +215,14 @@ def decoder_layer(d: ModelDims, blk: Block, layer: Weights, h: torch.Tensor, cos
     k = apply_rotary(k, cos, sin, blk.rotary_dim)
     k = torch.cat((past_k, k), dim=2)  # [batch, kv_heads, past + seq, head_dim]
     v = torch.cat((past_v, v), dim=2)
-    out = attention(q, repeat_kv(k, d.kv_groups), repeat_kv(v, d.kv_groups), mask, blk)  # [batch, heads, seq, d]
+    out = attention(q, repeat_kv(k, d.kv_groups), repeat_kv(v, d.kv_groups), mask, blk,
+                    layer.sinks if blk.attention_sinks else None)  # [batch, heads, seq, d]
     out = F.linear(out.transpose(1, 2).reshape(b, t, d.num_heads * d.head_dim), layer.o_weight, layer.o_bias)
     if blk.sandwich_norms:
         out = rms_norm(out, layer.attn_out_norm, eps, offset)
     h = h + out
     m = rms_norm(h, layer.mlp_norm, eps, offset)
-    gate = _activation(F.linear(m, layer.gate_weight, layer.gate_bias), blk.activation)
-    up = F.linear(m, layer.up_weight, layer.up_bias)
-    out = F.linear(gate * up, layer.down_weight, layer.down_bias)
+    out = experts_mlp(m, layer, d, blk) if d.moe else gated_mlp(m, layer, blk)
     if blk.sandwich_norms:
         out = rms_norm(out, layer.mlp_out_norm, eps, offset)
     return h + out, k, v

@@ -77,6 +77,44 @@ def _split(weight: torch.Tensor, bias: torch.Tensor | None,
     return list(zip(weights, biases, strict=True))
 
 
+def _experts(ckpt: Checkpoint, i: int, stage: StageSpec) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Layer ``i``'s router and its experts' gate, up and down weights, each stacked [experts, out, in]."""
+    spec, experts = ckpt.spec, range(ckpt.dims.num_experts)
+    router = spec.router.format(i=i) if spec.router else ""
+    router_bias = _load(ckpt, router + ".bias", stage) if spec.router_bias else None
+    if spec.stacked_experts:  # [E, in, out] as x @ W: transposed to [E, out, in] like every other weight
+        prefix = spec.stacked_experts.format(i=i)
+        return {"router": (_load(ckpt, router + ".weight", stage), router_bias),
+                "experts_gate_up": (_load(ckpt, prefix + ".gate_up_proj", stage).transpose(1, 2).contiguous(),
+                                    _load(ckpt, prefix + ".gate_up_proj_bias", stage)),
+                "experts_down": (_load(ckpt, prefix + ".down_proj", stage).transpose(1, 2).contiguous(),
+                                 _load(ckpt, prefix + ".down_proj_bias", stage))}
+    assert spec.expert_gate and spec.expert_up and spec.expert_down
+
+    def stacked(template: str) -> torch.Tensor:
+        """[experts, out, in], filled one expert at a time: one copy of the layer's experts, not two."""
+        names = [template.replace("{i}", str(i)).replace("{e}", str(e)) + ".weight" for e in experts]
+        out: torch.Tensor | None = None
+        for e, name in enumerate(names):
+            weight = _load(ckpt, name, stage)
+            if out is None:
+                out = torch.empty((len(names), *weight.shape), dtype=weight.dtype)
+            out[e] = weight
+        assert out is not None
+        return out
+
+    found: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {
+        "router": (_load(ckpt, router + ".weight", stage), router_bias),
+        "experts_gate": (stacked(spec.expert_gate), None), "experts_up": (stacked(spec.expert_up), None),
+        "experts_down": (stacked(spec.expert_down), None)}
+    if spec.shared_expert and spec.shared_expert_gate:
+        shared = spec.shared_expert.format(i=i)
+        for key in ("gate", "up", "down"):
+            found[f"shared_{key}"] = (_load(ckpt, f"{shared}.{key}_proj.weight", stage), None)
+        found["shared_router"] = (_load(ckpt, spec.shared_expert_gate.format(i=i) + ".weight", stage), None)
+    return found
+
+
 def load_layer(ckpt: Checkpoint, i: int, stage: StageSpec) -> Weights:
     spec, dims = ckpt.spec, ckpt.dims
 
@@ -93,14 +131,18 @@ def load_layer(ckpt: Checkpoint, i: int, stage: StageSpec) -> Weights:
         for key, template in (("q", spec.q_proj), ("k", spec.k_proj), ("v", spec.v_proj)):
             linears[key] = linear(template, dims.attention_bias)
     linears["o"] = linear(spec.o_proj, dims.o_bias)
-    if spec.gate_up_proj:
+    if spec.moe:
+        linears.update(_experts(ckpt, i, stage))
+    elif spec.gate_up_proj:
         parts = _split(*linear(spec.gate_up_proj, dims.mlp_bias), [dims.intermediate_size] * 2)
         linears.update(zip(("gate", "up"), parts, strict=True))
     else:
         linears["gate"] = linear(spec.gate_proj, dims.mlp_bias)
         linears["up"] = linear(spec.up_proj, dims.mlp_bias)
-    linears["down"] = linear(spec.down_proj, dims.mlp_bias)
-    return layer_weights(_norms(ckpt, i, stage), linears)
+    if not spec.moe:
+        linears["down"] = linear(spec.down_proj, dims.mlp_bias)
+    extra = {"sinks": _load(ckpt, spec.sinks.format(i=i), stage)} if spec.sinks else {}
+    return layer_weights({**_norms(ckpt, i, stage), **extra}, linears)
 
 
 def build_stage_module(ckpt: Checkpoint, stage: StageSpec, max_positions: int | None = None) -> StageModule:

@@ -4,7 +4,9 @@ Weight bytes are estimates from tensor shapes (no data is read): INT4 counts hal
 plus an f16 scale and a 4-bit zero point per group; the embedding and the lm_head (unless
 ``all_layers``) and the decoder weights the format keeps in INT8 (``int8_weights``) count one byte.
 Before the compiler has chosen those, each layer is counted with its share of the INT8 budget spent. KV cache and activations
-count two bytes an element (f16), what the plugins store by default.
+count two bytes an element (f16), what the plugins store by default. A mixture-of-experts layer holds every
+expert (its memory) but a decode step reads only the routed ones (its ``read_bytes``: the top-k of the experts'
+share, beside all of attention and the router), which the planner's step time follows.
 """
 
 from __future__ import annotations
@@ -51,6 +53,17 @@ def _layer_bytes(spec: ArchSpec, dims: ModelDims, fmt: WeightFormat, i: int) -> 
     return int(small + min(matrices * int4 + budget_share, matrices * (1.0 - fmt.ratio * (1.0 - int4))))
 
 
+def _layer_block(spec: ArchSpec, dims: ModelDims, fmt: WeightFormat, i: int, kv: int) -> Block:
+    """Layer ``i``: its memory counts every expert; a decode step reads only the routed ones (top-k of all)."""
+    weight_bytes = _layer_bytes(spec, dims, fmt, i)
+    if not dims.moe:
+        return Block(f"layer.{i}", "layer", i, weight_bytes, kv)
+    elements = sum(math.prod(s) for s in layer_tensors(spec, dims, i).values())
+    experts = 3 * dims.num_experts * dims.expert_size * dims.hidden_size
+    idle = experts * (1.0 - dims.experts_per_token / dims.num_experts) / elements  # share of the layer not read
+    return Block(f"layer.{i}", "layer", i, weight_bytes, kv, read_bytes=int(weight_bytes * (1.0 - idle)))
+
+
 def rotary_table_bytes(tables: int, rotary_dim: int, max_positions: int) -> int:
     """The f32 cos and sin tables [max_positions, rotary_dim] each stage holds, one pair per rotary table
     (PrecomputeRotaryPass): 128 MiB a stage for Llama 3.1's 131,072 positions."""
@@ -69,10 +82,7 @@ def model_costs(spec: ArchSpec, dims: ModelDims, fmt: WeightFormat, stage_bytes:
     embed = Block("embed", "embed", None, int(table * bytes_per_weight(fmt, int8_backup)), 0,
                   read_bytes=int(dims.hidden_size * bytes_per_weight(fmt, int8_backup)))
     kv = 2 * dims.num_kv_heads * dims.head_dim * KV_ELEMENT_BYTES
-    layers = [
-        Block(f"layer.{i}", "layer", i, _layer_bytes(spec, dims, fmt, i), kv)
-        for i in range(dims.num_layers)
-    ]
+    layers = [_layer_block(spec, dims, fmt, i, kv) for i in range(dims.num_layers)]
     head = Block("head", "head", None, int(table * bytes_per_weight(fmt, int8_backup)) + 4 * dims.hidden_size, 0)
     return ModelCosts(blocks=(embed, *layers, head), activation_bytes_per_token=dims.hidden_size * WIRE_ELEMENT_BYTES,
                       shared_head_bytes=embed.weight_bytes if dims.tie_word_embeddings else 0,

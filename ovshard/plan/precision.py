@@ -107,7 +107,7 @@ def candidates(ckpt: Checkpoint, fmt: WeightFormat) -> list[Candidate]:
         for key, (out_f, in_f) in shapes.items():
             if fmt.group_for(in_f) is None:
                 continue  # NNCF stores it in INT8 anyway
-            weight = getattr(layer, f"{key}_weight").numpy()
+            weight = getattr(layer, f"{key}_weight").numpy().reshape(out_f, in_f)  # experts: [experts * out, in]
             found.append(Candidate(f"{i}.{key}", int4_error(weight, fmt),
                                    int8_bytes(out_f, in_f) - int4_bytes(fmt, out_f, in_f), out_f * in_f))
         del layer

@@ -78,6 +78,19 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                     "layer_types": [SLIDING, FULL] * 2, "use_bidirectional_attention": False,
                     "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
                                         FULL: {"rope_type": "default", "rope_theta": 1000000.0}}},
+    "qwen3_moe": {**_qwen("Qwen3MoeForCausalLM", "qwen3_moe"), "attention_bias": False, "head_dim": 16,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [], "moe_intermediate_size": 32, "norm_topk_prob": True,
+                  "num_local_experts": 8, "num_experts_per_tok": 2, "output_router_logits": False,
+                  "router_aux_loss_coef": 0.001},
+    "gpt_oss": {**_common("GptOssForCausalLM", "gpt_oss"), "attention_bias": True, "head_dim": 16,
+                "layer_types": [SLIDING, FULL] * 2, "num_experts_per_tok": 2, "num_local_experts": 4,
+                "output_router_logits": False, "rms_norm_eps": 1e-5, "router_aux_loss_coef": 0.9, "sliding_window": 8,
+                "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+                "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}},
+    "mixtral": {**_common("MixtralForCausalLM", "mixtral"), "head_dim": 16, "num_experts_per_tok": 2,
+                "num_local_experts": 4, "output_router_logits": False, "router_aux_loss_coef": 0.001,
+                "router_jitter_noise": 0.0, "sliding_window": None},
 }
 
 
@@ -230,6 +243,28 @@ SHAPES: dict[str, dict[str, Any]] = {
         hidden_size=2560, num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4,
         intermediate_size=10240, vocab_size=262208, max_position_embeddings=131072, sliding_window=1024,
         full_rope={"rope_type": "linear", "factor": 8.0},
+    ),
+    "qwen3-30b-a3b": family_config(  # 128 experts of 768, 8 routed a token: 30.5B parameters, 3.3B active
+        "qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_local_experts=128, num_experts_per_tok=8,
+        vocab_size=151936, max_position_embeddings=40960, max_window_layers=48, layer_types=[FULL] * 48,
+        bos_token_id=151643, eos_token_id=151645, initializer_range=0.02, dtype=BF16,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "mixtral-8x7b": family_config(  # Mixtral-8x7B-v0.1: 8 experts of 14336, 2 routed a token: 46.7B, 12.9B active
+        "mixtral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, router_aux_loss_coef=0.02, initializer_range=0.02,
+        dtype=BF16, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "gpt-oss-20b": family_config(  # 32 experts of 2880, 4 routed a token: 20.9B parameters (stored here in bf16;
+        # the release stores its experts in MXFP4, which ovshard refuses until dequantized)
+        "gpt_oss", hidden_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=64, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
+        max_position_embeddings=131072, sliding_window=128, layer_types=[SLIDING, FULL] * 12,
+        bos_token_id=199998, eos_token_id=200002, pad_token_id=199999, initializer_range=0.02, dtype=BF16,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
     ),
 }  # fmt: skip
 

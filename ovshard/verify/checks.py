@@ -55,6 +55,9 @@ def weight_precisions(runtime: ov.Model) -> Counter:
     constant's Convert/Subtract/Multiply, not one f32 constant) is counted as ``"<type> from compressed"``:
     the bundle stores it compressed and the CPU plugin unpacks it at load, as it does for small INT8
     matrices whose input width its compressed kernels do not take (stories260K's 172-wide down_proj).
+    A mixture of experts' router, f32 on purpose (``CompressWeightsPass``), is counted as ``"f32 router"``:
+    a FullyConnected whose scores go to a TopK (directly or through its softmax) or, a shared expert's gate,
+    whose output is one wide.
     """
     found: Counter = Counter()
     for op in runtime.get_ordered_ops():
@@ -63,8 +66,28 @@ def weight_precisions(runtime: ov.Model) -> Counter:
         weight = op.input_value(1).get_node()
         precision = weight.get_rt_info()["outputPrecisions"].astype(str)
         folded = "," in weight.get_rt_info()["originalLayersNames"].astype(str)
+        if precision == "f32" and _is_router(op):
+            found["f32 router"] += 1
+            continue
         found[f"{precision} from compressed" if precision in _FLOAT and folded else precision] += 1
     return found
+
+
+def _layer_type(node: ov.Node) -> str:
+    return str(node.get_rt_info()["layerType"].astype(str))
+
+
+def _is_router(op: ov.Node) -> bool:
+    """A FullyConnected of a MoE router (its scores reach a TopK through at most a Softmax and Reorders) or a
+    shared expert's gate."""
+    shape = op.get_output_partial_shape(0)
+    if shape.rank.is_static and shape[shape.rank.get_length() - 1] == 1:
+        return True
+    nodes = [t.get_node() for t in op.output(0).get_target_inputs()]
+    for _ in range(3):  # through a Softmax and the plugin's precision Reorders
+        nodes += [t.get_node() for n in nodes if _layer_type(n) in ("Softmax", "Reorder")
+                  for t in n.output(0).get_target_inputs()]
+    return any(_layer_type(n) == "TopK" for n in nodes)
 
 
 def runtime_rows(bundle: Path, m: Manifest, device: str, core: ov.Core) -> list[Row]:
@@ -77,11 +100,17 @@ def runtime_rows(bundle: Path, m: Manifest, device: str, core: ov.Core) -> list[
     for entry in m.stages:
         compiled = core.compile_model(str(bundle / entry.model_xml), device)
         layers = entry.layers[1] - entry.layers[0]
-        fusion = runtime_fusion(compiled, entry.index, layers, explicit_attention_layers(m, layers))
+        fusion = runtime_fusion(compiled, entry.index, layers, explicit_attention_layers(m, layers),
+                                layers if m.architecture.moe else 0, m.architecture.expert_projections)
         rows.append(Row(entry.index, "KV-fused SDPA (beam_idx + 2 MemoryInput)", str(fusion.expected_fused),
                         str(fusion.fused_sdpa), _verdict(fusion.fused_sdpa == fusion.expected_fused)))
+        if fusion.moe_layers:
+            rows.append(Row(entry.index, "experts as GatherMatmul (reading only the routed experts)",
+                            str(fusion.expected_gather_matmuls), str(fusion.gather_matmuls),
+                            _verdict(fusion.experts_gathered)))
         if fusion.explicit_layers:
-            rows.append(Row(entry.index, "explicit attention (soft-capped scores have no SDPA form)",
+            why = "attention sinks" if m.architecture.attention_sinks else "soft-capped scores"
+            rows.append(Row(entry.index, f"explicit attention ({why} have no SDPA form)",
                             "MatMul/Softmax present", str(fusion.unfused_attention),
                             _verdict(fusion.unfused_attention > 0)))
         else:
@@ -93,7 +122,8 @@ def runtime_rows(bundle: Path, m: Manifest, device: str, core: ov.Core) -> list[
         if wanted is None:
             rows.append(Row(entry.index, "weight storage", m.weights.mode, found, "pass"))
         else:
-            stored = {p for p in precisions if not p.endswith(" from compressed")}  # unpacked at load: fine
+            # unpacked at load, or a router kept f32 on purpose: fine
+            stored = {p for p in precisions if not p.endswith((" from compressed", " router"))}
             ok = bool(stored) and stored <= wanted
             rows.append(Row(entry.index, "weight storage", f"{m.weights.mode}: {'/'.join(sorted(wanted))}",
                             found, _verdict(ok)))

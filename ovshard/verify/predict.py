@@ -372,10 +372,11 @@ class PredictFusionInstrument(Instrument):
 
     def run_end(self, model: ov.Model, ctx: PassContext) -> None:
         index = ctx.stage.index
-        if ctx.dims.attention_softcap is not None:
-            log.info("stage %d: attention is explicit by design (attn_logit_softcapping=%s has no SDPA form), so "
-                     "no plugin fuses the KV cache into it; the cache is still stateful", index,
-                     ctx.dims.attention_softcap)
+        if ctx.dims.attention_softcap is not None or ctx.dims.attention_sinks:
+            why = ("attention sinks" if ctx.dims.attention_sinks
+                   else f"attn_logit_softcapping={ctx.dims.attention_softcap}")
+            log.info("stage %d: attention is explicit by design (%s has no SDPA form), so no plugin fuses the KV "
+                     "cache into it; the cache is still stateful", index, why)
             return
         for device in self.devices:
             prediction = predict_model(model, device, index)

@@ -27,16 +27,19 @@ from conftest import compile_fp32
 from families import FAMILIES, Family, phi3, write_random_checkpoint
 from transformers import (
     AutoModelForCausalLM,
+    DbrxConfig,
+    DeepseekV3Config,
     GPTNeoXConfig,
-    MixtralConfig,
+    JambaConfig,
+    Llama4TextConfig,
     Phi3Config,
     PretrainedConfig,
-    Qwen3MoeConfig,
 )
 
 from ovshard.bundle.manifest import read_manifest
 from ovshard.errors import ConfigError, UnsupportedArchitectureError
-from ovshard.frontend.arch import arch_for
+from ovshard.frontend.arch import UNSUPPORTED_MOE, arch_for
+from ovshard.frontend.description import describe
 from ovshard.runtime.client.inprocess import LocalPipeline
 from ovshard.runtime.engine.stage import EXACT_HINTS
 from ovshard.verify.fusion import check_cpu_fusion
@@ -224,11 +227,22 @@ def test_unknown_family_error_lists_the_supported_ones() -> None:
     assert not missing, f"the message does not list {missing}: {message}"
 
 
-@pytest.mark.parametrize("config", [MixtralConfig, Qwen3MoeConfig], ids=["mixtral", "qwen3_moe"])
-def test_mixture_of_experts_is_refused_as_such(config: type[PretrainedConfig]) -> None:
-    """Mixtral and Qwen3-MoE configs are refused with a message that names the type and says MoE."""
+UNSUPPORTED_MOE_CONFIGS = [DeepseekV3Config, Llama4TextConfig, JambaConfig, DbrxConfig]
+
+
+@pytest.mark.parametrize("config", UNSUPPORTED_MOE_CONFIGS, ids=[c.model_type for c in UNSUPPORTED_MOE_CONFIGS])
+def test_unsupported_mixture_of_experts_is_refused_by_name(config: type[PretrainedConfig]) -> None:
+    """MoE families outside the table are refused naming the type, MoE, and what the family would need."""
     with pytest.raises(UnsupportedArchitectureError) as e:
         arch_for(config().to_dict())
     message = str(e.value)
-    assert config.model_type in message, message
-    assert "MoE" in message or "mixture" in message.lower(), message
+    assert config.model_type in message and "mixture-of-experts" in message, message
+    assert f"would need {UNSUPPORTED_MOE[config.model_type]}" in message, message
+
+
+def test_a_prequantized_checkpoint_is_refused_naming_its_method() -> None:
+    """gpt-oss as released (MXFP4 experts, quantization_config) is refused, saying how to dequantize first."""
+    config = {**FAMILIES["gpt_oss"].config().to_dict(), "quantization_config": {"quant_method": "mxfp4"}}
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        describe(config)
+    assert "quant_method='mxfp4'" in str(e.value) and "dequantize" in str(e.value).lower(), str(e.value)

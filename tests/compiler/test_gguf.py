@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from families import as_saved_state
 from real_gemma import gemma_gguf, gemma_hf_reference  # noqa: F401  (fixtures)
 
 from ovshard.errors import CheckpointError, UnsupportedArchitectureError
@@ -145,8 +146,11 @@ def write_gguf(path: Path, family: str, weights: dict[str, np.ndarray], qtype: s
             writer.add_tensor(gguf_name(family, hf), gguf.quants.quantize(data, kind), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name(family, hf), data)
-    for name, data in (extra or {}).items():
-        writer.add_tensor(name, data)
+    for name, data in (extra or {}).items():  # stacked experts (3-D) quantized like the matrices, as llama.cpp does
+        if data.ndim == 3 and kind != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -171,6 +175,61 @@ def assert_config_matches(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
 
 
 # ---- the tiny families against transformers ------------------------------------------------------
+
+def test_qwen3moe_experts_match_transformers_tensor_by_tensor(tmp_path: Path) -> None:
+    """A qwen3moe GGUF (Q8_0 experts stacked in ffn_*_exps, an f32 router ffn_gate_inp): the config, and every
+    expert's matrix read as its slab of the stacked tensor, equal transformers' reading of the same file."""
+    d = dims_of("qwen3", head_dim=16)
+    experts, size = 4, 768  # transformers reads no expert size from a GGUF: its default, 768, must be the file's
+    weights = {n: w for n, w in hf_weights("qwen3", head_dim=16).items() if ".mlp." not in n}
+    rng = np.random.default_rng(1)
+    stacked = {}
+    for i in range(d["layers"]):
+        stacked[f"blk.{i}.ffn_gate_inp.weight"] = rng.standard_normal((experts, d["hidden"])).astype(np.float32)
+        for kind, shape in (("gate", (size, d["hidden"])), ("up", (size, d["hidden"])), ("down", (d["hidden"], size))):
+            stacked[f"blk.{i}.ffn_{kind}_exps.weight"] = rng.standard_normal((experts, *shape)).astype(np.float32)
+    meta = {"{arch}.expert_count": experts, "{arch}.expert_used_count": 2, "{arch}.expert_feed_forward_length": size}
+    path = write_gguf(tmp_path / "moe.gguf", "qwen3", weights, qtype="Q8_0", meta=meta, extra=stacked, arch="qwen3moe",
+                      dims=d)
+    ckpt = open_gguf(path)
+    ckpt.validate_tensors()
+    config, state = hf_reading(path)
+    assert_config_matches(ckpt.config, config)
+    assert (ckpt.dims.num_experts, ckpt.dims.experts_per_token, ckpt.dims.expert_size) == (experts, 2, size)
+    saved = as_saved_state(state, "qwen3_moe")
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in ckpt.tensor_names()
+    for name in ckpt.tensor_names():
+        assert torch.equal(ckpt.load(name), saved[name]), name
+
+
+def test_qwen2moe_shared_expert_matches_transformers(tmp_path: Path) -> None:
+    """A qwen2moe GGUF: routed experts (ffn_*_exps) and the shared expert (ffn_*_shexp, its gate stored 1-D)
+    equal transformers' reading of the same file, tensor by tensor."""
+    d = dims_of("qwen2")
+    experts, size, shared = 4, 1408, 5632  # transformers reads neither size from a GGUF: its defaults
+    weights = {n: w for n, w in hf_weights("qwen2").items() if ".mlp." not in n}
+    rng = np.random.default_rng(2)
+    h = d["hidden"]
+    extra = {}
+    for i in range(d["layers"]):
+        extra[f"blk.{i}.ffn_gate_inp.weight"] = rng.standard_normal((experts, h)).astype(np.float32)
+        extra[f"blk.{i}.ffn_gate_inp_shexp.weight"] = rng.standard_normal(h).astype(np.float32)
+        for kind, shape in (("gate", (size, h)), ("up", (size, h)), ("down", (h, size))):
+            extra[f"blk.{i}.ffn_{kind}_exps.weight"] = rng.standard_normal((experts, *shape)).astype(np.float32)
+        for kind, shape in (("gate", (shared, h)), ("up", (shared, h)), ("down", (h, shared))):
+            extra[f"blk.{i}.ffn_{kind}_shexp.weight"] = rng.standard_normal(shape).astype(np.float32)
+    meta = {"{arch}.expert_count": experts, "{arch}.expert_used_count": 2, "{arch}.expert_feed_forward_length": size,
+            "{arch}.expert_shared_feed_forward_length": shared}
+    path = write_gguf(tmp_path / "moe.gguf", "qwen2", weights, meta=meta, extra=extra, arch="qwen2moe", dims=d)
+    ckpt = open_gguf(path)
+    ckpt.validate_tensors()
+    config, state = hf_reading(path)
+    assert_config_matches(ckpt.config, config)
+    assert ckpt.dims.shared_expert_size == shared and not ckpt.block.norm_topk
+    saved = as_saved_state(state, "qwen2_moe")
+    for name in ckpt.tensor_names():
+        assert torch.equal(ckpt.load(name), saved[name]), name
+
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_matches_transformers(tmp_path: Path, family: str) -> None:
@@ -398,7 +457,7 @@ def test_truncated_file_refused(tmp_path: Path) -> None:
 
 def test_unsupported_architectures_refused(tmp_path: Path) -> None:
     """An architecture outside the table, and Mixtral written as "llama", name what is supported."""
-    with pytest.raises(UnsupportedArchitectureError, match=r"architecture 'phi2'.*gemma2, gemma3, llama, qwen2, qwen3"):
+    with pytest.raises(UnsupportedArchitectureError, match=r"architecture 'phi2'.*gemma2, gemma3, llama, qwen2, qwen2moe, qwen3, qwen3moe"):
         open_gguf(write_gguf(tmp_path / "phi2.gguf", "llama", hf_weights("llama"), arch="phi2"))
     with pytest.raises(UnsupportedArchitectureError, match="mixture-of-experts"):
         open_gguf(write_gguf(tmp_path / "moe.gguf", "llama", hf_weights("llama"), meta={"{arch}.expert_count": 8}))

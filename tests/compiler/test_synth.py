@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO
+from families import as_saved_state
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    DeepseekV3Config,
     LlamaConfig,
     LlamaForCausalLM,
-    MixtralConfig,
     Qwen3Config,
 )
 
@@ -468,7 +469,7 @@ def test_shape_tensors_are_the_transformers_model_state(name: str) -> None:
     config = AutoConfig.for_model(SHAPES[name]["model_type"], **fields)
     with torch.device("meta"):  # shapes only: a 70B model costs no memory
         model = AutoModelForCausalLM.from_config(config)
-    state = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    state = {n: tuple(t.shape) for n, t in as_saved_state(model.state_dict(), SHAPES[name]["model_type"]).items()}
     if config.tie_word_embeddings:
         del state["lm_head.weight"]  # tied: transformers stores only the embedding
     layout = synth.checkpoint_layout(SHAPES[name])
@@ -484,7 +485,7 @@ def test_each_family_writes_a_checkpoint_transformers_loads(tmp_path: Path, mode
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     ckpt = open_checkpoint(root)
     ckpt.validate_tensors()
-    state = model.state_dict()
+    state = as_saved_state(model.state_dict(), model_type)
     for name in ckpt.tensor_names():
         assert torch.equal(state[name], ckpt.load(name)), name
 
@@ -546,11 +547,11 @@ def test_cli_writes_the_language_model_of_a_multimodal_config(tmp_path: Path) ->
     assert abs(ckpt.load("language_model.model.embed_tokens.weight").std().item() - 0.1) < 0.01
 
 
-def test_cli_refuses_a_mixture_of_experts_config(tmp_path: Path) -> None:
-    """A Mixtral config.json exits 2 with a message naming the model type and MoE, and writes nothing."""
-    (tmp_path / "config.json").write_text(json.dumps(MixtralConfig(num_hidden_layers=1).to_dict()))
+def test_cli_refuses_an_unsupported_mixture_of_experts_config(tmp_path: Path) -> None:
+    """A DeepSeek-V3 config.json (MLA) exits 2 with a message naming the model type and MoE, and writes nothing."""
+    (tmp_path / "config.json").write_text(json.dumps(DeepseekV3Config(num_hidden_layers=1).to_dict()))
     run = subprocess.run([sys.executable, "-m", "ovshard.cli", "synth", str(tmp_path), "-o", str(tmp_path / "out")],
                          capture_output=True, text=True, timeout=60, cwd=REPO)
     assert run.returncode == 2
-    assert "mixtral" in run.stderr and "MoE" in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert "deepseek_v3" in run.stderr and "MoE" in run.stderr and "Traceback" not in run.stderr, run.stderr
     assert not (tmp_path / "out").exists()

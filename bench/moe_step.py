@@ -1,0 +1,102 @@
+"""A decode step of a Qwen3-30B-A3B-shaped stage against a dense stage of the same active parameters.
+
+Both are one-stage INT4 bundles (the default compile) of random checkpoints written by ``ovshard synth``'s
+writer: the MoE one is the ``qwen3-30b-a3b`` preset cut to ``--layers`` layers (128 experts of 768, 8 routed
+a token); the dense one is the same model with each layer's experts replaced by one MLP of 8 x 768 = 6144
+(Qwen3's block otherwise), so a token reads the same weights in both but for the router. The vocabulary is
+cut to ``--vocab`` so that the embedding and lm_head, the same in both, do not hide the layers. The steps
+are measured interleaved in one process (A, B, A, B ...), one token a step after a prompt, and the ratio
+reported is MoE / dense median step time. ``--small`` narrows both models (hidden 256, experts of 64) to
+prove the script runs on a small machine; its timings mean nothing.
+
+    .venv/bin/python bench/moe_step.py --out /tmp/moe-bench [--layers 4] [--rounds 5] [--steps 32] [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ovshard.compile import CompileConfig, compile_bundle
+from ovshard.runtime.client.inprocess import LocalPipeline
+from ovshard.tools.shapes import family_config, preset
+from ovshard.tools.synth import with_layers, write_checkpoint
+
+PROMPT = list(range(3, 19))  # 16 tokens
+
+
+def configs(layers: int, vocab: int, small: bool) -> dict[str, dict[str, Any]]:
+    """The MoE config (the preset cut) and the dense config of the same active parameters."""
+    moe = with_layers(preset("qwen3-30b-a3b"), layers)
+    moe.update(vocab_size=vocab, bos_token_id=1, eos_token_id=2, max_position_embeddings=4096)
+    if small:
+        moe.update(hidden_size=256, moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=64)
+    dense_keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_parameters", "bos_token_id",
+                  "eos_token_id", "tie_word_embeddings", "dtype", "initializer_range")
+    dense = family_config("qwen3", **{k: moe[k] for k in dense_keys},
+                          intermediate_size=moe["num_experts_per_tok"] * moe["moe_intermediate_size"],
+                          max_window_layers=layers)
+    return {"moe": moe, "dense": dense}
+
+
+def build(root: Path, name: str, config: dict[str, Any]) -> Path:
+    checkpoint, bundle = root / f"{name}-ckpt", root / f"{name}-bundle"
+    if not bundle.exists():
+        print(f"{name}: writing the checkpoint and compiling (default INT4, one stage)", file=sys.stderr)
+        if not checkpoint.exists():
+            write_checkpoint(checkpoint, config, dtype=config.get("dtype", "float32"))
+        compile_bundle(CompileConfig(checkpoint, bundle, stages=1))
+    return bundle
+
+
+def step_times(pipe: LocalPipeline, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` one-token decode steps after the prompt (a fresh context)."""
+    pipe.reset()
+    logits, _ = pipe.forward(PROMPT)
+    token, times = int(logits[-1].argmax()), []
+    for _ in range(steps):
+        start = time.perf_counter()
+        logits, _ = pipe.forward([token])
+        times.append(time.perf_counter() - start)
+        token = int(logits[-1].argmax())
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder for the checkpoints and bundles (reused)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--small", action="store_true", help="narrow shapes: proves the script runs, times nothing")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    bundles = {name: build(args.out, name, config)
+               for name, config in configs(args.layers, args.vocab, args.small).items()}
+    pipes = {name: LocalPipeline(bundle) for name, bundle in bundles.items()}
+    for pipe in pipes.values():
+        step_times(pipe, 4)  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in pipes}
+    for r in range(args.rounds):
+        for name, pipe in pipes.items():
+            times[name] += step_times(pipe, args.steps)
+        print(f"round {r + 1} of {args.rounds}", file=sys.stderr)
+    median = {name: statistics.median(t) for name, t in times.items()}
+    print(json.dumps({"layers": args.layers, "small": args.small, "steps": len(times["moe"]),
+                      "median_step_ms": {n: round(1000 * m, 3) for n, m in median.items()},
+                      "moe_over_dense": round(median["moe"] / median["dense"], 3)}))
+    for pipe in pipes.values():
+        pipe.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Mixtures of experts beyond exactness (tests/compiler/test_families.py proves the fp32 rows against HF): the
+default INT4 compile keeps the router f32 and each expert INT4 while the CPU plugin still reads only the routed
+experts; the planner counts a layer's memory by all its experts and its step by the routed ones; a cut of
+the Qwen3-30B-A3B preset (its 128 experts, top 8) compiles from ``ovshard synth``; and speculative decoding
+over stage worker processes runs an MoE bundle unchanged."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import openvino as ov
+import pytest
+from conftest import compile_fp32
+from families import FAMILIES, write_random_checkpoint
+
+from ovshard.bundle.manifest import read_manifest
+from ovshard.bundle.weights import WeightFormat
+from ovshard.cli import main
+from ovshard.compile import CompileConfig, compile_bundle
+from ovshard.frontend.description import describe
+from ovshard.plan.costs import bytes_per_weight, model_costs
+from ovshard.runtime.client.head import Head
+from ovshard.runtime.client.inprocess import LocalPipeline
+from ovshard.runtime.client.launch import local_workers
+from ovshard.runtime.decoding.decode import Stats
+from ovshard.runtime.decoding.speculative import make_speculation
+from ovshard.runtime.engine.sampler import SamplingConfig
+from ovshard.runtime.engine.stage import EXACT_HINTS
+from ovshard.tools.shapes import preset
+from ovshard.tools.synth import with_layers
+from ovshard.verify.checks import runtime_rows
+from ovshard.verify.fusion import check_cpu_fusion
+
+
+def _weight_types(xml: Path) -> dict[str, tuple[str, list[int]]]:
+    """Each decoder weight constant of a stage IR by its name's tail (``0.router_weight`` ...): type and shape."""
+    found = {}
+    for op in ov.Core().read_model(str(xml)).get_ordered_ops():
+        name = op.get_friendly_name()
+        if op.get_type_name() == "Constant" and name.endswith("_weight") and "layers." in name:
+            tail = name.split("layers.")[-1]
+            found[tail] = (op.get_output_element_type(0).get_type_name(), list(op.get_output_shape(0)))
+    return found
+
+
+def test_int4_compile_keeps_the_router_f32_and_gathers_int4_experts(tmp_path: Path) -> None:
+    """Default INT4 (2 stages): every expert INT4 per group, the router f32, GatherMatmul on every stage, and
+    `ovshard verify`'s runtime rows all pass (the f32 router counted as such, not as an uncompressed weight)."""
+    checkpoint = write_random_checkpoint(FAMILIES["qwen3_moe"], tmp_path / "ckpt")
+    manifest = compile_bundle(CompileConfig(checkpoint, tmp_path / "b", stages=2))
+    assert manifest.weights.mode.startswith("int4")
+    reports = check_cpu_fusion(tmp_path / "b", manifest)
+    found = [(r.stage, r.moe_layers, r.gather_matmuls, r.fused_sdpa) for r in reports]
+    assert all(r.ok and r.gather_matmuls == 3 * r.layers for r in reports), found  # gate, up, down a layer
+    rows = runtime_rows(tmp_path / "b", manifest, "CPU", ov.Core())  # what `ovshard verify` prints
+    assert [r.verdict for r in rows] == ["pass"] * len(rows), rows
+    assert {r.check for r in rows} >= {"experts as GatherMatmul (reading only the routed experts)", "weight storage"}
+    weights = _weight_types(tmp_path / "b" / manifest.stages[0].model_xml)
+    assert weights["0.router_weight"] == ("f32", [8, 64])
+    int8_kept = set(manifest.weights.int8_weights)
+    for key in ("experts_gate", "experts_up", "experts_down"):
+        kind, shape = weights[f"0.{key}_weight"]
+        if f"0.{key}" not in int8_kept:
+            assert kind in ("i4", "u4") and shape[0] == 8 and len(shape) == 4, (key, kind, shape)  # [E, out, groups, g]
+
+
+def test_placement_counts_all_experts_in_memory_and_the_routed_ones_in_a_step() -> None:
+    """Qwen3-30B-A3B: a layer's memory holds 128 experts, a decode step reads 8 (its published 3.3B active)."""
+    model = describe(preset("qwen3-30b-a3b"))
+    d, fmt = model.dims, WeightFormat("int4_asym", 128, ratio=1.0, budget=1.0)  # all INT4: no INT8 budget spread
+    layers = [b for b in model_costs(model.arch, d, fmt).blocks if b.kind == "layer"]
+    attention = d.hidden_size * d.head_dim * (2 * d.num_heads + 2 * d.num_kv_heads)
+    expert = 3 * d.hidden_size * d.expert_size
+    router = d.num_experts * d.hidden_size
+    per_weight = bytes_per_weight(fmt)
+    held = sum(b.weight_bytes for b in layers)
+    read = sum(b.read_bytes or 0 for b in layers)
+    assert held == pytest.approx(d.num_layers * (attention + router + 128 * expert) * per_weight, rel=0.05)
+    assert read == pytest.approx(d.num_layers * (attention + router + 8 * expert) * per_weight, rel=0.05)
+    assert 10 < held / read < 20  # ~30B held against ~2.7B of decoder weights read
+
+
+@pytest.mark.slow
+def test_a_one_layer_cut_of_qwen3_30b_a3b_compiles_with_its_experts_gathered(tmp_path: Path) -> None:
+    """`ovshard synth` of the qwen3-30b-a3b preset cut to 1 layer (its 128 experts and top 8; narrowed to
+    hidden 256, experts of 64, vocabulary 1024 for a test machine) compiles to INT4 with 3 GatherMatmuls."""
+    config = with_layers(preset("qwen3-30b-a3b"), 1)
+    config.update(hidden_size=256, moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=64, vocab_size=1024, bos_token_id=1, eos_token_id=2, dtype="float32")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["synth", str(tmp_path / "config.json"), "-o", str(tmp_path / "ckpt")]) == 0
+    assert describe(config).dims.num_experts == 128 and describe(config).dims.experts_per_token == 8
+    manifest = compile_bundle(CompileConfig(tmp_path / "ckpt", tmp_path / "b", stages=1))
+    (report,) = check_cpu_fusion(tmp_path / "b", read_manifest(tmp_path / "b"))
+    assert report.ok and report.gather_matmuls == 3, report.runtime_ops
+    weights = _weight_types(tmp_path / "b" / manifest.stages[0].model_xml)
+    assert weights["0.router_weight"] == ("f32", [128, 256])
+    assert math.prod(weights["0.experts_gate_weight"][1]) == 128 * 64 * 256
+
+
+@pytest.mark.slow
+def test_speculative_greedy_over_worker_processes_equals_plain_greedy(tmp_path: Path) -> None:
+    """A 2-stage fp32 Qwen3-MoE bundle over `ovshard serve` processes: plain and prompt-lookup greedy (K=3,
+    rewinds by mask) give the one-stage in-process greedy tokens, which test_families ties to HF."""
+    checkpoint = write_random_checkpoint(FAMILIES["qwen3_moe"], tmp_path / "ckpt")
+    one, two = compile_fp32(checkpoint, tmp_path / "b1", stages=1), compile_fp32(checkpoint, tmp_path / "b2", stages=2)
+    prompt, config = [2, 17, 42, 17, 42, 17, 42], SamplingConfig(max_tokens=40)
+    plain = list(LocalPipeline(one, config=EXACT_HINTS).generate(prompt, config))
+    with local_workers(two, exact=True) as addresses:
+        head = Head(two, addresses)
+        try:
+            assert list(head.generate(prompt, config)) == plain
+            stats = Stats()
+            speculation = make_speculation("prompt-lookup", 3, read_manifest(two), config=EXACT_HINTS)
+            assert list(head.generate(prompt, config, stats, speculation)) == plain
+            assert stats.drafted > 0
+        finally:
+            head.close()
