@@ -12,9 +12,11 @@ start)
   [ -d /tmp/site ] || tar -C /tmp -xzf .dev/site.tar.gz
   [ -d /tmp/llama.cpp ] || tar -C /tmp -xzf .dev/llama.tar.gz
   export PYTHONPATH=/tmp/site CI=true PAPER_TOKENIZER_FROM="$PWD/.dev/stories"
+  repo=$PWD
+  cd /tmp  # python -m ovshard.cli from the checkout would find its ovshard/ (no runtime/ inside) before /tmp/site
   lscpu | grep -E "Model name|^CPU\(s\)|Thread|Flags" | cut -c1-400
   python3 -c "import openvino, nncf, ovshard, torch, transformers; print('openvino', openvino.get_version(), 'torch', torch.__version__, 'transformers', transformers.__version__)" || exit 1
-  setsid nohup python3 bench/device/paper.py --work "$W" --llama-src /tmp/llama.cpp ${PAPER_ARGS:-} \
+  setsid nohup python3 "$repo/bench/device/paper.py" --work "$W" --llama-src /tmp/llama.cpp ${PAPER_ARGS:-} \
     > "$W/log" 2>&1 < /dev/null &
   echo "started pid $!"
   ;;
