@@ -96,7 +96,7 @@ def _gemma_gguf() -> Path:
 # name -> ovshard compile flags; "fp32" is every row's reference. "b" is --budget: 1.00 = every decoder weight
 # INT4. Data-free rows say --calibration none (the default calibrates); "se" is NNCF's scale estimation (the default
 # method: 2 rounds, no grid search), "awq+se" adds AWQ; "text" is the shipped calibration text (16 samples of 128
-# tokens over its whole length, the default), "auto" the model's own sampled text.
+# tokens over its whole length, the default); without "text", the model's own sampled text (--calibration auto).
 FREE = ["--calibration", "none"]
 AWQ_SE = ["--calibration-methods", "awq,scale_estimation"]
 ROWS = {
@@ -113,18 +113,22 @@ ROWS = {
     "int4_asym g32 b1.08": ["--weights", "int4_asym", "--group-size", "32", "--budget", "1.08", *FREE],
     "int4_asym g32 b1.15": ["--weights", "int4_asym", "--group-size", "32", "--budget", "1.15", *FREE],
     "int4_asym g128 b1.30": ["--weights", "int4_asym", "--group-size", "128", "--budget", "1.3", *FREE],
-    # data-aware (NNCF, layer by layer in the streamed compile)
+    # data-aware (NNCF, layer by layer in the streamed compile); "auto": the model's own text
     "int4_sym g128 b1.15 se text": [],  # the default
     "int4_sym g128 b1.04 se text": ["--budget", "1.04"],  # at llama.cpp Q4_0's size
     "int4_sym g128 b1.00 se text": ["--budget", "1.0"],
-    "int4_sym g128 b1.15 awq+se text": [*AWQ_SE],
-    "int4_sym g128 b1.05 awq+se text": ["--budget", "1.05", *AWQ_SE],
-    "int4_sym g128 b1.00 awq+se auto": ["--weights", "int4_sym", "--budget", "1.0", "--calibration", "auto", *AWQ_SE],
-    "int4_asym g128 b1.00 awq+se auto": ["--weights", "int4_asym", "--budget", "1.0", "--calibration", "auto",
-                                         *AWQ_SE],
-    "int4_sym g128 b1.00 gptq text": ["--budget", "1.0", "--calibration-methods", "gptq"],
-    "int4_sym g128 b1.00 lora text": ["--budget", "1.0", "--calibration-methods", "scale_estimation,lora_correction"],
-    "int4_sym g128 b1.15 awq+se auto": ["--calibration", "auto", *AWQ_SE],
+    "int4_sym g128 b1.00 awq+se": ["--weights", "int4_sym", "--budget", "1.0", "--calibration", "auto", *AWQ_SE],
+    "int4_asym g128 b1.00 awq+se": ["--weights", "int4_asym", "--budget", "1.0", "--calibration", "auto", *AWQ_SE],
+    "int4_asym g64 b1.00 awq+se": ["--weights", "int4_asym", "--group-size", "64", "--budget", "1.0",
+                                   "--calibration", "auto", *AWQ_SE],
+    "int4_sym g128 b1.00 gptq": ["--weights", "int4_sym", "--budget", "1.0", "--calibration", "auto",
+                                 "--calibration-methods", "gptq"],
+    "int4_sym g128 b1.00 lora": ["--weights", "int4_sym", "--budget", "1.0", "--calibration", "auto",
+                                 "--calibration-methods", "scale_estimation,lora_correction"],
+    "int4_sym g128 b1.15 awq+se": ["--weights", "int4_sym", "--budget", "1.15", "--calibration", "auto", *AWQ_SE],
+    "int4_sym g128 b1.15 awq+se text": ["--calibration", "text", *AWQ_SE],
+    "int4_sym g128 b1.05 awq+se text": ["--budget", "1.05", "--calibration", "text", *AWQ_SE],
+    "int4_asym g128 b1.15 awq+se": ["--weights", "int4_asym", "--budget", "1.15", "--calibration", "auto", *AWQ_SE],
 }
 BEFORE = "int4_asym g128 b1.00"  # sizes are relative to it
 DEFAULT = "int4_sym g128 b1.15 se text"  # ovshard compile's default (docs/results/2026-12-int4-accuracy.md)
