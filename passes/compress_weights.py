@@ -17,8 +17,8 @@ power-of-two group that divides them, or INT8 when none does (NNCF's ADJUST fall
 A mixture of experts' stacked expert weights ([experts, out, in]) are compressed like any MatMul weight:
 NNCF groups each expert's rows on its own, and the CPU plugin's GatherMatmul reads them compressed. The
 router ([experts, hidden], a fraction of a percent of a layer) and a shared expert's one-output gate stay f32
-in every format, as llama.cpp keeps
-its ``ffn_gate_inp``: its top-k is a discrete choice that a quantization error near a tie would flip.
+in every format, as llama.cpp keeps its ``ffn_gate_inp``: its top-k is a discrete choice that a quantization
+error near a tie would flip.
 
 The default format and why it was chosen: ``ovshard.bundle.weights``.
 """
