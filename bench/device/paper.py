@@ -183,8 +183,8 @@ def setup(work: Path, llama_src: Path, shapes: list[str], results: Results) -> d
             log(f"compiling {shape} (default, 4 stages)")
             facts[f"compile {shape} 4 stages"] = compile_bundle(ckpts[shape], fine, 4)
             log(f"compiled {shape}: {facts[f'compile {shape} 4 stages']}")
-        bundles[shape] = {4: str(fine), 2: str(regroup(fine, [[0, 1], [2, 3]], work / f"bundle-{shape}-2st")),
-                          1: str(regroup(fine, [[0, 1, 2, 3]], work / f"bundle-{shape}-1st"))}
+        bundles[shape] = {"4": str(fine), "2": str(regroup(fine, [[0, 1], [2, 3]], work / f"bundle-{shape}-2st")),
+                          "1": str(regroup(fine, [[0, 1, 2, 3]], work / f"bundle-{shape}-1st"))}  # keys as JSON keeps them
         shutil.rmtree(ckpts[shape])
         log(f"{shape} ready; disk free {shutil.disk_usage(work).free / 2**30:.1f} GB")
     state = {"bins": str(built["bins"]), "bundles": bundles, "ggufs": ggufs, "facts": facts}
@@ -252,7 +252,7 @@ def one_node(state: dict[str, Any], results: Results, shapes: list[str], rounds:
              thread_counts: list[int]) -> None:
     rows = []
     for shape in shapes:
-        bundle = state["bundles"][shape]["1"] if "1" in state["bundles"][shape] else state["bundles"][shape][1]
+        bundle = state["bundles"][shape]["1"]
         for threads in thread_counts:
             cores = f"0-{threads - 1}"
             samples: dict[str, list[float]] = {"ovshard": [], **{k: [] for k in state["ggufs"][shape]}}
@@ -311,16 +311,17 @@ def table(state: dict[str, Any], results: Results, shape: str, rounds: int, toke
     from ovshard.runtime.client.head import Head
     from ovshard.runtime.wire.wanproxy import DelayProxy
 
-    bundles = {int(k): v for k, v in state["bundles"][shape].items()}
+    bundles = state["bundles"][shape]
     head_cores = set(range(2 * NODE_CORES, os.cpu_count() or 2 * NODE_CORES)) or {0}
     os.sched_setaffinity(0, head_cores)
     samples: dict[tuple[int, int], list[float]] = {key: [] for key in layout}
     rpc: list[float] = []
-    prompt = prompt_for(bundles[1])
+    prompt = prompt_for(bundles["1"])
     with ExitStack() as stack:
         heads = {}
         for nodes in sorted({n for n, _ in layout}):
-            heads[nodes] = Head(Path(bundles[nodes]), _workers(stack, bundles[nodes], NODE_CORES), timeout=600)
+            bundle = bundles[str(nodes)]
+            heads[nodes] = Head(Path(bundle), _workers(stack, bundle, NODE_CORES), timeout=600)
             stack.callback(heads[nodes].close)
             _aggregate(heads[nodes], [prompt], 4, 1, None)  # warm-up
         log("table: workers up")
