@@ -226,3 +226,20 @@ def write_random_checkpoint(family: Family, root: Path) -> Path:
         model.get_input_embeddings().weight.normal_(0.0, family.embed_std)
     model.save_pretrained(root)
     return root
+
+
+def _qwen3_moe_text() -> PretrainedConfig:
+    # _qwen3_moe's shape over stories260K's 512-token vocabulary and special tokens, so that its tokenizer fits
+    return Qwen3MoeConfig(vocab_size=512, bos_token_id=1, eos_token_id=2, hidden_size=64, intermediate_size=128,
+                          moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          tie_word_embeddings=False, max_position_embeddings=512, rope_parameters=ROPE)
+
+
+def moe_with_tokenizer(stories: Path, root: Path) -> Path:
+    """A random Qwen3-MoE checkpoint that carries stories260K's tokenizer (its files linked): an MoE bundle that
+    serves text, for the API and `ovshard up` tests."""
+    write_random_checkpoint(Family(_qwen3_moe_text), root)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (root / name).symlink_to(stories / name)
+    return root

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import compile_fp32, free_port_base, run_greedy
+from families import moe_with_tokenizer
 
 from ovshard.bundle import names
 from ovshard.bundle.manifest import read_manifest
@@ -187,6 +189,38 @@ def test_a_killed_stage_actor_is_restarted_by_ray_and_the_stream_finishes_the_sa
         assert rows[0]["steps"] > 120 and rows[0]["step_ms"] > 0, rows  # stage 0 served both runs
         subprocess.run([*CLI, "-q", "down", "--ray", cluster], timeout=120, check=True)
         assert pipeline["process"].wait(60) == 0
+
+
+def test_up_serves_an_moe_bundle_over_the_api_to_concurrent_clients(cluster: str, stories: Path,
+                                                                   tmp_path: Path) -> None:
+    """A 2-stage fp32 Qwen3-MoE bundle (stories260K's tokenizer) under `ovshard up --api` on the two nodes: two
+    clients at once each get the answer they get alone, and the first is what `run --local` prints."""
+    import openai
+
+    bundle = compile_fp32(moe_with_tokenizer(stories, tmp_path / "ckpt"), tmp_path / "moe", stages=2)
+    prompts = ["Once upon a time", "The cat"]
+    with up(bundle, cluster, free_port_base(2), "--placement", "bundle", "--api", "127.0.0.1:0") as pipeline:
+        process = pipeline["process"]
+        while not (line := process.stdout.readline()).startswith('{"event": "listening"'):
+            assert line, process.stderr.read()
+        client = openai.OpenAI(base_url=f"http://{json.loads(line)['api']}/v1", api_key="none", max_retries=0,
+                               timeout=300)
+
+        def ask(prompt: str) -> str:
+            return client.completions.create(model="moe", prompt=prompt, max_tokens=32, temperature=0).choices[0].text
+
+        solo = [ask(p) for p in prompts]
+        local = subprocess.run([*CLI, "-q", "run", str(bundle), "--local", "--exact", "--prompt", prompts[0],
+                                "--max-tokens", "32", "--speculative", "off"], capture_output=True, text=True,
+                               timeout=300, check=True)
+        assert local.stdout.rstrip("\n") == prompts[0] + solo[0]
+        together = [""] * 2
+        threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, ask(prompts[i]))) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert together == solo
 
 
 @pytest.fixture(scope="module")

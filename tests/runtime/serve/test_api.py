@@ -17,6 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 from conftest import compile_fp32
+from families import moe_with_tokenizer
 
 from ovshard.runtime.client.launch import WorkerProcess, serve_command
 
@@ -135,6 +136,48 @@ def test_four_concurrent_requests_each_equal_their_solo_answer(server: Api) -> N
     for t in threads:
         t.join(120)
     assert together == solo
+
+
+def _batch_totals(url: str) -> tuple[float, float]:
+    """/metrics' batcher counters: (ticks, sequence rows) since the head connected."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    totals = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return totals["ovshard_batch_ticks_total"], totals["ovshard_batch_sequence_rows_total"]
+
+
+@pytest.mark.slow
+def test_an_moe_bundle_serves_concurrent_requests_batched_each_as_alone(stories: Path, tmp_path: Path) -> None:
+    """A 2-stage fp32 Qwen3-MoE bundle behind `ovshard api` over stage worker processes: the first answer is what
+    `ovshard run --local` prints, four clients at once each get their solo answer, and the batcher put several
+    sequences in one inference (the paged path runs the expert layers unchanged)."""
+    checkpoint = moe_with_tokenizer(stories, tmp_path / "moe")
+    bundle = compile_fp32(checkpoint, tmp_path / "moe-bundle", stages=2)
+    prompts = [PROMPT, "The cat", "Lily saw", "One day"]
+    with api(bundle, "--streams", "4") as server:
+        def ask(prompt: str) -> str:
+            return server.client.completions.create(model="moe-bundle", prompt=prompt, max_tokens=40,
+                                                    temperature=0).choices[0].text
+
+        solo = [ask(q) for q in prompts]
+        assert solo[0] == run_text(bundle, 40)
+        ticks, rows = _batch_totals(server.url)
+        together: list[str] = [""] * 4
+        start = threading.Barrier(4)
+
+        def ask_together(i: int) -> None:
+            start.wait(60)
+            together[i] = ask(prompts[i])
+
+        threads = [threading.Thread(target=ask_together, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert together == solo
+        more_ticks, more_rows = _batch_totals(server.url)
+        assert more_rows - rows > more_ticks - ticks, "no inference carried more than one sequence"
 
 
 def test_bad_requests_get_openai_shaped_errors(server: Api) -> None:
