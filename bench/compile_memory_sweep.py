@@ -14,6 +14,8 @@ Cases (``--cases``, comma-separated sets):
   4-layer cuts; ``--whole-stage`` for the 1-layer cut only (more layers would not fit in 24 GB);
 * ``8b``: the full llama-3.1-8b shape in 4 and 2 stages streamed, 4 stages whole (for a big machine);
 * ``70b-big``: ``--whole-stage`` for the 70B 2- and 4-layer cuts (for a big machine).
+* ``30b-a3b``: the qwen3-30b-a3b shape (a mixture of 128 experts, 8 routed) cut to 1, 2 and 4 layers, 1 stage,
+  streamed: a layer now holds 128 experts, and the memory must stay one layer's worth.
 
 Every case runs streamed and (where listed) ``--whole-stage``, one fresh subprocess each, with
 ``CI=true`` (openvino_telemetry off: it forks the compiler, and a fork would count the parent's pages
@@ -27,6 +29,7 @@ Reproduce (from the repository root)::
 
     .venv/bin/python bench/compile_memory.py --sweep                 # 1b and 70b sets, ~1.5 h on 2 cores
     .venv/bin/python bench/compile_memory.py --sweep --cases 8b      # on a machine with >= 64 GB
+    .venv/bin/python bench/compile_memory.py --sweep --cases 30b-a3b # ~15 GB of checkpoints in --work
     .venv/bin/python bench/compile_memory.py --sweep --report-only --merge OTHER.json   # table + plot
 
 Writes ``bench/results/compile_memory_sweep.json`` (after every run), prints a table and draws
@@ -103,6 +106,8 @@ CASE_SETS: dict[str, list[Case]] = {
     "8b": [Case("llama-3.1-8b", None, 4, False, "8B, 32 layers in 2/4 stages"),
            Case("llama-3.1-8b", None, 2, False, "8B, 32 layers in 2/4 stages"),
            Case("llama-3.1-8b", None, 4, True, "8B, 32 layers in 2/4 stages")],
+    # a mixture of experts: a layer holds 128 experts (604M parameters, ~2.4 GB in f32), the router and attention
+    "30b-a3b": [Case("qwen3-30b-a3b", n, 1, False, "Qwen3-30B-A3B cut to 1/2/4 layers, 1 stage") for n in (1, 2, 4)],
 }
 
 
