@@ -7,10 +7,12 @@ Tensors keep their Hugging Face names and values: :meth:`GGUFCheckpoint.load` de
 llama.cpp's ``convert_hf_to_gguf.py`` did to it, exactly as transformers' GGUF loader does:
 
 - llama: q and k rows permuted into llama.cpp's rotary layout (``permute``); undone per head;
-- Gemma 2/3: RMSNorm scales stored as ``1 + w``; Hugging Face keeps ``w`` (and adds the 1 at run time).
+- Gemma 2/3: RMSNorm scales stored as ``1 + w``; Hugging Face keeps ``w`` (and adds the 1 at run time);
+- mixture of experts (qwen2moe, qwen3moe, Mixtral as llama): each projection's experts stacked in one
+  [E, out, in] tensor; each expert is read as its own slab of it.
 
 The config comes from :mod:`ovshard.frontend.gguf_config`, which also holds the table of GGUF
-architectures read (llama, qwen2, qwen3, gemma2, gemma3).
+architectures read (llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3; llama with experts as mixtral).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import struct
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -46,6 +49,7 @@ FLOAT_TYPES = ("F32", "F16", "BF16")  # stored as values, not quantization block
 TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
                     "tokenizer.ggml.merges")
 LAYOUT_VERSION = "ovshard-gguf-1"  # bump when a tensor's undo changes: it is part of every tensor digest
+PER_EXPERT = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight")  # experts unstacked (old llama.cpp)
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3's rope factors: read into the config, not a model tensor
 
 
@@ -305,7 +309,9 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
     reader = _open_reader(path)
     metadata = {name: f.contents() for name, f in reader.fields.items() if name not in TOKENIZER_ARRAYS}
     arch = str(metadata.get("general.architecture"))
-    family = family_of(path, arch)
+    family = family_of(path, arch, metadata)
+    if family.experts is not None:
+        _refuse_per_expert_tensors(path, reader)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     rope_freqs = next((t.data for t in reader.tensors if t.name == ROPE_FREQS), None)
     config = rebuild_config(path, arch, family, metadata, shapes, rope_freqs)
@@ -325,6 +331,17 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
             ", ".join(f"{n} {t}" for t, n in quant.tensor_types))
     logger.debug("opened %s: %s %s, %d tensors", path, arch, quant.file_type, len(tensors))
     return ckpt
+
+
+def _refuse_per_expert_tensors(path: Path, reader: GGUFReader) -> None:
+    """Refuse the layout llama.cpp wrote MoE files in before it stacked experts: ``blk.N.ffn_gate.E.weight``."""
+    old = [t.name for t in reader.tensors if PER_EXPERT.fullmatch(t.name)]
+    if old:
+        raise CheckpointError(
+            f"{path} stores its experts one tensor each ({len(old)} tensors such as {old[0]}), the layout of "
+            "llama.cpp conversions from before April 2024; ovshard reads experts stacked (blk.N.ffn_gate_exps). "
+            "Convert the model again with a current llama.cpp's convert_hf_to_gguf.py, or start from the "
+            "safetensors checkpoint.")
 
 
 def _open_reader(path: Path) -> GGUFReader:

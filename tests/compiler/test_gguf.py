@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from families import as_saved_state
+from families import Family, as_saved_state, write_random_checkpoint
+from mixtral_gguf import mixtral_config, write_mixtral_gguf
 from real_gemma import gemma_gguf, gemma_hf_reference  # noqa: F401  (fixtures)
 
 from ovshard.errors import CheckpointError, UnsupportedArchitectureError
@@ -229,6 +230,44 @@ def test_qwen2moe_shared_expert_matches_transformers(tmp_path: Path) -> None:
     saved = as_saved_state(state, "qwen2_moe")
     for name in ckpt.tensor_names():
         assert torch.equal(ckpt.load(name), saved[name]), name
+
+
+@pytest.fixture(scope="module")
+def mixtral_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(Family(mixtral_config), tmp_path_factory.mktemp("mixtral"))
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_mixtral_gguf_equals_its_checkpoint(tmp_path: Path, mixtral_checkpoint: Path, qtype: str) -> None:
+    """Mixtral as llama.cpp writes it ("llama" with expert_count, q/k permuted, experts stacked): every tensor equals
+    the source checkpoint's (F32 bit for bit, Q8_0 its quantize-dequantize round trip); the config describes the
+    source's model (no sliding window, renormalized top-k)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    ckpt = open_gguf(write_mixtral_gguf(mixtral_checkpoint, tmp_path / "mixtral.gguf", qtype))
+    ckpt.validate_tensors()
+    config = json.loads((mixtral_checkpoint / "config.json").read_text())
+    config["rms_norm_eps"] = float(np.float32(config["rms_norm_eps"]))  # a GGUF stores it as float32
+    ours, source = describe(ckpt.config), describe(config)
+    assert (ours.arch, ours.dims, ours.block, dict(ours.rope)) == (source.arch, source.dims, source.block,
+                                                                   dict(source.rope))
+    assert ckpt.dims.model_type == "mixtral" and ckpt.block.norm_topk and ckpt.dims.num_experts == 4
+    saved = load_file(mixtral_checkpoint / "model.safetensors")
+    assert set(ckpt.tensor_names()) == set(saved)
+    kind = gguf.GGMLQuantizationType[qtype]
+    for name, w in saved.items():
+        if w.ndim == 2 and qtype != "F32" and not name.endswith("block_sparse_moe.gate.weight"):  # router kept f32
+            w = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), kind), kind))
+        assert torch.equal(ckpt.load(name), w), name
+
+
+def test_mixtral_unstacked_experts_refused(tmp_path: Path) -> None:
+    """A Mixtral GGUF of llama.cpp's old layout (one tensor an expert, blk.N.ffn_gate.E) is refused: convert again."""
+    meta = {"{arch}.expert_count": 4, "{arch}.expert_used_count": 2}
+    extra = {f"blk.0.ffn_{k}.{e}.weight": np.zeros((4, 4), np.float32) for k in ("gate", "up", "down") for e in range(4)}
+    with pytest.raises(CheckpointError, match=r"12 tensors such as blk.0.ffn_gate.0.weight.*current llama.cpp"):
+        open_gguf(write_gguf(tmp_path / "old.gguf", "llama", hf_weights("llama"), meta=meta, extra=extra))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -456,11 +495,11 @@ def test_truncated_file_refused(tmp_path: Path) -> None:
 
 
 def test_unsupported_architectures_refused(tmp_path: Path) -> None:
-    """An architecture outside the table, and Mixtral written as "llama", name what is supported."""
+    """An architecture outside the table, and experts in an architecture read dense only, name what is supported."""
     with pytest.raises(UnsupportedArchitectureError, match=r"architecture 'phi2'.*gemma2, gemma3, llama, qwen2, qwen2moe, qwen3, qwen3moe"):
         open_gguf(write_gguf(tmp_path / "phi2.gguf", "llama", hf_weights("llama"), arch="phi2"))
-    with pytest.raises(UnsupportedArchitectureError, match="mixture-of-experts"):
-        open_gguf(write_gguf(tmp_path / "moe.gguf", "llama", hf_weights("llama"), meta={"{arch}.expert_count": 8}))
+    with pytest.raises(UnsupportedArchitectureError, match=r"mixture-of-experts.*llama \(mixtral\), qwen2moe, qwen3moe"):
+        open_gguf(write_gguf(tmp_path / "moe.gguf", "qwen2", hf_weights("qwen2"), meta={"{arch}.expert_count": 8}))
     with pytest.raises(UnsupportedArchitectureError, match="rope.scaling.type='longrope'"):
         open_gguf(write_gguf(tmp_path / "lr.gguf", "llama", hf_weights("llama"),
                              meta={"{arch}.rope.scaling.type": "longrope"}))
