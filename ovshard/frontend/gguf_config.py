@@ -46,6 +46,10 @@ class GGUFFamily:
     local_rope_theta: float | None = None  # the sliding layers' rope base, which the file does not store
     softcaps: tuple[float | None, float | None] = (None, None)  # attention, final logits: when not stored
     experts: ExpertKeys | None = None  # a mixture of experts: stored stacked, one [E, out, in] tensor a projection
+    fixed: tuple[tuple[str, Any], ...] = ()  # config keys llama.cpp fixes for the architecture, the file stores none
+    # transformers' tokenizer class for the vocabulary, named where AutoTokenizer would read the file's config
+    # first to pick one and fails (transformers 5 on gpt-oss's yarn keys); None: AutoTokenizer picks
+    tokenizer_class: str | None = None
 
 
 _GELU = ("hidden_activation", "gelu_pytorch_tanh")
@@ -57,6 +61,10 @@ FAMILIES: dict[str, GGUFFamily] = {
     "qwen3moe": GGUFFamily("qwen3_moe", experts=ExpertKeys()),
     "gemma2": GGUFFamily("gemma2", norm_offset=True, activation=_GELU, sliding_period=2, large_layers=46,
                          softcaps=(50.0, 30.0)),
+    # llama.cpp runs gpt-oss's clamped SwiGLU with gpt-oss's constants; its yarn rope rounds the correction
+    # range to whole dimensions (transformers' truncate, its default when the config does not say)
+    "gpt-oss": GGUFFamily("gpt_oss", sliding_period=2, experts=ExpertKeys("num_local_experts", "intermediate_size", None),
+                          fixed=(("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)), tokenizer_class="TokenizersBackend"),
     "gemma3": GGUFFamily("gemma3_text", norm_offset=True, activation=_GELU, sliding_period=6, large_layers=62,
                          local_rope_theta=10000.0),
 }
@@ -127,10 +135,12 @@ def rebuild_config(path: Path, arch: str, family: GGUFFamily, meta: dict[str, An
                            ("pad_token_id", "padding_token_id"), ("unk_token_id", "unknown_token_id")):
         if f"tokenizer.ggml.{ggml_key}" in meta:
             config[name] = int(meta[f"tokenizer.ggml.{ggml_key}"])
+    config |= dict(family.fixed)
     if family.sliding_period is not None:
         period = family.sliding_period
         config["sliding_window"] = int(key("attention.sliding_window"))
         config["layer_types"] = [SLIDING if (i + 1) % period else FULL for i in range(layers)]
+    if family.large_layers is not None:  # Gemma's query scale and soft-caps
         config["query_pre_attn_scalar"] = hidden // heads if layers == family.large_layers else head_dim
         attn_cap, final_cap = family.softcaps
         config["attn_logit_softcapping"] = key("attn_logit_softcapping", attn_cap)
@@ -171,9 +181,8 @@ def _rope(path: Path, arch: str, family: GGUFFamily, meta: dict[str, Any], rope_
     elif scaling == "yarn":
         params.update(rope_type="yarn", factor=float(factor or 1.0), original_max_position_embeddings=int(
             meta[f"{arch}.rope.scaling.original_context_length"]))
-        for name in ("beta_fast", "beta_slow"):
-            if f"{arch}.rope.scaling.yarn_{name}" in meta:
-                params[name] = float(meta[f"{arch}.rope.scaling.yarn_{name}"])
+        for name, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):  # llama.cpp's defaults (and transformers')
+            params[name] = float(meta.get(f"{arch}.rope.scaling.yarn_{name}", default))
     elif scaling not in ("none", "linear"):
         raise UnsupportedArchitectureError(f"{path} sets {arch}.rope.scaling.type={scaling!r}; ovshard reads "
                                            "'none', 'linear' and 'yarn'")
