@@ -9,10 +9,13 @@ llama.cpp's ``convert_hf_to_gguf.py`` did to it, exactly as transformers' GGUF l
 - llama: q and k rows permuted into llama.cpp's rotary layout (``permute``); undone per head;
 - Gemma 2/3: RMSNorm scales stored as ``1 + w``; Hugging Face keeps ``w`` (and adds the 1 at run time);
 - mixture of experts (qwen2moe, qwen3moe, Mixtral as llama): each projection's experts stacked in one
-  [E, out, in] tensor; each expert is read as its own slab of it.
+  [E, out, in] tensor; each expert is read as its own slab of it;
+- gpt-oss: its experts' x @ W tensors split into gate and up and transposed; joined back into Hugging
+  Face's ``gate_up_proj`` (gate and up interleaved) and ``down_proj`` when read.
 
 The config comes from :mod:`ovshard.frontend.gguf_config`, which also holds the table of GGUF
-architectures read (llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3; llama with experts as mixtral).
+architectures read (llama, qwen2, qwen3, qwen2moe, qwen3moe, gpt-oss, gemma2, gemma3; llama with experts as
+mixtral).
 """
 
 from __future__ import annotations

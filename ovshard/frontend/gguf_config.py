@@ -61,12 +61,12 @@ FAMILIES: dict[str, GGUFFamily] = {
     "qwen3moe": GGUFFamily("qwen3_moe", experts=ExpertKeys()),
     "gemma2": GGUFFamily("gemma2", norm_offset=True, activation=_GELU, sliding_period=2, large_layers=46,
                          softcaps=(50.0, 30.0)),
+    "gemma3": GGUFFamily("gemma3_text", norm_offset=True, activation=_GELU, sliding_period=6, large_layers=62,
+                         local_rope_theta=10000.0),
     # llama.cpp runs gpt-oss's clamped SwiGLU with gpt-oss's constants; its yarn rope rounds the correction
     # range to whole dimensions (transformers' truncate, its default when the config does not say)
     "gpt-oss": GGUFFamily("gpt_oss", sliding_period=2, experts=ExpertKeys("num_local_experts", "intermediate_size", None),
                           fixed=(("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)), tokenizer_class="TokenizersBackend"),
-    "gemma3": GGUFFamily("gemma3_text", norm_offset=True, activation=_GELU, sliding_period=6, large_layers=62,
-                         local_rope_theta=10000.0),
 }
 # llama.cpp writes Mistral and Mistral-Nemo as "llama" and runs them as llama (no sliding window); they load
 # as llama here too, as in transformers (which renames only a file whose general.name is exactly "mistral")
