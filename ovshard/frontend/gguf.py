@@ -7,10 +7,15 @@ Tensors keep their Hugging Face names and values: :meth:`GGUFCheckpoint.load` de
 llama.cpp's ``convert_hf_to_gguf.py`` did to it, exactly as transformers' GGUF loader does:
 
 - llama: q and k rows permuted into llama.cpp's rotary layout (``permute``); undone per head;
-- Gemma 2/3: RMSNorm scales stored as ``1 + w``; Hugging Face keeps ``w`` (and adds the 1 at run time).
+- Gemma 2/3: RMSNorm scales stored as ``1 + w``; Hugging Face keeps ``w`` (and adds the 1 at run time);
+- mixture of experts (qwen2moe, qwen3moe, Mixtral as llama): each projection's experts stacked in one
+  [E, out, in] tensor; each expert is read as its own slab of it;
+- gpt-oss: its experts' x @ W tensors split into gate and up and transposed; joined back into Hugging
+  Face's ``gate_up_proj`` (gate and up interleaved) and ``down_proj`` when read.
 
 The config comes from :mod:`ovshard.frontend.gguf_config`, which also holds the table of GGUF
-architectures read (llama, qwen2, qwen3, gemma2, gemma3).
+architectures read (llama, qwen2, qwen3, qwen2moe, qwen3moe, gpt-oss, gemma2, gemma3; llama with experts as
+mixtral).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import struct
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -46,6 +52,7 @@ FLOAT_TYPES = ("F32", "F16", "BF16")  # stored as values, not quantization block
 TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
                     "tokenizer.ggml.merges")
 LAYOUT_VERSION = "ovshard-gguf-1"  # bump when a tensor's undo changes: it is part of every tensor digest
+PER_EXPERT = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight")  # experts unstacked (old llama.cpp)
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3's rope factors: read into the config, not a model tensor
 
 
@@ -114,11 +121,23 @@ class GGUFTensor:
     norm_offset: bool = False  # stored 1 + w
     permute_heads: int | None = None  # rows permuted per head into llama.cpp's rotary layout
     expert: int | None = None  # one expert's [out, in] slab of a stacked [E, out, in] tensor (ffn_*_exps)
+    transposed: bool = False  # held by Hugging Face as x @ W: the stored tensor's last two axes swapped
+    interleaved: GGUFTensor | None = None  # its rows alternate with this tensor's (gate, up, gate, up ...)
 
     @property
     def undo(self) -> str:
         """The transform, as a string for digests."""
-        return f"norm_offset={self.norm_offset};permute_heads={self.permute_heads};expert={self.expert}"
+        undo = f"norm_offset={self.norm_offset};permute_heads={self.permute_heads};expert={self.expert}"
+        if self.transposed:
+            undo += ";transposed"
+        if self.interleaved is not None:
+            undo += f";interleaved={self.interleaved.gguf_name}"
+        return undo
+
+    @property
+    def joined(self) -> bool:
+        """Rearranged from the stored tensor (transposed, interleaved with another), not one of its slabs."""
+        return self.transposed or self.interleaved is not None
 
 
 @dataclass(frozen=True)
@@ -160,15 +179,25 @@ class GGUFCheckpoint(Checkpoint):
 
     def nbytes(self, name: str) -> int:
         t = self._tensor(name)
-        return t.end - t.begin
+        return t.end - t.begin + (0 if t.interleaved is None else t.interleaved.end - t.interleaved.begin)
 
     def load(self, name: str) -> torch.Tensor:
         """Tensor ``name`` dequantized to float32, as transformers' GGUF loader returns it."""
         t = self._tensor(name)
         rows = None if t.permute_heads is None else _permutation(t.shape[0], t.permute_heads)
-        tensor = self._decode(t, rows)
+        tensor = self._joined(t) if t.joined else self._decode(t, rows)
         self.loaded.append(name)
         return tensor
+
+    def _joined(self, t: GGUFTensor) -> torch.Tensor:
+        """A tensor Hugging Face holds rearranged: gpt-oss's experts, [E, in, out] with gate and up interleaved."""
+        import torch
+
+        values = self._decode(t, None)  # [E, out, in] (a bias: [E, out])
+        if t.interleaved is not None:  # along out: [E, out, 2, in] -> [E, 2 * out, in]
+            axis = -2 if t.transposed else -1
+            values = torch.stack([values, self._decode(t.interleaved, None)], dim=axis).flatten(axis - 1, axis)
+        return values.transpose(-1, -2).contiguous() if t.transposed else values
 
     def load_rows(self, name: str, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) of the 2-D tensor ``name`` as float32, dequantizing only those rows."""
@@ -176,6 +205,8 @@ class GGUFCheckpoint(Checkpoint):
         if len(t.shape) != 2 or not 0 <= start <= end <= t.shape[0]:
             raise CheckpointError(f"rows [{start}, {end}) of {name!r}: expected a 2-D tensor and rows within "
                                   f"[0, {t.shape[0] if t.shape else 0}); it has shape {list(t.shape)}")
+        if t.joined:
+            return self._joined(t)[start:end]
         if t.permute_heads is None:
             return self._decode(t, np.arange(start, end))
         return self._decode(t, _permutation(t.shape[0], t.permute_heads)[start:end])
@@ -196,15 +227,17 @@ class GGUFCheckpoint(Checkpoint):
             values = values - 1  # float32 arithmetic, as transformers does it
         if not values.flags.writeable:  # an F32 tensor is a view of the read-only map
             values = values.copy()
-        return torch.from_numpy(values.reshape(-1 if rows is None else len(rows), *t.shape[1:]))
+        shape = tuple(int(d) for d in reversed(stored.shape.tolist())) if t.joined else t.shape  # joined: as stored
+        return torch.from_numpy(values.reshape(-1 if rows is None else len(rows), *shape[1:]))
 
     def tensor_digest(self, name: str, chunk: int = 1 << 24) -> str:
         """sha256 of the tensor's stored bytes, its type, shape and undo: its content, for cache keys."""
         t = self._tensor(name)
         digest = hashlib.sha256(f"{LAYOUT_VERSION}{t.ggml_type}{list(t.shape)}{t.undo}".encode())
         view = memoryview(self._reader.data)
-        for offset in range(t.begin, t.end, chunk):
-            digest.update(view[offset:min(offset + chunk, t.end)])
+        for part in (t,) if t.interleaved is None else (t, t.interleaved):
+            for offset in range(part.begin, part.end, chunk):
+                digest.update(view[offset:min(offset + chunk, part.end)])
         return digest.hexdigest()
 
     def fingerprint(self) -> str:
@@ -274,10 +307,11 @@ class GGUFCheckpoint(Checkpoint):
         return the names written.
 
         The tokenizer is transformers' own reading of the file
-        (``AutoTokenizer.from_pretrained(dir, gguf_file=name)``), so ``convert_tokenizer(out_dir, ...)``
-        and openvino-genai see what transformers does.
+        (``AutoTokenizer.from_pretrained(dir, gguf_file=name)``, or the class the family table names, which
+        AutoTokenizer falls back to), so ``convert_tokenizer(out_dir, ...)`` and openvino-genai see what
+        transformers does.
         """
-        from transformers import AutoTokenizer
+        import transformers
         from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
         if not self.has_tokenizer:
@@ -285,10 +319,14 @@ class GGUFCheckpoint(Checkpoint):
                                   "the bundle takes and returns token ids only")
         out_dir.mkdir(parents=True, exist_ok=True)
         model_type = self.dims.model_type
+        family = family_of(self.path, str(self.metadata.get("general.architecture")), self.metadata)
         # naming the class skips transformers re-reading the whole file for a config it only needs for that
         hint = {"tokenizer_type": model_type} if TOKENIZER_MAPPING_NAMES.get(model_type) else {}
+        loader = transformers.AutoTokenizer
+        if family.tokenizer_class is not None:
+            loader, hint = getattr(transformers, family.tokenizer_class), {}
         try:
-            tokenizer = AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name, **hint)
+            tokenizer = loader.from_pretrained(self.path.parent, gguf_file=self.path.name, **hint)
         except Exception as e:  # transformers raises many types for vocabularies it cannot convert
             raise CheckpointError(f"transformers cannot read the tokenizer of {self.path} "
                                   f"({type(e).__name__}: {e})") from e
@@ -305,7 +343,9 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
     reader = _open_reader(path)
     metadata = {name: f.contents() for name, f in reader.fields.items() if name not in TOKENIZER_ARRAYS}
     arch = str(metadata.get("general.architecture"))
-    family = family_of(path, arch)
+    family = family_of(path, arch, metadata)
+    if family.experts is not None:
+        _refuse_per_expert_tensors(path, reader)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     rope_freqs = next((t.data for t in reader.tensors if t.name == ROPE_FREQS), None)
     config = rebuild_config(path, arch, family, metadata, shapes, rope_freqs)
@@ -325,6 +365,17 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
             ", ".join(f"{n} {t}" for t, n in quant.tensor_types))
     logger.debug("opened %s: %s %s, %d tensors", path, arch, quant.file_type, len(tensors))
     return ckpt
+
+
+def _refuse_per_expert_tensors(path: Path, reader: GGUFReader) -> None:
+    """Refuse the layout llama.cpp wrote MoE files in before it stacked experts: ``blk.N.ffn_gate.E.weight``."""
+    old = [t.name for t in reader.tensors if PER_EXPERT.fullmatch(t.name)]
+    if old:
+        raise CheckpointError(
+            f"{path} stores its experts one tensor each ({len(old)} tensors such as {old[0]}), the layout of "
+            "llama.cpp conversions from before April 2024; ovshard reads experts stacked (blk.N.ffn_gate_exps). "
+            "Convert the model again with a current llama.cpp's convert_hf_to_gguf.py, or start from the "
+            "safetensors checkpoint.")
 
 
 def _open_reader(path: Path) -> GGUFReader:
@@ -360,8 +411,11 @@ def _map_tensors(reader: GGUFReader, arch: str, family: GGUFFamily, spec: ArchSp
     hf_names = [*model_tensors(spec, dims), spec.lm_head]
     to_hf = {names.get_name(n, try_suffixes=(".weight", ".bias")): n for n in hf_names}
     to_hf.pop(None, None)  # a name the table lacks: validate_tensors reports it missing
-    if spec.moe:  # stacked experts keep their GGUF name here; _split_experts gives each expert its own
-        to_hf |= {f"blk.{i}.{kind}.weight": f"blk.{i}.{kind}.weight" for i in range(dims.num_layers) for kind in _STACKED}
+    # a parameter Hugging Face names without a suffix (gpt-oss's sinks) llama.cpp stores as <name>.weight
+    to_hf |= {f"{g}.weight": n for g, n in to_hf.items() if not n.endswith((".weight", ".bias"))}
+    if spec.moe:  # stacked experts keep their GGUF name here; _split_experts and _join_experts name them
+        to_hf |= {f"blk.{i}.{kind}.{suffix}": f"blk.{i}.{kind}.{suffix}" for i in range(dims.num_layers)
+                  for kind in _STACKED for suffix in ("weight", "bias")}
     norms = {t.format(i=i) for t in spec.norm_templates() for i in range(dims.num_layers)} | {spec.final_norm}
     heads = {spec.q_proj.format(i=i): dims.num_heads for i in range(dims.num_layers)}
     heads |= {spec.k_proj.format(i=i): dims.num_kv_heads for i in range(dims.num_layers)}
@@ -379,7 +433,7 @@ def _map_tensors(reader: GGUFReader, arch: str, family: GGUFFamily, spec: ArchSp
             end=int(t.data_offset) + int(t.n_bytes), norm_offset=family.norm_offset and hf in norms,
             permute_heads=heads.get(module) if family.permute_qk else None,
         )
-    return _split_experts(tensors, spec, dims), tuple(unmapped)
+    return _join_experts(_split_experts(tensors, spec, dims), spec, dims), tuple(unmapped)
 
 
 _STACKED = {"ffn_gate_exps": "expert_gate", "ffn_up_exps": "expert_up", "ffn_down_exps": "expert_down"}
@@ -404,6 +458,36 @@ def _split_experts(tensors: dict[str, GGUFTensor], spec: ArchSpec, dims: ModelDi
         for e in range(experts):
             hf = template.replace("{i}", str(layer)).replace("{e}", str(e)) + ".weight"
             out[hf] = replace(t, shape=t.shape[1:], begin=t.begin + e * slab, end=t.begin + (e + 1) * slab, expert=e)
+    return out
+
+
+def _join_experts(tensors: dict[str, GGUFTensor], spec: ArchSpec, dims: ModelDims) -> dict[str, GGUFTensor]:
+    """gpt-oss's experts under Hugging Face's names: it holds each layer's as x @ W tensors, gate and up in one
+    (``gate_up_proj`` [E, hidden, 2 * size], gate and up alternating along the last axis, and its bias
+    [E, 2 * size]; ``down_proj`` [E, size, hidden]); llama.cpp's converter splits and transposes them into
+    ``ffn_{gate,up,down}_exps`` [E, out, in] with biases [E, out]. A stacked tensor missing from the file leaves
+    its Hugging Face name missing, for validate_tensors to report."""
+    if not spec.stacked_experts:
+        return tensors
+    out = dict(tensors)
+    for i in range(dims.num_layers):
+        prefix = spec.stacked_experts.format(i=i)
+        stored = {f"{kind}.{suffix}": out.pop(f"blk.{i}.ffn_{kind}_exps.{suffix}", None)
+                  for kind in ("gate", "up", "down") for suffix in ("weight", "bias")}
+        gate, up, down, gate_bias, up_bias, down_bias = (stored[k] for k in (
+            "gate.weight", "up.weight", "down.weight", "gate.bias", "up.bias", "down.bias"))
+        if gate is not None and up is not None:
+            experts, size, hidden = gate.shape
+            out[prefix + ".gate_up_proj"] = replace(gate, shape=(experts, hidden, 2 * size), transposed=True,
+                                                    interleaved=up)
+        if gate_bias is not None and up_bias is not None:
+            out[prefix + ".gate_up_proj_bias"] = replace(gate_bias, shape=(gate_bias.shape[0], 2 * gate_bias.shape[1]),
+                                                         interleaved=up_bias)
+        if down is not None:
+            out[prefix + ".down_proj"] = replace(down, shape=(down.shape[0], down.shape[2], down.shape[1]),
+                                                 transposed=True)
+        if down_bias is not None:
+            out[prefix + ".down_proj_bias"] = down_bias
     return out
 
 

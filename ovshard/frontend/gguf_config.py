@@ -21,6 +21,19 @@ from ovshard.frontend.block import FULL, SLIDING
 
 
 @dataclass(frozen=True)
+class ExpertKeys:
+    """How a mixture-of-experts family's config names its experts, and how llama.cpp routes them."""
+
+    count: str = "num_experts"  # the config key of the expert count (llama.cpp's expert_count)
+    # the config key of one expert's width, read from expert_feed_forward_length; None: the file stores no such
+    # key and feed_forward_length (intermediate_size) is the expert width (Mixtral)
+    size: str | None = "moe_intermediate_size"
+    # norm_topk_prob as llama.cpp computes (it renormalizes the top-k weights per architecture; the file does
+    # not say); None: the config has no such key, the family fixes it (Mixtral always renormalizes)
+    norm_topk: bool | None = True
+
+
+@dataclass(frozen=True)
 class GGUFFamily:
     """What one GGUF architecture loads as, and what llama.cpp's converter did to its tensors."""
 
@@ -32,8 +45,11 @@ class GGUFFamily:
     large_layers: int | None = None  # the 27B's layer count: llama.cpp scales its queries by hidden/heads
     local_rope_theta: float | None = None  # the sliding layers' rope base, which the file does not store
     softcaps: tuple[float | None, float | None] = (None, None)  # attention, final logits: when not stored
-    experts: bool = False  # a mixture of experts: its experts stored stacked, one [E, out, in] tensor a projection
-    norm_topk: bool = True  # llama.cpp renormalizes the top-k routing weights (qwen3moe yes, qwen2moe no)
+    experts: ExpertKeys | None = None  # a mixture of experts: stored stacked, one [E, out, in] tensor a projection
+    fixed: tuple[tuple[str, Any], ...] = ()  # config keys llama.cpp fixes for the architecture, the file stores none
+    # transformers' tokenizer class for the vocabulary, named where AutoTokenizer would read the file's config
+    # first to pick one and fails (transformers 5 on gpt-oss's yarn keys); None: AutoTokenizer picks
+    tokenizer_class: str | None = None
 
 
 _GELU = ("hidden_activation", "gelu_pytorch_tanh")
@@ -41,22 +57,36 @@ FAMILIES: dict[str, GGUFFamily] = {
     "llama": GGUFFamily("llama", permute_qk=True),
     "qwen2": GGUFFamily("qwen2"),
     "qwen3": GGUFFamily("qwen3"),
-    "qwen2moe": GGUFFamily("qwen2_moe", experts=True, norm_topk=False),
-    "qwen3moe": GGUFFamily("qwen3_moe", experts=True),
+    "qwen2moe": GGUFFamily("qwen2_moe", experts=ExpertKeys(norm_topk=False)),
+    "qwen3moe": GGUFFamily("qwen3_moe", experts=ExpertKeys()),
     "gemma2": GGUFFamily("gemma2", norm_offset=True, activation=_GELU, sliding_period=2, large_layers=46,
                          softcaps=(50.0, 30.0)),
     "gemma3": GGUFFamily("gemma3_text", norm_offset=True, activation=_GELU, sliding_period=6, large_layers=62,
                          local_rope_theta=10000.0),
+    # llama.cpp runs gpt-oss's clamped SwiGLU with gpt-oss's constants; its yarn rope rounds the correction
+    # range to whole dimensions (transformers' truncate, its default when the config does not say)
+    "gpt-oss": GGUFFamily("gpt_oss", sliding_period=2, experts=ExpertKeys("num_local_experts", "intermediate_size", None),
+                          fixed=(("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)), tokenizer_class="TokenizersBackend"),
 }
 # llama.cpp writes Mistral and Mistral-Nemo as "llama" and runs them as llama (no sliding window); they load
 # as llama here too, as in transformers (which renames only a file whose general.name is exactly "mistral")
 
+# architectures llama.cpp also writes mixture-of-experts models as (the file sets {arch}.expert_count): Mixtral
+# is "llama" with its experts stacked; llama.cpp runs it as llama (no sliding window), with renormalized top-k
+# weights as Mixtral's own, and its feed_forward_length is the expert width
+EXPERT_VARIANTS: dict[str, GGUFFamily] = {
+    "llama": GGUFFamily("mixtral", permute_qk=True, experts=ExpertKeys("num_local_experts", None, None)),
+}
 
-def family_of(path: Path, arch: str) -> GGUFFamily:
+
+def family_of(path: Path, arch: str, meta: dict[str, Any]) -> GGUFFamily:
     if arch not in FAMILIES:
         raise UnsupportedArchitectureError(
             f"{path} is a GGUF of architecture {arch!r}; ovshard reads GGUF architectures "
-            f"{', '.join(sorted(FAMILIES))}. Start from the model's safetensors checkpoint instead.")
+            f"{', '.join(sorted(FAMILIES))} (llama with experts as Mixtral). Start from the model's safetensors "
+            "checkpoint instead.")
+    if meta.get(f"{arch}.expert_count") and arch in EXPERT_VARIANTS:
+        return EXPERT_VARIANTS[arch]
     return FAMILIES[arch]
 
 
@@ -74,11 +104,11 @@ def rebuild_config(path: Path, arch: str, family: GGUFFamily, meta: dict[str, An
                                   "convert the model again with a current llama.cpp")
         return value
 
-    if key("expert_count", None) and not family.experts:  # Mixtral is written as "llama"
+    if key("expert_count", None) and not family.experts:
         raise UnsupportedArchitectureError(
             f"{path} is a mixture-of-experts (MoE) model ({key('expert_count')} experts) of GGUF architecture "
-            f"{arch!r}; ovshard reads MoE GGUF files of architectures qwen2moe and qwen3moe only (Mixtral's, written as llama, "
-            "would need its experts mapped to the mixtral family). Start from the safetensors checkpoint.")
+            f"{arch!r}; ovshard reads MoE GGUF files of architectures {', '.join(_moe_architectures())} only. "
+            "Start from the safetensors checkpoint.")
     hidden, heads, layers = int(key("embedding_length")), int(key("attention.head_count")), int(key("block_count"))
     head_dim = int(key("attention.key_length", None) or key("rope.dimension_count", None) or hidden // heads)
     kv_heads = key("attention.head_count_kv", heads)
@@ -99,25 +129,41 @@ def rebuild_config(path: Path, arch: str, family: GGUFFamily, meta: dict[str, An
         "attention_bias": "blk.0.attn_q.bias" in shapes,
         "rope_parameters": _rope(path, arch, family, meta, rope_freqs, head_dim),
     }
-    if family.experts:  # whether the top-k weights are renormalized is llama.cpp's per architecture, not stored
-        config |= {"num_experts": int(key("expert_count")), "num_experts_per_tok": int(key("expert_used_count")),
-                   "moe_intermediate_size": int(key("expert_feed_forward_length")),
-                   "norm_topk_prob": family.norm_topk}
-        if key("expert_shared_feed_forward_length", None):
-            config["shared_expert_intermediate_size"] = int(key("expert_shared_feed_forward_length"))
+    if family.experts is not None:
+        config |= _experts(family.experts, key)
     for name, ggml_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                            ("pad_token_id", "padding_token_id"), ("unk_token_id", "unknown_token_id")):
         if f"tokenizer.ggml.{ggml_key}" in meta:
             config[name] = int(meta[f"tokenizer.ggml.{ggml_key}"])
+    config |= dict(family.fixed)
     if family.sliding_period is not None:
         period = family.sliding_period
         config["sliding_window"] = int(key("attention.sliding_window"))
         config["layer_types"] = [SLIDING if (i + 1) % period else FULL for i in range(layers)]
+    if family.large_layers is not None:  # Gemma's query scale and soft-caps
         config["query_pre_attn_scalar"] = hidden // heads if layers == family.large_layers else head_dim
         attn_cap, final_cap = family.softcaps
         config["attn_logit_softcapping"] = key("attn_logit_softcapping", attn_cap)
         config["final_logit_softcapping"] = key("final_logit_softcapping", final_cap)
     return config
+
+
+def _experts(keys: ExpertKeys, key: Any) -> dict[str, Any]:
+    """The expert count, top-k, width and routing keys of a mixture-of-experts config (``key`` reads metadata)."""
+    config = {keys.count: int(key("expert_count")), "num_experts_per_tok": int(key("expert_used_count"))}
+    if keys.size is not None:
+        config[keys.size] = int(key("expert_feed_forward_length"))
+    if keys.norm_topk is not None:  # whether the top-k weights are renormalized is llama.cpp's per architecture
+        config["norm_topk_prob"] = keys.norm_topk
+    if key("expert_shared_feed_forward_length", None):
+        config["shared_expert_intermediate_size"] = int(key("expert_shared_feed_forward_length"))
+    return config
+
+
+def _moe_architectures() -> list[str]:
+    """The MoE GGUF architectures read, for messages: "qwen3moe", "llama (Mixtral)" ..."""
+    return sorted([a for a, f in FAMILIES.items() if f.experts] + [f"{a} ({f.model_type})" for a, f in
+                                                                   EXPERT_VARIANTS.items()])
 
 
 def _rope(path: Path, arch: str, family: GGUFFamily, meta: dict[str, Any], rope_freqs: np.ndarray | None,
@@ -135,9 +181,8 @@ def _rope(path: Path, arch: str, family: GGUFFamily, meta: dict[str, Any], rope_
     elif scaling == "yarn":
         params.update(rope_type="yarn", factor=float(factor or 1.0), original_max_position_embeddings=int(
             meta[f"{arch}.rope.scaling.original_context_length"]))
-        for name in ("beta_fast", "beta_slow"):
-            if f"{arch}.rope.scaling.yarn_{name}" in meta:
-                params[name] = float(meta[f"{arch}.rope.scaling.yarn_{name}"])
+        for name, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):  # llama.cpp's defaults (and transformers')
+            params[name] = float(meta.get(f"{arch}.rope.scaling.yarn_{name}", default))
     elif scaling not in ("none", "linear"):
         raise UnsupportedArchitectureError(f"{path} sets {arch}.rope.scaling.type={scaling!r}; ovshard reads "
                                            "'none', 'linear' and 'yarn'")

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from families import as_saved_state
+from families import Family, as_saved_state, write_random_checkpoint
+from moe_gguf import gpt_oss_config, mixtral_config, write_gpt_oss_gguf, write_mixtral_gguf
 from real_gemma import gemma_gguf, gemma_hf_reference  # noqa: F401  (fixtures)
 
 from ovshard.errors import CheckpointError, UnsupportedArchitectureError
@@ -231,6 +232,91 @@ def test_qwen2moe_shared_expert_matches_transformers(tmp_path: Path) -> None:
         assert torch.equal(ckpt.load(name), saved[name]), name
 
 
+@pytest.fixture(scope="module")
+def mixtral_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(Family(mixtral_config), tmp_path_factory.mktemp("mixtral"))
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_mixtral_gguf_equals_its_checkpoint(tmp_path: Path, mixtral_checkpoint: Path, qtype: str) -> None:
+    """Mixtral as llama.cpp writes it ("llama" with expert_count, q/k permuted, experts stacked): every tensor equals
+    the source checkpoint's (F32 bit for bit, Q8_0 its quantize-dequantize round trip); the config describes the
+    source's model (no sliding window, renormalized top-k)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    ckpt = open_gguf(write_mixtral_gguf(mixtral_checkpoint, tmp_path / "mixtral.gguf", qtype))
+    ckpt.validate_tensors()
+    assert_describes_source(ckpt.config, mixtral_checkpoint)
+    assert ckpt.dims.model_type == "mixtral" and ckpt.block.norm_topk and ckpt.dims.num_experts == 4
+    saved = load_file(mixtral_checkpoint / "model.safetensors")
+    assert set(ckpt.tensor_names()) == set(saved)
+    kind = gguf.GGMLQuantizationType[qtype]
+    for name, w in saved.items():
+        if w.ndim == 2 and qtype != "F32" and not name.endswith("block_sparse_moe.gate.weight"):  # router kept f32
+            w = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), kind), kind))
+        assert torch.equal(ckpt.load(name), w), name
+
+
+def assert_describes_source(config: dict[str, Any], source: Path) -> None:
+    """``config`` (read from a GGUF) describes the model of the checkpoint ``source``, whose eps the file holds as f32."""
+    theirs = json.loads((source / "config.json").read_text())
+    theirs["rms_norm_eps"] = float(np.float32(theirs["rms_norm_eps"]))
+    ours, hf = describe(config), describe(theirs)
+    assert (ours.arch, ours.dims, ours.block, dict(ours.rope)) == (hf.arch, hf.dims, hf.block, dict(hf.rope))
+
+
+@pytest.mark.parametrize("qtype", ["F32", "MXFP4"])
+def test_gpt_oss_gguf_equals_its_checkpoint(tmp_path: Path, qtype: str) -> None:
+    """gpt-oss as llama.cpp writes it (experts split into ffn_{gate,up,down}_exps [E, out, in], biases split, sinks as
+    attn_sinks.weight): gate_up_proj re-interleaved and every other tensor equal the source checkpoint's (F32 bit for
+    bit, MXFP4 experts their quantize-dequantize round trip); the config describes the source's model (sliding and
+    full layers alternating, yarn, clamped SwiGLU). transformers 5 cannot read these files (it fails parsing the
+    yarn keys), so the source is the reference."""
+    import gguf
+    from safetensors.torch import load_file
+
+    checkpoint = write_random_checkpoint(Family(gpt_oss_config), tmp_path / "hf")
+    ckpt = open_gguf(write_gpt_oss_gguf(checkpoint, tmp_path / "gpt-oss.gguf", qtype))
+    ckpt.validate_tensors()
+    assert_describes_source(ckpt.config, checkpoint)
+    assert ckpt.block.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert ckpt.block.swiglu_limit == 7.0 and ckpt.block.attention_sinks
+    saved = load_file(checkpoint / "model.safetensors")
+    assert set(ckpt.tensor_names()) == set(saved)
+    kind = gguf.GGMLQuantizationType[qtype]
+    for name, w in saved.items():
+        if w.ndim == 3 and qtype != "F32":  # stored [E, out, in]: quantization blocks run along in
+            rows = w.transpose(1, 2).contiguous().numpy()
+            w = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(rows, kind), kind)).transpose(1, 2)
+        assert torch.equal(ckpt.load(name), w), name
+    gate_up = "model.layers.1.mlp.experts.gate_up_proj_bias"
+    assert torch.equal(ckpt.load_rows(gate_up, 1, 3), saved[gate_up][1:3])
+
+
+def test_gpt_oss_tokenizer_export(tmp_path: Path) -> None:
+    """A gpt-oss GGUF's BPE vocabulary exports (transformers' AutoTokenizer fails on the file, reading its yarn keys)
+    and encodes by the file's merges."""
+    from transformers import AutoTokenizer
+
+    tokens = [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["Ġ", "Ġs", "th"]
+    tokens += [f"<|reserved_{i}|>" for i in range(len(tokens), 320)]  # up to the eos id, 319
+    checkpoint = write_random_checkpoint(Family(gpt_oss_config), tmp_path / "hf")
+    path = write_gpt_oss_gguf(checkpoint, tmp_path / "gpt-oss.gguf", vocabulary=(tokens, ["Ġ s", "t h"]))
+    with pytest.raises(TypeError):  # transformers 5.25's bug this sidesteps
+        AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    assert "tokenizer.json" in open_gguf(path).export_tokenizer(tmp_path / "out")
+    assert AutoTokenizer.from_pretrained(tmp_path / "out")("the cat sat").input_ids == [28, 4, 26, 2, 0, 19, 27, 0, 19]
+
+
+def test_mixtral_unstacked_experts_refused(tmp_path: Path) -> None:
+    """A Mixtral GGUF of llama.cpp's old layout (one tensor an expert, blk.N.ffn_gate.E) is refused: convert again."""
+    meta = {"{arch}.expert_count": 4, "{arch}.expert_used_count": 2}
+    extra = {f"blk.0.ffn_{k}.{e}.weight": np.zeros((4, 4), np.float32) for k in ("gate", "up", "down") for e in range(4)}
+    with pytest.raises(CheckpointError, match=r"12 tensors such as blk.0.ffn_gate.0.weight.*current llama.cpp"):
+        open_gguf(write_gguf(tmp_path / "old.gguf", "llama", hf_weights("llama"), meta=meta, extra=extra))
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_matches_transformers(tmp_path: Path, family: str) -> None:
     """Config and every tensor (Q8_0 matrices) equal what transformers reads from the same GGUF file."""
@@ -350,7 +436,8 @@ def test_yarn_rope_scaling_read(tmp_path: Path) -> None:
             "{arch}.rope.scaling.original_context_length": 32768}
     ckpt = open_gguf(write_gguf(tmp_path / "q.gguf", "qwen2", hf_weights("qwen2"), meta=meta))
     assert ckpt.config["rope_parameters"] == {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                              "original_max_position_embeddings": 32768}
+                                              "original_max_position_embeddings": 32768, "beta_fast": 32.0,
+                                              "beta_slow": 1.0}
     assert ckpt.dims.rope_type == "yarn"
 
 
@@ -456,11 +543,11 @@ def test_truncated_file_refused(tmp_path: Path) -> None:
 
 
 def test_unsupported_architectures_refused(tmp_path: Path) -> None:
-    """An architecture outside the table, and Mixtral written as "llama", name what is supported."""
-    with pytest.raises(UnsupportedArchitectureError, match=r"architecture 'phi2'.*gemma2, gemma3, llama, qwen2, qwen2moe, qwen3, qwen3moe"):
+    """An architecture outside the table, and experts in an architecture read dense only, name what is supported."""
+    with pytest.raises(UnsupportedArchitectureError, match=r"architecture 'phi2'.*gemma2, gemma3, gpt-oss, llama, qwen2, qwen2moe, qwen3, qwen3moe"):
         open_gguf(write_gguf(tmp_path / "phi2.gguf", "llama", hf_weights("llama"), arch="phi2"))
-    with pytest.raises(UnsupportedArchitectureError, match="mixture-of-experts"):
-        open_gguf(write_gguf(tmp_path / "moe.gguf", "llama", hf_weights("llama"), meta={"{arch}.expert_count": 8}))
+    with pytest.raises(UnsupportedArchitectureError, match=r"mixture-of-experts.*gpt-oss, llama \(mixtral\), qwen2moe, qwen3moe"):
+        open_gguf(write_gguf(tmp_path / "moe.gguf", "qwen2", hf_weights("qwen2"), meta={"{arch}.expert_count": 8}))
     with pytest.raises(UnsupportedArchitectureError, match="rope.scaling.type='longrope'"):
         open_gguf(write_gguf(tmp_path / "lr.gguf", "llama", hf_weights("llama"),
                              meta={"{arch}.rope.scaling.type": "longrope"}))

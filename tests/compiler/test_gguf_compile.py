@@ -1,4 +1,5 @@
-"""The real Gemma 3 270M GGUF (Q4_K_M) compiled end to end: ``ovshard compile model.gguf``.
+"""GGUF files compiled end to end (``ovshard compile model.gguf``): the real Gemma 3 270M (Q4_K_M), and a tiny
+Mixtral and gpt-oss written as llama.cpp writes them, against transformers on the checkpoints they came from.
 
 fp32 bundles of 2 and 3 stages must reproduce transformers run on the same GGUF (float32, eager
 attention) token for token, logits within 1e-4. The default INT4 bundle re-quantizes weights that are
@@ -15,6 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import compile_fp32, run_greedy
+from conftest import hf_greedy as hf_checkpoint_greedy
+from families import Family, write_random_checkpoint
+from moe_gguf import gpt_oss_config, mixtral_config, write_gpt_oss_gguf, write_mixtral_gguf
 from real_gemma import gemma_gguf, gemma_hf_reference  # noqa: F401  (fixtures)
 
 from ovshard.bundle.manifest import read_manifest
@@ -175,3 +180,29 @@ def test_speculative_greedy_equals_plain_greedy_on_the_default_compile(default_t
         accepted.append(stats.accepted)
     assert all(run == plain for run in runs), (plain, runs)
     assert min(accepted) > 0, accepted
+
+
+def test_mixtral_gguf_two_stages_match_its_checkpoint(tmp_path: Path) -> None:
+    """An F32 Mixtral GGUF ("llama" with stacked experts) compiled to 2 fp32 stages greedy-decodes the tokens
+    transformers decodes from the safetensors checkpoint it was converted from, logits within 1e-4."""
+    checkpoint = write_random_checkpoint(Family(mixtral_config), tmp_path / "hf")
+    bundle = compile_fp32(write_mixtral_gguf(checkpoint, tmp_path / "mixtral.gguf"), tmp_path / "bundle", stages=2)
+    assert read_manifest(bundle).num_stages == 2
+    prompt = [1, 17, 42, 99, 5, 123, 77]
+    tokens, rows = run_greedy(bundle, prompt, 16)
+    expected, reference = hf_checkpoint_greedy(checkpoint, prompt, 16)
+    assert tokens == expected
+    assert float(np.abs(rows - reference).max()) <= MAX_LOGIT_DIFF
+
+
+def test_gpt_oss_gguf_two_stages_match_its_checkpoint(tmp_path: Path) -> None:
+    """An F32 gpt-oss GGUF (experts split and transposed, sinks, alternating sliding layers, yarn) compiled to 2 fp32
+    stages greedy-decodes the tokens transformers decodes from its source checkpoint, past the 8-token window."""
+    checkpoint = write_random_checkpoint(Family(gpt_oss_config, seed=3), tmp_path / "hf")
+    bundle = compile_fp32(write_gpt_oss_gguf(checkpoint, tmp_path / "gpt-oss.gguf"), tmp_path / "bundle", stages=2,
+                          max_positions=256)
+    prompt = [1, 17, 42, 99, 5, 123, 77]
+    tokens, rows = run_greedy(bundle, prompt, 16)
+    expected, reference = hf_checkpoint_greedy(checkpoint, prompt, 16)
+    assert tokens == expected
+    assert float(np.abs(rows - reference).max()) <= MAX_LOGIT_DIFF

@@ -1,0 +1,167 @@
+"""Hugging Face mixture-of-experts checkpoints written as GGUF files the way llama.cpp's convert_hf_to_gguf.py
+writes them.
+
+Mixtral: convert_hf_to_gguf.py converts MixtralForCausalLM with its ``LlamaModel`` class: GGUF architecture "llama"
+with ``llama.expert_count``; q/k rows permuted into llama.cpp's rotary layout; each layer's experts stacked
+into one [E, out, in] tensor a projection (w1 -> ffn_gate_exps, w3 -> ffn_up_exps, w2 -> ffn_down_exps);
+the router (``block_sparse_moe.gate``) -> ffn_gate_inp, kept f32 whatever the output type. transformers
+cannot read such a file, so tests compare it with the checkpoint it came from.
+
+gpt-oss: its ``GptOssModel`` class (from unquantized weights): architecture "gpt-oss"; the experts' x @ W
+tensors transposed to [E, out, in], ``gate_up_proj`` split into ffn_gate_exps (even columns) and ffn_up_exps
+(odd), its bias likewise; ``sinks`` stored as attn_sinks.weight; yarn rope and the sliding window as metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from families import FAMILIES
+from transformers import PretrainedConfig
+
+EXPERT_TENSOR = "model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight"
+
+
+def mixtral_config() -> PretrainedConfig:
+    """families' tiny Mixtral as llama.cpp runs it: no sliding window (a GGUF stores none, llama.cpp runs Mixtral
+    as llama), and experts 64 wide (a Q8_0 block is 32 values of a row, so every row length divides by 32)."""
+    config = FAMILIES["mixtral"].config()
+    config.sliding_window, config.intermediate_size = None, 64
+    return config
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's ``LlamaModel.permute``: each head's two rotary halves interleaved."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _finish(writer: Any, tensors: dict[str, np.ndarray], qtype: str, quantized: Callable[[str, np.ndarray], bool]) -> None:
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    for name, data in tensors.items():
+        if kind != gguf.GGMLQuantizationType.F32 and quantized(name, data):
+            writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_mixtral_gguf(checkpoint: Path, path: Path, qtype: str = "F32") -> Path:
+    """The GGUF of the Mixtral ``checkpoint`` (one safetensors file) with matrices stored as ``qtype``."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    state = load_file(checkpoint / "model.safetensors")
+    layers, heads, kv_heads = config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny mixtral")
+    writer.add_block_count(layers)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_count(config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_file_type(int(gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType[f"MOSTLY_{qtype}"]))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, layers)
+    tensors: dict[str, np.ndarray] = {}
+    for name, w in state.items():
+        if ".block_sparse_moe.experts." in name:
+            continue
+        if name.endswith("self_attn.q_proj.weight"):
+            w = permute(w, heads)
+        elif name.endswith("self_attn.k_proj.weight"):
+            w = permute(w, kv_heads)
+        tensors[names.get_name(name, try_suffixes=(".weight",))] = w
+    for i in range(layers):  # [E, out, in], under the name LlamaModel gives the stack before mapping it
+        for w in ("w1", "w2", "w3"):
+            stacked = np.stack([state[EXPERT_TENSOR.format(i=i, e=e, w=w)] for e in range(config["num_local_experts"])])
+            tensors[names.get_name(f"layers.{i}.feed_forward.experts.{w}.weight", try_suffixes=(".weight",))] = stacked
+    _finish(writer, tensors, qtype, lambda name, data: data.ndim >= 2 and ".ffn_gate_inp." not in name)
+    return path
+
+
+def gpt_oss_config() -> PretrainedConfig:
+    """families' tiny gpt-oss as llama.cpp runs it: the SwiGLU limit gpt-oss ships (7.0; llama.cpp fixes it, the file
+    stores none) and yarn with its correction range rounded to whole dimensions (ggml's, transformers' truncate)."""
+    config = FAMILIES["gpt_oss"].config()
+    config.swiglu_limit = 7.0
+    config.rope_parameters = {k: v for k, v in config.rope_parameters.items() if k != "truncate"}
+    return config
+
+
+def write_gpt_oss_gguf(checkpoint: Path, path: Path, expert_qtype: str = "F32",
+                       vocabulary: tuple[list[str], list[str]] | None = None) -> Path:
+    """The GGUF of the gpt-oss ``checkpoint``, its stacked experts stored as ``expert_qtype`` (MXFP4, as llama.cpp
+    repacks gpt-oss's own release), everything else f32; ``vocabulary``: (tokens, merges) of a BPE tokenizer."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    state = load_file(checkpoint / "model.safetensors")
+    layers, rope = config["num_hidden_layers"], config["rope_parameters"]
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    writer.add_name("tiny gpt-oss")
+    writer.add_block_count(layers)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_count(config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+    if vocabulary is not None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("gpt-4o")
+        writer.add_token_list(vocabulary[0])
+        writer.add_token_merges(vocabulary[1])
+        writer.add_token_types([1] * len(vocabulary[0]))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, layers)
+    tensors: dict[str, np.ndarray] = {}
+    for name, w in state.items():
+        if name.endswith("self_attn.sinks"):
+            name += ".weight"
+        if name.endswith("experts.down_proj_bias"):
+            name = name.replace("down_proj_bias", "down_proj.bias")
+        elif name.endswith("experts.down_proj"):
+            name, w = name.replace("down_proj", "down_proj.weight"), w.swapaxes(-1, -2)  # [E, hidden, size]
+        elif name.endswith("experts.gate_up_proj_bias"):  # gate the even columns, up the odd
+            for part, half in (("gate_proj.bias", w[..., ::2]), ("up_proj.bias", w[..., 1::2])):
+                tensors[names.get_name(name.replace("gate_up_proj_bias", part), try_suffixes=(".bias",))] = half
+            continue
+        elif name.endswith("experts.gate_up_proj"):
+            w = w.swapaxes(-1, -2)  # [E, 2 * size, hidden]
+            for part, half in (("gate_proj.weight", w[:, ::2]), ("up_proj.weight", w[:, 1::2])):
+                tensors[names.get_name(name.replace("gate_up_proj", part), try_suffixes=(".weight",))] = half
+            continue
+        tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = w
+    _finish(writer, tensors, expert_qtype, lambda name, data: data.ndim == 3)
+    return path
