@@ -45,6 +45,7 @@ bench: setup
 	CI=true $(BIN)/python bench/nncf_options.py  # NNCF's own options (data-free and data-aware) on the real Gemma 3 270M
 	CI=true $(BIN)/python bench/nncf_formats.py  # NNCF's other 4-bit formats (NF4, CB4, MXFP4) on SmolLM2-135M: perplexity
 	$(BIN)/python bench/moe_step.py --out /tmp/ovshard-bench/moe-step  # a Qwen3-30B-A3B-shaped stage cut to 4 layers against a dense stage of its active parameters
+	$(BIN)/python bench/compile_memory.py --sweep --cases 30b-a3b --resume  # compile memory and time per layer with 128 experts a layer
 	CI=true $(BIN)/python bench/int4_kernels.py  # decode speed of weight formats on the 1B shape (INT4 sym/asym, groups, INT8 share)
 	$(BIN)/python bench/paged_batch.py  # S sequences in one paged inference against S stateful streams
 	CI=true $(BIN)/python bench/tick_cost.py  # a paged tick's compute against its sequences: the ceilings of batching

@@ -6,8 +6,11 @@ a token); the dense one is the same model with each layer's experts replaced by 
 (Qwen3's block otherwise), so a token reads the same weights in both but for the router. The vocabulary is
 cut to ``--vocab`` so that the embedding and lm_head, the same in both, do not hide the layers. The steps
 are measured interleaved in one process (A, B, A, B ...), one token a step after a prompt, and the ratio
-reported is MoE / dense median step time. ``--small`` narrows both models (hidden 256, experts of 64) to
-prove the script runs on a small machine; its timings mean nothing.
+reported is MoE / dense median step time, for each weight variant: ``default`` (the default compile: its INT8
+share, chosen by sensitivity within 1.15x the all-INT4 bytes, differs between the two models) and ``all-int4``
+(``--budget 1.0``: every decoder weight INT4 g128 in both, the same bytes a step but for the f32 router).
+``--small`` narrows both models (hidden 256, experts of 64) to prove the script runs on a small machine; its
+timings mean nothing.
 
     .venv/bin/python bench/moe_step.py --out /tmp/moe-bench [--layers 4] [--rounds 5] [--steps 32] [--small]
 """
@@ -22,12 +25,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ovshard.bundle.weights import WeightFormat
 from ovshard.compile import CompileConfig, compile_bundle
 from ovshard.runtime.client.inprocess import LocalPipeline
 from ovshard.tools.shapes import family_config, preset
 from ovshard.tools.synth import with_layers, write_checkpoint
 
 PROMPT = list(range(3, 19))  # 16 tokens
+VARIANTS = {"default": WeightFormat(), "all-int4": WeightFormat(budget=1.0)}
 
 
 def configs(layers: int, vocab: int, small: bool) -> dict[str, dict[str, Any]]:
@@ -46,13 +51,14 @@ def configs(layers: int, vocab: int, small: bool) -> dict[str, dict[str, Any]]:
     return {"moe": moe, "dense": dense}
 
 
-def build(root: Path, name: str, config: dict[str, Any]) -> Path:
-    checkpoint, bundle = root / f"{name}-ckpt", root / f"{name}-bundle"
+def build(root: Path, name: str, config: dict[str, Any], variant: str) -> Path:
+    checkpoint = root / f"{name}-ckpt"
+    bundle = root / (f"{name}-bundle" if variant == "default" else f"{name}-{variant}-bundle")
     if not bundle.exists():
-        print(f"{name}: writing the checkpoint and compiling (default INT4, one stage)", file=sys.stderr)
+        print(f"{name}: writing the checkpoint and compiling ({variant}, one stage)", file=sys.stderr)
         if not checkpoint.exists():
             write_checkpoint(checkpoint, config, dtype=config.get("dtype", "float32"))
-        compile_bundle(CompileConfig(checkpoint, bundle, stages=1))
+        compile_bundle(CompileConfig(checkpoint, bundle, stages=1, weights=VARIANTS[variant]))
     return bundle
 
 
@@ -77,22 +83,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--small", action="store_true", help="narrow shapes: proves the script runs, times nothing")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"weight variants ({', '.join(VARIANTS)})")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    bundles = {name: build(args.out, name, config)
-               for name, config in configs(args.layers, args.vocab, args.small).items()}
-    pipes = {name: LocalPipeline(bundle) for name, bundle in bundles.items()}
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        parser.error(f"--variants: unknown {', '.join(unknown)}; expected some of {', '.join(VARIANTS)}")
+    pipes = {(name, variant): LocalPipeline(build(args.out, name, config, variant))
+             for variant in variants for name, config in configs(args.layers, args.vocab, args.small).items()}
     for pipe in pipes.values():
         step_times(pipe, 4)  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in pipes}
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in pipes}
     for r in range(args.rounds):
-        for name, pipe in pipes.items():
-            times[name] += step_times(pipe, args.steps)
+        for key, pipe in pipes.items():
+            times[key] += step_times(pipe, args.steps)
         print(f"round {r + 1} of {args.rounds}", file=sys.stderr)
-    median = {name: statistics.median(t) for name, t in times.items()}
-    print(json.dumps({"layers": args.layers, "small": args.small, "steps": len(times["moe"]),
-                      "median_step_ms": {n: round(1000 * m, 3) for n, m in median.items()},
-                      "moe_over_dense": round(median["moe"] / median["dense"], 3)}))
+    rows = []
+    for variant in variants:
+        moe, dense = (statistics.median(times[name, variant]) for name in ("moe", "dense"))
+        rows.append({"variant": variant, "steps": len(times["moe", variant]), "moe_step_ms": round(1000 * moe, 3),
+                     "dense_step_ms": round(1000 * dense, 3), "moe_over_dense": round(moe / dense, 3)})
+    print(json.dumps({"layers": args.layers, "small": args.small, "rows": rows}))
+    print(f"{'variant':<10} {'MoE ms':>8} {'dense ms':>9} {'MoE/dense':>10}", file=sys.stderr)
+    for row in rows:
+        print(f"{row['variant']:<10} {row['moe_step_ms']:>8.2f} {row['dense_step_ms']:>9.2f} "
+              f"{row['moe_over_dense']:>10.2f}", file=sys.stderr)
     for pipe in pipes.values():
         pipe.close()
     return 0
