@@ -107,9 +107,10 @@ def gpt_oss_config() -> PretrainedConfig:
 
 
 def write_gpt_oss_gguf(checkpoint: Path, path: Path, expert_qtype: str = "F32",
-                       vocabulary: tuple[list[str], list[str]] | None = None) -> Path:
+                       vocabulary: tuple[list[str], list[str]] | None = None, fuse_gate_up: bool = False) -> Path:
     """The GGUF of the gpt-oss ``checkpoint``, its stacked experts stored as ``expert_qtype`` (MXFP4, as llama.cpp
-    repacks gpt-oss's own release), everything else f32; ``vocabulary``: (tokens, merges) of a BPE tokenizer."""
+    repacks gpt-oss's own release), everything else f32; ``vocabulary``: (tokens, merges) of a BPE tokenizer;
+    ``fuse_gate_up``: the expert weights' gate and up halves in one ffn_gate_up_exps (--fuse-gate-up-exps)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -159,6 +160,10 @@ def write_gpt_oss_gguf(checkpoint: Path, path: Path, expert_qtype: str = "F32",
             continue
         elif name.endswith("experts.gate_up_proj"):
             w = w.swapaxes(-1, -2)  # [E, 2 * size, hidden]
+            if fuse_gate_up:
+                fused = names.get_name(name.replace("gate_up_proj", "gate_proj.weight"), try_suffixes=(".weight",))
+                tensors[fused.replace("ffn_gate_exps", "ffn_gate_up_exps")] = np.concatenate([w[:, ::2], w[:, 1::2]], 1)
+                continue
             for part, half in (("gate_proj.weight", w[:, ::2]), ("up_proj.weight", w[:, 1::2])):
                 tensors[names.get_name(name.replace("gate_up_proj", part), try_suffixes=(".weight",))] = half
             continue

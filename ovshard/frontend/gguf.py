@@ -121,6 +121,7 @@ class GGUFTensor:
     norm_offset: bool = False  # stored 1 + w
     permute_heads: int | None = None  # rows permuted per head into llama.cpp's rotary layout
     expert: int | None = None  # one expert's [out, in] slab of a stacked [E, out, in] tensor (ffn_*_exps)
+    first_row: int = 0  # where its rows start in that slab (up's half of a fused ffn_gate_up_exps expert)
     transposed: bool = False  # held by Hugging Face as x @ W: the stored tensor's last two axes swapped
     interleaved: GGUFTensor | None = None  # its rows alternate with this tensor's (gate, up, gate, up ...)
 
@@ -128,6 +129,8 @@ class GGUFTensor:
     def undo(self) -> str:
         """The transform, as a string for digests."""
         undo = f"norm_offset={self.norm_offset};permute_heads={self.permute_heads};expert={self.expert}"
+        if self.first_row:
+            undo += f";first_row={self.first_row}"
         if self.transposed:
             undo += ";transposed"
         if self.interleaved is not None:
@@ -216,7 +219,8 @@ class GGUFCheckpoint(Checkpoint):
         from gguf.quants import dequantize
 
         stored = self._reader.tensors[t.index]
-        whole = stored.data if t.expert is None else stored.data[t.expert]  # an expert: its [out, row] slab
+        # an expert: its [out, row] slab (a half of it for a fused gate_up expert)
+        whole = stored.data if t.expert is None else stored.data[t.expert][t.first_row:t.first_row + t.shape[0]]
         data = whole if rows is None else whole[rows]  # [rows, bytes or values of a row]
         try:
             values = dequantize(data, stored.tensor_type)
@@ -350,6 +354,12 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
     rope_freqs = next((t.data for t in reader.tensors if t.name == ROPE_FREQS), None)
     config = rebuild_config(path, arch, family, metadata, shapes, rope_freqs)
     description = describe(config)
+    fused = next((t.name for t in reader.tensors if t.name.endswith(".ffn_gate_up_exps.weight")), None)
+    if fused and description.arch.stacked_experts:
+        raise CheckpointError(
+            f"{path} holds its experts' gate and up projections fused ({fused}, convert_hf_to_gguf.py "
+            f"--fuse-gate-up-exps); ovshard reads them fused for {', '.join(sorted(_FUSED_READ))} files only. "
+            "Convert the model again without --fuse-gate-up-exps, or start from the safetensors checkpoint.")
     tensors, unmapped = _map_tensors(reader, arch, family, description.arch, description.dims)
     ckpt = GGUFCheckpoint(
         path=path, config=config, generation_config=generation_config(metadata),
@@ -436,7 +446,11 @@ def _map_tensors(reader: GGUFReader, arch: str, family: GGUFFamily, spec: ArchSp
     return _join_experts(_split_experts(tensors, spec, dims), spec, dims), tuple(unmapped)
 
 
-_STACKED = {"ffn_gate_exps": "expert_gate", "ffn_up_exps": "expert_up", "ffn_down_exps": "expert_down"}
+# each stacked GGUF tensor and the expert projections it holds, in the order of its rows: convert_hf_to_gguf.py
+# --fuse-gate-up-exps writes one ffn_gate_up_exps [E, 2 * size, hidden] a layer, each expert's gate rows first
+_FUSED_READ = ("qwen2moe", "qwen3moe", "llama (Mixtral)")  # the expert layouts a fused gate_up splits into
+_STACKED = {"ffn_gate_exps": ("expert_gate",), "ffn_up_exps": ("expert_up",), "ffn_down_exps": ("expert_down",),
+            "ffn_gate_up_exps": ("expert_gate", "expert_up")}
 
 
 def _split_experts(tensors: dict[str, GGUFTensor], spec: ArchSpec, dims: ModelDims) -> dict[str, GGUFTensor]:
@@ -449,15 +463,18 @@ def _split_experts(tensors: dict[str, GGUFTensor], spec: ArchSpec, dims: ModelDi
         if name in shared_gates and len(t.shape) == 1:  # llama.cpp stores the [1, hidden] gate as [hidden]
             t = replace(t, shape=(1, *t.shape))
         kind = t.gguf_name.split(".")[-2] if t.gguf_name.startswith("blk.") else ""
-        template = getattr(spec, _STACKED[kind]) if kind in _STACKED and spec.moe else None
-        if template is None:
+        templates = [getattr(spec, p) for p in _STACKED[kind]] if kind in _STACKED and spec.moe else [None]
+        if None in templates:
             out[name] = t
             continue
-        layer, experts = int(t.gguf_name.split(".")[1]), t.shape[0]
-        slab = (t.end - t.begin) // experts
+        layer, experts, parts = int(t.gguf_name.split(".")[1]), t.shape[0], len(templates)
+        slab, rows = (t.end - t.begin) // experts // parts, t.shape[1] // parts  # one projection of one expert
         for e in range(experts):
-            hf = template.replace("{i}", str(layer)).replace("{e}", str(e)) + ".weight"
-            out[hf] = replace(t, shape=t.shape[1:], begin=t.begin + e * slab, end=t.begin + (e + 1) * slab, expert=e)
+            for p, template in enumerate(templates):
+                hf = template.replace("{i}", str(layer)).replace("{e}", str(e)) + ".weight"
+                begin = t.begin + (e * parts + p) * slab
+                out[hf] = replace(t, shape=(rows, *t.shape[2:]), begin=begin, end=begin + slab, expert=e,
+                                  first_row=p * rows)
     return out
 
 

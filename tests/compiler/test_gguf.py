@@ -203,6 +203,35 @@ def test_qwen3moe_experts_match_transformers_tensor_by_tensor(tmp_path: Path) ->
         assert torch.equal(ckpt.load(name), saved[name]), name
 
 
+def test_fused_gate_up_experts_read_as_the_split_ones(tmp_path: Path) -> None:
+    """convert_hf_to_gguf.py --fuse-gate-up-exps stores a layer's expert gate and up in one ffn_gate_up_exps
+    [E, 2 * size, hidden], each expert's gate rows first: a qwen3moe file so written (Q8_0) reads tensor for
+    tensor as the same experts written split; gpt-oss files so written are refused, saying how to convert."""
+    d = dims_of("qwen3", head_dim=16)
+    experts, size = 4, 64
+    weights = {n: w for n, w in hf_weights("qwen3", head_dim=16).items() if ".mlp." not in n}
+    rng = np.random.default_rng(3)
+    split, fused = {}, {}
+    for i in range(d["layers"]):
+        router = rng.standard_normal((experts, d["hidden"])).astype(np.float32)
+        gate, up = (rng.standard_normal((experts, size, d["hidden"])).astype(np.float32) for _ in range(2))
+        down = rng.standard_normal((experts, d["hidden"], size)).astype(np.float32)
+        common = {f"blk.{i}.ffn_gate_inp.weight": router, f"blk.{i}.ffn_down_exps.weight": down}
+        split |= common | {f"blk.{i}.ffn_gate_exps.weight": gate, f"blk.{i}.ffn_up_exps.weight": up}
+        fused |= common | {f"blk.{i}.ffn_gate_up_exps.weight": np.concatenate([gate, up], axis=1)}
+    meta = {"{arch}.expert_count": experts, "{arch}.expert_used_count": 2, "{arch}.expert_feed_forward_length": size}
+    one, two = (open_gguf(write_gguf(tmp_path / f"{name}.gguf", "qwen3", weights, qtype="Q8_0", meta=meta, extra=extra,
+                                     arch="qwen3moe", dims=d)) for name, extra in (("split", split), ("fused", fused)))
+    two.validate_tensors()
+    assert sorted(two.tensor_names()) == sorted(one.tensor_names())
+    for name in one.tensor_names():
+        assert torch.equal(two.load(name), one.load(name)), name
+    assert two.nbytes("model.layers.1.mlp.experts.3.up_proj.weight") == one.nbytes("model.layers.1.mlp.experts.3.up_proj.weight")
+    checkpoint = write_random_checkpoint(Family(gpt_oss_config), tmp_path / "hf")
+    with pytest.raises(CheckpointError, match=r"fused \(blk\.0\.ffn_gate_up_exps\.weight.*without --fuse-gate-up-exps"):
+        open_gguf(write_gpt_oss_gguf(checkpoint, tmp_path / "gpt-oss.gguf", fuse_gate_up=True))
+
+
 def test_qwen2moe_shared_expert_matches_transformers(tmp_path: Path) -> None:
     """A qwen2moe GGUF: routed experts (ffn_*_exps) and the shared expert (ffn_*_shexp, its gate stored 1-D)
     equal transformers' reading of the same file, tensor by tensor."""
