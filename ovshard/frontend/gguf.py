@@ -463,8 +463,9 @@ def _split_experts(tensors: dict[str, GGUFTensor], spec: ArchSpec, dims: ModelDi
         if name in shared_gates and len(t.shape) == 1:  # llama.cpp stores the [1, hidden] gate as [hidden]
             t = replace(t, shape=(1, *t.shape))
         kind = t.gguf_name.split(".")[-2] if t.gguf_name.startswith("blk.") else ""
-        templates = [getattr(spec, p) for p in _STACKED[kind]] if kind in _STACKED and spec.moe else [None]
-        if None in templates:
+        found = [getattr(spec, p) for p in _STACKED[kind]] if kind in _STACKED and spec.moe else [None]
+        templates = [str(f) for f in found if f is not None]
+        if len(templates) < len(found):  # not stacked experts, or stacked as the family holds them (gpt-oss)
             out[name] = t
             continue
         layer, experts, parts = int(t.gguf_name.split(".")[1]), t.shape[0], len(templates)
