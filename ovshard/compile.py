@@ -51,7 +51,7 @@ from ovshard.ir.instruments import (
 from ovshard.ir.naming import stable_names
 from ovshard.ir.pass_manager import GraphPass, Instrument, PassContext, PassManager
 from ovshard.layerwise import StageBuild, build_stage, piece_bytes_within, plan_jobs, prebuild
-from ovshard.memory import PeakSampler, return_freed_blocks
+from ovshard.memory import PeakSampler, libraries_spared_from_gc, return_freed_blocks
 from ovshard.passes import pipeline
 from ovshard.plan.costs import model_costs, rotary_table_bytes
 from ovshard.plan.partition import plan_balanced, plan_budgets, plan_layers
@@ -388,6 +388,12 @@ def _chosen_stages(plan: PartitionPlan, only_stage: int | None) -> tuple[StageSp
 
 def compile_bundle(config: CompileConfig) -> Manifest:
     """Compile ``config.checkpoint`` into a stage bundle at ``config.output``; return its manifest."""
+    libraries = ("torch", "transformers", *(("nncf",) if config.weights.mode not in ("fp32", "fp16") else ()))
+    with libraries_spared_from_gc(*libraries):  # the compile's collections walk the compile's own objects
+        return _compile_bundle(config)
+
+
+def _compile_bundle(config: CompileConfig) -> Manifest:
     started = time.perf_counter()
     return_freed_blocks()  # layer-sized buffers go back to the kernel when freed: memory follows one layer
     ckpt = open_source(config.checkpoint)
