@@ -36,6 +36,7 @@ golden: setup
 
 bench: setup
 	$(BIN)/python bench/compile_memory.py --stages 2,4 --monolithic
+	CI=true $(BIN)/python bench/compile_overhead.py --rounds 3  # the compiler's fixed cost per piece (stories260K, default and fp32)
 	$(BIN)/python bench/compile_memory.py --sweep  # anon memory vs layers per stage; ~30 GB in /tmp/ovshard-sweep
 	CI=true $(BIN)/python bench/suite.py
 	$(BIN)/python bench/api_load.py --models stories260K,llama-3.2-1b --requests 2  # ovshard api at 1-8 clients vs the bare Session
