@@ -175,15 +175,16 @@ def _default_calibration(config: CompileConfig, ckpt: Checkpoint) -> str:
     """The default: INT4 weights calibrated on the shipped text, where this compile can; else data-free, said why."""
     if not config.weights.is_int4 or config.weights.methods:
         return "text" if config.weights.methods else "none"
-    why = ("the streamed compile calibrates layer by layer (--whole-stage and --frontend onnx trace whole stages)"
-           if not _streamed(config) else
-           f"--jobs {config.jobs} compiles layers side by side (calibration reads each layer's input from the one "
-           "before)" if config.jobs > 1 else
-           f"{ckpt.path} has no tokenizer to read the calibration text with" if not ckpt.has_tokenizer else "")
-    if why:
-        log.info("INT4 weights data-free: %s; --calibration auto or FILE calibrates anyway where it can", why)
-        return "none"
-    return "text"
+    if not _streamed(config):
+        why = "the streamed compile calibrates layer by layer (--whole-stage and --frontend onnx trace whole stages)"
+    elif config.jobs > 1:
+        why = f"--jobs {config.jobs} compiles layers side by side (calibration reads each layer's input from the one before)"
+    elif not ckpt.has_tokenizer:
+        why = f"{ckpt.path} has no tokenizer to read the calibration text with"
+    else:
+        return "text"
+    log.info("INT4 weights data-free: %s; --calibration auto or FILE calibrates anyway where it can", why)
+    return "none"
 
 
 def make_plan(config: CompileConfig, ckpt: Checkpoint) -> PartitionPlan:

@@ -198,28 +198,36 @@ def small_disk(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
             subprocess.run(["umount", "-l", str(where)], check=False)
 
 
-def generate_concurrently(head, jobs, speculation=None, timeout: float = 300) -> list:  # noqa: ANN001
-    """Each (prompt, max_tokens) job on a thread of its own through ``head``, all started together (a
-    barrier); each job's greedy tokens, or the OvshardError it ended with."""
+def at_once(call: Callable, items: list, timeout: float = 300) -> list:
+    """``call(item)`` for each item on a thread of its own, all released together (a barrier); their results."""
     import threading
 
-    from ovshard.errors import OvshardError
-    from ovshard.runtime.engine.sampler import SamplingConfig
+    results: list = [None] * len(items)
+    barrier = threading.Barrier(len(items))
 
-    results: list = [[] for _ in jobs]
-    barrier = threading.Barrier(len(jobs))
-
-    def job(i: int) -> None:
-        prompt, n = jobs[i]
+    def run(i: int) -> None:
         barrier.wait()
-        try:
-            results[i] = list(head.generate(prompt, SamplingConfig(max_tokens=n), None, speculation))
-        except OvshardError as e:
-            results[i] = e
+        results[i] = call(items[i])
 
-    threads = [threading.Thread(target=job, args=(i,)) for i in range(len(jobs))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(items))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=timeout)
     return results
+
+
+def generate_concurrently(head, jobs, speculation=None, timeout: float = 300) -> list:  # noqa: ANN001
+    """Each (prompt, max_tokens) job on a thread of its own through ``head``, all started together (a
+    barrier); each job's greedy tokens, or the OvshardError it ended with."""
+    from ovshard.errors import OvshardError
+    from ovshard.runtime.engine.sampler import SamplingConfig
+
+    def job(one: tuple) -> list | OvshardError:
+        prompt, n = one
+        try:
+            return list(head.generate(prompt, SamplingConfig(max_tokens=n), None, speculation))
+        except OvshardError as e:
+            return e
+
+    return at_once(job, list(jobs), timeout)

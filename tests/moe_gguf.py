@@ -39,6 +39,27 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _writer(path: Path, arch: str, name: str, config: dict[str, Any]) -> Any:
+    """A GGUFWriter with the metadata every MoE file here states: sizes, heads, rope base, norm epsilon, experts."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(name)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_count(config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    return writer
+
+
 def _finish(writer: Any, tensors: dict[str, np.ndarray], qtype: str, quantized: Callable[[str, np.ndarray], bool]) -> None:
     import gguf
 
@@ -63,21 +84,8 @@ def write_mixtral_gguf(checkpoint: Path, path: Path, qtype: str = "F32") -> Path
     state = load_file(checkpoint / "model.safetensors")
     layers, heads, kv_heads = config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny mixtral")
-    writer.add_block_count(layers)
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_expert_count(config["num_local_experts"])
-    writer.add_expert_used_count(config["num_experts_per_tok"])
-    writer.add_vocab_size(config["vocab_size"])
+    writer = _writer(path, "llama", "tiny mixtral", config)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_eos_token_id(config["eos_token_id"])
     writer.add_file_type(int(gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType[f"MOSTLY_{qtype}"]))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, layers)
     tensors: dict[str, np.ndarray] = {}
@@ -117,22 +125,9 @@ def write_gpt_oss_gguf(checkpoint: Path, path: Path, expert_qtype: str = "F32",
     config = json.loads((checkpoint / "config.json").read_text())
     state = load_file(checkpoint / "model.safetensors")
     layers, rope = config["num_hidden_layers"], config["rope_parameters"]
-    writer = gguf.GGUFWriter(str(path), "gpt-oss")
-    writer.add_name("tiny gpt-oss")
-    writer.add_block_count(layers)
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_expert_count(config["num_local_experts"])
-    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer = _writer(path, "gpt-oss", "tiny gpt-oss", config)
     writer.add_key_length(config["head_dim"])
     writer.add_value_length(config["head_dim"])
-    writer.add_vocab_size(config["vocab_size"])
-    writer.add_eos_token_id(config["eos_token_id"])
     writer.add_sliding_window(config["sliding_window"])
     writer.add_expert_feed_forward_length(config["intermediate_size"])
     writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)

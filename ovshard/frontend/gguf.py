@@ -348,18 +348,12 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
     metadata = {name: f.contents() for name, f in reader.fields.items() if name not in TOKENIZER_ARRAYS}
     arch = str(metadata.get("general.architecture"))
     family = family_of(path, arch, metadata)
-    if family.experts is not None:
-        _refuse_per_expert_tensors(path, reader)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     rope_freqs = next((t.data for t in reader.tensors if t.name == ROPE_FREQS), None)
     config = rebuild_config(path, arch, family, metadata, shapes, rope_freqs)
     description = describe(config)
-    fused = next((t.name for t in reader.tensors if t.name.endswith(".ffn_gate_up_exps.weight")), None)
-    if fused and description.arch.stacked_experts:
-        raise CheckpointError(
-            f"{path} holds its experts' gate and up projections fused ({fused}, convert_hf_to_gguf.py "
-            f"--fuse-gate-up-exps); ovshard reads them fused for {', '.join(sorted(_FUSED_READ))} files only. "
-            "Convert the model again without --fuse-gate-up-exps, or start from the safetensors checkpoint.")
+    if family.experts is not None:
+        _refuse_unread_expert_layouts(path, reader, description.arch)
     tensors, unmapped = _map_tensors(reader, arch, family, description.arch, description.dims)
     ckpt = GGUFCheckpoint(
         path=path, config=config, generation_config=generation_config(metadata),
@@ -377,8 +371,10 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
     return ckpt
 
 
-def _refuse_per_expert_tensors(path: Path, reader: GGUFReader) -> None:
-    """Refuse the layout llama.cpp wrote MoE files in before it stacked experts: ``blk.N.ffn_gate.E.weight``."""
+def _refuse_unread_expert_layouts(path: Path, reader: GGUFReader, spec: ArchSpec) -> None:
+    """Refuse the expert layouts not read: one tensor an expert (``blk.N.ffn_gate.E.weight``, llama.cpp's layout
+    before it stacked experts), and gate and up fused (``ffn_gate_up_exps``) for a family that holds its experts
+    stacked itself (gpt-oss: ``_join_experts`` interleaves separate gate and up tensors)."""
     old = [t.name for t in reader.tensors if PER_EXPERT.fullmatch(t.name)]
     if old:
         raise CheckpointError(
@@ -386,6 +382,13 @@ def _refuse_per_expert_tensors(path: Path, reader: GGUFReader) -> None:
             "llama.cpp conversions from before April 2024; ovshard reads experts stacked (blk.N.ffn_gate_exps). "
             "Convert the model again with a current llama.cpp's convert_hf_to_gguf.py, or start from the "
             "safetensors checkpoint.")
+    fused = next((t.name for t in reader.tensors if t.name.endswith(".ffn_gate_up_exps.weight")), None)
+    if fused and spec.stacked_experts:
+        raise CheckpointError(
+            f"{path} holds its experts' gate and up projections fused ({fused}, convert_hf_to_gguf.py "
+            f"--fuse-gate-up-exps), which ovshard splits for families of one matrix an expert only, not "
+            f"{spec.family}'s. Convert the model again without --fuse-gate-up-exps, or start from the safetensors "
+            "checkpoint.")
 
 
 def _open_reader(path: Path) -> GGUFReader:
@@ -448,7 +451,6 @@ def _map_tensors(reader: GGUFReader, arch: str, family: GGUFFamily, spec: ArchSp
 
 # each stacked GGUF tensor and the expert projections it holds, in the order of its rows: convert_hf_to_gguf.py
 # --fuse-gate-up-exps writes one ffn_gate_up_exps [E, 2 * size, hidden] a layer, each expert's gate rows first
-_FUSED_READ = ("qwen2moe", "qwen3moe", "llama (Mixtral)")  # the expert layouts a fused gate_up splits into
 _STACKED = {"ffn_gate_exps": ("expert_gate",), "ffn_up_exps": ("expert_up",), "ffn_down_exps": ("expert_down",),
             "ffn_gate_up_exps": ("expert_gate", "expert_up")}
 

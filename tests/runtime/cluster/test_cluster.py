@@ -10,14 +10,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import compile_fp32, free_port_base, run_greedy
+from conftest import at_once, compile_fp32, free_port_base, run_greedy
 from families import moe_with_tokenizer
 
 from ovshard.bundle import names
@@ -214,13 +213,7 @@ def test_up_serves_an_moe_bundle_over_the_api_to_concurrent_clients(cluster: str
                                 "--max-tokens", "32", "--speculative", "off"], capture_output=True, text=True,
                                timeout=300, check=True)
         assert local.stdout.rstrip("\n") == prompts[0] + solo[0]
-        together = [""] * 2
-        threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, ask(prompts[i]))) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert together == solo
+        assert at_once(ask, prompts) == solo
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import compile_fp32
+from conftest import at_once, compile_fp32
 from families import moe_with_tokenizer
 
 from ovshard.runtime.client.launch import WorkerProcess, serve_command
@@ -124,17 +123,8 @@ def test_four_concurrent_requests_each_equal_their_solo_answer(server: Api) -> N
     prompts = [PROMPT, "The cat", "Lily saw", "One day"]
     solo = [server.client.completions.create(model="stories", prompt=q, max_tokens=40, temperature=0).choices[0].text
             for q in prompts]
-    together: list[str] = [""] * 4
-
-    def ask(i: int) -> None:
-        together[i] = server.client.completions.create(model="stories", prompt=prompts[i], max_tokens=40,
-                                                       temperature=0).choices[0].text
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    together = at_once(lambda q: server.client.completions.create(model="stories", prompt=q, max_tokens=40,
+                                                                   temperature=0).choices[0].text, prompts, 120)
     assert together == solo
 
 
@@ -163,19 +153,7 @@ def test_an_moe_bundle_serves_concurrent_requests_batched_each_as_alone(stories:
         solo = [ask(q) for q in prompts]
         assert solo[0] == run_text(bundle, 40)
         ticks, rows = _batch_totals(server.url)
-        together: list[str] = [""] * 4
-        start = threading.Barrier(4)
-
-        def ask_together(i: int) -> None:
-            start.wait(60)
-            together[i] = ask(prompts[i])
-
-        threads = [threading.Thread(target=ask_together, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert together == solo
+        assert at_once(ask, prompts) == solo
         more_ticks, more_rows = _batch_totals(server.url)
         assert more_rows - rows > more_ticks - ticks, "no inference carried more than one sequence"
 
