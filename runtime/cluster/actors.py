@@ -33,6 +33,9 @@ from ovshard.runtime.wire.tls import CA_FILE, CERT_FILE, KEY_FILE
 log = logging.getLogger(__name__)
 
 THREADS_ENV = "OVSHARD_THREADS"  # a node's own cap on a stage's CPU threads (set in `ray start`'s environment)
+# the port of the stage actor a new one replaces, stopped by Ray but its process not gone yet (seen under
+# load): binding it is tried again this long
+PORT_WAIT_S = 30.0
 
 
 def node_threads(default: int | None) -> int | None:
@@ -177,7 +180,7 @@ class StageActor:
         self.worker = StageWorker(bundle, stage, "CPU", stage_config(order.exact, node_threads(order.threads)),
                                   cache_dir=cache_root() / "ov_cache", server_tls=server_tls,
                                   client_tls=client_tls)
-        self.address = self.worker.listen(order.host, order.port)
+        self.address = self.worker.listen(order.host, order.port, wait_s=PORT_WAIT_S)
         threading.Thread(target=self.worker.serve_forever, name=f"stage-{order.index}", daemon=True).start()
 
     def _tls(self) -> tuple[Any, Any]:

@@ -114,13 +114,22 @@ class StageWorker:
         self._stopping = False
 
     # ----- serving -----
-    def listen(self, host: str, port: int) -> str:
-        """Bind ``host:port`` (port 0: a free port the system picks); returns the address bound."""
-        try:
-            self.server = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
-        except OSError as e:
-            raise OvshardError(f"stage {self.stage} cannot listen on {host}:{port}: {e.strerror or e}; "
-                               "choose another --listen port, or port 0 for a free one") from e
+    def listen(self, host: str, port: int, wait_s: float = 0.0) -> str:
+        """Bind ``host:port`` (port 0: a free port the system picks); returns the address bound. A port still in
+        use is tried again for ``wait_s`` seconds (a stage moved onto its node by ``up`` takes the port of one that
+        Ray has stopped and whose process may not have exited yet)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self.server = socket.create_server((host, port),
+                                                   family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+                break
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE and port and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                    continue
+                raise OvshardError(f"stage {self.stage} cannot listen on {host}:{port}: {e.strerror or e}; "
+                                   "choose another --listen port, or port 0 for a free one") from e
         self.server.settimeout(_ACCEPT_POLL_S)  # accepted sockets still block: the default timeout is None
         address = self._where()
         log.info("stage %d: listening on %s%s", self.stage, address, " (TLS)" if self.server_tls else "")

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -275,6 +276,24 @@ def test_refusal_is_logged_by_the_worker_and_a_busy_port_is_a_clear_error(bundle
             worker.stop()
     err = (tmp_path / "stderr").read_text()
     assert "refused" in err and "the peer expected stage 3" in err
+
+
+def test_a_port_still_held_is_waited_for_when_asked(bundles: dict[int, Path]) -> None:
+    """listen(wait_s=...) binds a port once its holder lets go (a stage actor replacing one whose process has not
+    exited yet); without a wait, a port in use is refused at once."""
+    from ovshard.runtime.node.worker import StageWorker
+
+    worker = StageWorker(bundles[1], 0)
+    holder = socket.create_server(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    try:
+        with pytest.raises(OvshardError, match=f"cannot listen on 127.0.0.1:{port}"):
+            worker.listen("127.0.0.1", port)
+        threading.Timer(1.0, holder.close).start()  # the old holder exits a second later
+        assert worker.listen("127.0.0.1", port, wait_s=60).endswith(f":{port}")
+    finally:
+        holder.close()
+        worker.stop()
 
 
 def test_a_bad_request_is_answered_and_the_connection_stays(bundles: dict[int, Path]) -> None:
