@@ -6,9 +6,11 @@ is one ``ovshard compile`` of the random-weight 1B-shaped checkpoint (make bench
 threads) and decode ``--tokens`` greedy tokens after the suite's 16-token prompt, interleaved in rounds with
 the first format rotating. Reported: the .bin size, decode tokens/s (median) and the median of per-round
 ratios to the default compile. Accuracy is the INT4 frontier's business (docs/results/2026-12-int4-accuracy.md); this is
-speed only.
+speed only. With ``--checkpoint`` (a real model: a folder with its tokenizer, or a GGUF file) the default
+compile calibrates its INT4 weights, and the row "default, data-free" measures what calibration costs in
+decode speed (``--formats 0,1`` compares just those two).
 
-    CI=true .venv/bin/python bench/int4_kernels.py [--rounds 3] [--tokens 64]
+    CI=true .venv/bin/python bench/int4_kernels.py [--rounds 3] [--tokens 64] [--checkpoint PATH] [--formats 0,1]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from scenarios_base import MODELS  # noqa: E402
 
 FORMATS = {  # label -> extra `ovshard compile` arguments
     "default (int4_sym g128, budget 1.15)": [],
+    "default, data-free (--calibration none)": ["--calibration", "none"],
     "int4_sym g128, every decoder weight INT4": ["--budget", "1.0"],
     "int4_asym g128, every decoder weight INT4": ["--weights", "int4_asym", "--budget", "1.0"],
     "int4_sym per channel, every decoder weight INT4": ["--group-size", "-1", "--budget", "1.0"],
@@ -64,15 +67,22 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--work", type=Path, default=Path("/tmp/ovshard-bench/kernels"))
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--checkpoint", type=Path, help="a real model instead of the random 1B-shaped checkpoint")
+    parser.add_argument("--formats", help="the rows to run, by index (0 = the default, which every run keeps)")
     args = parser.parse_args()
     from ovshard.runtime.client.inprocess import LocalPipeline
 
-    checkpoint = Path("/tmp/ovshard-bench/ckpt-llama-3.2-1b-bfloat16")
-    ensure_checkpoint(checkpoint, "llama-3.2-1b", "bfloat16")
-    bundles = {label: compiled(checkpoint, args.work, label, extra) for label, extra in FORMATS.items()}
+    checkpoint = args.checkpoint or Path("/tmp/ovshard-bench/ckpt-llama-3.2-1b-bfloat16")
+    if args.checkpoint is None:
+        ensure_checkpoint(checkpoint, "llama-3.2-1b", "bfloat16")
+    chosen = sorted({0, *map(int, args.formats.split(","))}) if args.formats else range(len(FORMATS))
+    formats = {label: extra for i, (label, extra) in enumerate(FORMATS.items()) if i in chosen}
+    work = args.work / checkpoint.name  # bundles are reused by label: one folder a checkpoint
+    bundles = {label: compiled(checkpoint, work, label, extra) for label, extra in formats.items()}
     pipelines = {label: LocalPipeline(b, slice_logits=True) for label, b in bundles.items()}
-    prompt = list(MODELS["llama-3.2-1b"].prompt)
-    labels, samples = list(FORMATS), {label: [] for label in FORMATS}
+    vocab = next(iter(pipelines.values())).vocab_size
+    prompt = [t % vocab for t in MODELS["llama-3.2-1b"].prompt]  # the 1B shape's ids, folded into the vocabulary
+    labels, samples = list(formats), {label: [] for label in formats}
     for label in labels:  # warm-up
         decode(pipelines[label], prompt, 4)
     for r in range(args.rounds):
