@@ -108,6 +108,7 @@ class WorkerProcess:
                                         stderr=stderr, text=True)
         self.address: str | None = None
         self._reported = threading.Event()  # set on the listening line or at the end of stdout
+        self._terminated = False
         stdout = self.process.stdout
         if stdout is not None:  # always: stdout is a pipe
             threading.Thread(target=self._watch, args=(stdout,), name=f"stage-{stage}-stdout", daemon=True).start()
@@ -136,11 +137,17 @@ class WorkerProcess:
                                "its error is on stderr")
         return self.address
 
+    def terminate(self) -> None:
+        """Send SIGTERM once. A second one could reach the worker while Python exits, when its handler is
+        already reset to the default, and kill it mid-exit (-15 instead of 0)."""
+        if not self._terminated and self.process.poll() is None:
+            self.process.terminate()
+            self._terminated = True
+
     def stop(self) -> None:
         """Terminate the worker and wait for it; kill it if it does not exit within STOP_WAIT_S. Then close
         its stdin (after the wait: closed first, a worker would log that its parent went away)."""
-        if self.process.poll() is None:
-            self.process.terminate()
+        self.terminate()
         try:
             self.process.wait(timeout=STOP_WAIT_S)
         except subprocess.TimeoutExpired:
@@ -183,9 +190,8 @@ class LocalWorkers:
         return self.addresses
 
     def stop(self) -> None:
-        for worker in self.workers:
-            if worker.process.poll() is None:
-                worker.process.terminate()
+        for worker in self.workers:  # all at once, then each waited for
+            worker.terminate()
         for worker in self.workers:
             worker.stop()
 
