@@ -5,6 +5,7 @@ from __future__ import annotations
 from ovshard.bundle.weights import WEIGHT_FORMATS, WeightFormat
 from ovshard.ir.pass_manager import GraphPass
 from ovshard.passes.compress_weights import CompressWeightsPass
+from ovshard.passes.fuse_projections import FuseProjectionsPass
 from ovshard.passes.inject_beam_idx_gather import InjectBeamIdxGatherPass
 from ovshard.passes.make_stateful_kv import MakeStatefulKVPass
 from ovshard.passes.precompute_rotary import PrecomputeRotaryPass
@@ -12,6 +13,7 @@ from ovshard.passes.precompute_rotary import PrecomputeRotaryPass
 __all__ = [
     "WEIGHT_FORMATS",
     "CompressWeightsPass",
+    "FuseProjectionsPass",
     "InjectBeamIdxGatherPass",
     "MakeStatefulKVPass",
     "PrecomputeRotaryPass",
@@ -28,6 +30,7 @@ def pipeline(weights: WeightFormat) -> list[GraphPass]:
     """
     return [
         CompressWeightsPass(weights),  # fp16 / NNCF int8 / int4 weights, per WeightFormat (layer scope)
+        FuseProjectionsPass(),  # q/k/v and gate/up stored alike -> one MatMul + VariadicSplit (layer scope)
         PrecomputeRotaryPass(),  # rotary frequency math -> Gather by position_ids from a constant table
         MakeStatefulKVPass(),  # past/present KV I/O -> ReadValue (zero initializer) / Assign
         InjectBeamIdxGatherPass(),  # beam_idx i32 Parameter + Gather(axis 0) on every KV ReadValue

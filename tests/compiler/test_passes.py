@@ -18,6 +18,7 @@ from ovshard.ir.pass_manager import PassContext
 from ovshard.ir.printer import graph_text
 from ovshard.passes import (
     CompressWeightsPass,
+    FuseProjectionsPass,
     InjectBeamIdxGatherPass,
     MakeStatefulKVPass,
     PrecomputeRotaryPass,
@@ -25,6 +26,7 @@ from ovshard.passes import (
     pipeline,
 )
 from ovshard.passes.compress_weights import float_weights
+from ovshard.passes.fuse_projections import weight_of
 
 PROMPT = np.array([[1, 403, 407, 261, 378, 14]], dtype=np.int64)  # [batch 1, seq 6]
 
@@ -181,3 +183,65 @@ def test_compress_weights_stores_weights_in_the_chosen_type(stories: Path, mode:
         for a, b in zip(reference, run(compressed, ctx), strict=True):
             relative = np.linalg.norm(b - a) / np.linalg.norm(a)
             assert relative < {"fp16": 1e-3, "int8": 0.1}[mode], f"relative L2 error {relative:.2e}"
+
+
+def _compressed(stories: Path, fmt: WeightFormat) -> tuple[ov.Model, PassContext]:
+    model, ctx = traced(stories)
+    model = CompressWeightsPass(fmt)(model, ctx).model
+    ctx.history.append("CompressWeightsPass")
+    return model, ctx
+
+
+def _weight_matmuls(model: ov.Model) -> list[ov.Node]:
+    return [op for op in model.get_ordered_ops() if op.get_type_name() == "MatMul"
+            and op.input_value(1).get_node().get_type_name() != "Parameter"
+            and op.get_input_partial_shape(1).rank.get_length() == 2
+            and not op.input_value(1).get_partial_shape().is_dynamic]
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat("fp32"), WeightFormat("fp16"), WeightFormat("int8"),
+                                 WeightFormat("int4_sym", group_size=32, budget=1.0),
+                                 WeightFormat("int4_asym", group_size=-1, budget=1.0)], ids=lambda f: f.mode)
+def test_fuse_projections_stacks_qkv_and_gate_up_without_changing_numbers(stories: Path, fmt: WeightFormat) -> None:
+    """q/k/v and gate/up become one MatMul each (4 weight MatMuls a layer instead of 7), with the outputs of a
+    prefill and two decode steps equal to the unfused stage's, in every weight format."""
+    model, ctx = _compressed(stories, fmt)
+    before = run(model, ctx)
+    layers, head = ctx.stage.end - ctx.stage.start, int(ctx.stage.last)  # the last stage's lm_head stays alone
+    assert len(_weight_matmuls(model)) == 7 * layers + head
+    fused = FuseProjectionsPass()(model.clone(), ctx).model
+    assert len(_weight_matmuls(fused)) == 4 * layers + head
+    assert Counter(op.get_type_name() for op in fused.get_ordered_ops())["VariadicSplit"] == 2 * layers
+    for step, (a, b) in enumerate(zip(before, run(fused, ctx), strict=True)):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6, err_msg=f"call {step} differs")
+
+
+def test_fuse_projections_leaves_a_weight_stored_otherwise_on_its_own(stories: Path) -> None:
+    """A q projection the INT8 budget kept INT8 beside INT4 k and v stays its own MatMul; k and v still fuse."""
+    model, ctx = _compressed(stories, WeightFormat("int4_sym", group_size=32, budget=1.15, int8_weights=("3.q",)))
+    fused = FuseProjectionsPass()(model, ctx).model
+    stored = sorted(weight_of(op).stored.get_friendly_name() for op in _weight_matmuls(fused)  # type: ignore[union-attr]
+                    if "layers.0." in weight_of(op).stored.get_friendly_name())  # type: ignore[union-attr]
+    assert "self.layers.0.q_weight" in stored, stored  # the stage's first layer is the model's layer 3
+    assert any("k_weight" in n and "v_weight" in n and "q_weight" not in n for n in stored), stored
+
+
+def test_fuse_projections_requires_compressed_weights(stories: Path) -> None:
+    """Run before CompressWeightsPass (which chooses each projection's format alone), the pass refuses, naming it."""
+    model, ctx = traced(stories)
+    with pytest.raises(PreconditionError, match="CompressWeightsPass first"):
+        FuseProjectionsPass()(model, ctx)
+
+
+def test_fused_projections_reach_the_cpu_plugin_as_one_fully_connected_node(stories: Path) -> None:
+    """The compiled runtime graph of an INT4 stage runs 4 fully connected nodes a layer instead of 7."""
+    counts = {}
+    for fuse_them in (False, True):
+        model, ctx = _compressed(stories, WeightFormat("int4_sym", group_size=32, budget=1.0))
+        if fuse_them:
+            model = FuseProjectionsPass()(model, ctx).model
+        runtime = ov.Core().compile_model(model, "CPU").get_runtime_model()
+        counts[fuse_them] = sum(op.get_rt_info()["layerType"].astype(str).startswith("FullyConnected")
+                                for op in runtime.get_ordered_ops())
+    layers, head = ctx.stage.end - ctx.stage.start, int(ctx.stage.last)
+    assert (counts[False], counts[True]) == (7 * layers + head, 4 * layers + head)
