@@ -95,6 +95,7 @@ class LocalPipeline:
         self.position = 0
         self.max_positions = self.manifest.runtime_hints.max_positions
         self.vocab_size = self.manifest.architecture.vocab_size
+        self.hops = 1  # for Stats: no network, so a step's time beyond compute is one "hop" in this process
 
     def reset(self) -> None:
         for stage in self.stages:

@@ -89,3 +89,12 @@ def test_a_stage_refused_in_paged_form_runs_stateful(bundles: dict[int, Path], m
     assert got == list(stateful.generate(PROMPTS[0], SamplingConfig(max_tokens=NEW_TOKENS)))
     assert stats.rewinds > 0
 
+
+def test_in_process_stats_count_one_hop(bundles: dict[int, Path]) -> None:
+    """In this process per_hop_network_ms is all a decode step costs beyond the stages' compute."""
+    stats = Stats()
+    pipe = LocalPipeline(bundles[2], config=EXACT_HINTS, paged=True)
+    list(pipe.generate(PROMPTS[1], SamplingConfig(max_tokens=8), stats))
+    report = stats.to_dict()
+    beyond = report["mean_step_ms"] - report["stage0_compute_ms"] - report["stage1_compute_ms"]
+    assert report["per_hop_network_ms"] == pytest.approx(beyond, abs=0.01)
