@@ -2,8 +2,9 @@
 
 Two parts, each interleaved in rounds (timings drift between processes, so only ratios within a run count):
 
-- ``paths``: ``ovshard run --local --in-process`` (every stage in the CLI's process) against ``ovshard run
-  --local`` (a worker process per stage over loopback TCP), both as a user runs them (``--speculative off
+- ``paths``: ``ovshard run --local`` three ways: every stage in the CLI's process on paged attention
+  (``--in-process``, what a one-stage bundle runs by default), the same on stateful stages (``--kv stateful``),
+  and a worker process per stage over loopback TCP (``--workers``), each as a user runs it (``--speculative off
   --stats json``): decode tokens/s, the stages' compute per step, and what the step costs beyond it (the
   head's sampler and Python; with workers also framing, the socket hops and the thread hand-offs);
 - ``settings``: the bundle's stage 0 (a one-stage bundle: the whole model) under each CPU plugin setting,
@@ -50,10 +51,13 @@ def log(message: str) -> None:
     print(f"[decode_overhead {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def run_cli(bundle: Path, tokens: int, in_process: bool) -> dict:
+PATHS = {"in-process paged": ["--in-process"], "in-process stateful": ["--in-process", "--kv", "stateful"],
+         "workers over TCP": ["--workers"]}
+
+
+def run_cli(bundle: Path, tokens: int, flags: list[str]) -> dict:
     cmd = [sys.executable, "-m", "ovshard.cli", "-q", "run", str(bundle), "--local", "--prompt-ids", "1,2,3,4,5",
-           "--max-tokens", str(tokens), "--speculative", "off", "--stats", "json",
-           *(["--in-process"] if in_process else [])]
+           "--max-tokens", str(tokens), "--speculative", "off", "--stats", "json", *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     stats = json.loads(done.stderr.strip().splitlines()[-1])
     compute = sum(v for k, v in stats.items() if k.startswith("stage") and k.endswith("_compute_ms"))
@@ -62,15 +66,17 @@ def run_cli(bundle: Path, tokens: int, in_process: bool) -> dict:
 
 
 def paths(bundle: Path, rounds: int, tokens: int) -> dict:
-    sides = {"in-process": True, "workers over TCP": False}
-    found: dict[str, list[dict]] = {name: [] for name in sides}
+    found: dict[str, list[dict]] = {name: [] for name in PATHS}
     for r in range(rounds):
-        for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
-            found[name].append(run_cli(bundle, tokens, sides[name]))
+        for name in (list(PATHS) if r % 2 == 0 else list(PATHS)[::-1]):
+            found[name].append(run_cli(bundle, tokens, PATHS[name]))
             log(f"round {r}: {name}: {found[name][-1]}")
-    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(*found.values(), strict=True)]
+    workers = found["workers over TCP"]
+    over_workers = {name: round(statistics.median(a["tokens_per_s"] / b["tokens_per_s"]
+                                                  for a, b in zip(runs, workers, strict=True)), 3)
+                    for name, runs in found.items() if name != "workers over TCP"}
     summary = {name: {key: statistics.median(x[key] for x in runs) for key in runs[0]} for name, runs in found.items()}
-    return {"runs": found, "median": summary, "in_process_over_workers": round(statistics.median(ratios), 3)}
+    return {"runs": found, "median": summary, "over_workers": over_workers}
 
 
 def settings(bundle: Path, rounds: int, tokens: int) -> dict:
@@ -123,7 +129,8 @@ def main() -> None:
         for name, m in report["paths"]["median"].items():
             print(f"| {name} | {m['tokens_per_s']:.1f} | {m['step_ms']:.3f} | {m['compute_ms']:.3f} | "
                   f"{m['beyond_compute_ms']:.3f} |")
-        print(f"in-process / workers (median of per-round ratios): {report['paths']['in_process_over_workers']}x")
+        for name, ratio in report["paths"]["over_workers"].items():
+            print(f"{name} / workers (median of per-round ratios): {ratio}x")
     if "settings" in parts:
         report["settings"] = settings(args.bundle, args.rounds, args.tokens)
         print("| CPU plugin setting | ms per decode step | speed vs default |\n|---|---|---|")

@@ -163,7 +163,7 @@ PROMPTS = {"gemma3-270m": "2,818,5279,529,7001,563", "stories260K": "1,403,407,2
 def ovshard_tg(bundle_dir: Path, prompt: str, tokens: int, threads: int, in_process: bool = False) -> float:
     command = [sys.executable, "-m", "ovshard.cli", "-q", "run", str(bundle_dir), "--local", "--threads", str(threads),
                "--prompt-ids", prompt, "--max-tokens", str(tokens), "--speculative", "off", "--stats", "json",
-               *(["--in-process"] if in_process else [])]
+               *(["--in-process"] if in_process else ["--workers"])]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     stats = json.loads(done.stderr.strip().splitlines()[-1])
     return float(stats["decode_tokens_per_s"])

@@ -61,7 +61,7 @@ def main() -> int:
     def ovshard(in_process: bool) -> list[str]:
         return [sys.executable, "-m", "ovshard.cli", "-q", "run", str(ours), "--local", "--threads", str(args.threads),
                 "--prompt", PROMPT, "--max-tokens", "1", "--speculative", "off",
-                *(["--in-process"] if in_process else [])]
+                *(["--in-process"] if in_process else ["--workers"])]
 
     sides = {"llama.cpp": None, "ovshard workers": False, "ovshard in-process": True}
     found: dict[str, dict[str, list[float]]] = {name: {"cold": [], "warm": []} for name in sides}

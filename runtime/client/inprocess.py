@@ -1,12 +1,17 @@
 """All stages of a bundle in this process, run one after another: the reference runtime for tests, and
-``ovshard run --local --in-process`` (no worker processes, no sockets, no frames: a decode step is the
-stages' compute plus the sampler).
+``ovshard run --local`` on one node (no worker processes, no sockets, no frames: a decode step is the stages'
+compute plus the sampler).
 
-The networked runtime sends the same per-step inputs over TCP; this one calls the stages directly.
+The networked runtime sends the same per-step inputs over TCP; this one calls the stages directly. A stage is
+stateful (engine/stage.py: its own ReadValue/Assign cache and attention mask) or, with ``paged=True``, paged
+(engine/paged.py: one sequence whose block table covers the bundle's ``max_positions``), the form a worker
+loads by default. A paged stage attends to positions [0, position + T) of its caches, so a rewind needs no
+work (the rejected drafts' rows are overwritten by the next step) and compaction has nothing to do.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,23 +20,68 @@ import numpy as np
 import openvino as ov
 
 from ovshard.bundle.checked import CheckedFiles
-from ovshard.bundle.manifest import read_manifest, verify_files
+from ovshard.bundle.manifest import Manifest, read_manifest, verify_files
+from ovshard.errors import BundleError, PagedUnsupportedError
 from ovshard.runtime.decoding import decode
 from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.decoding.speculative import Speculation
+from ovshard.runtime.engine.blocks import blocks_for
+from ovshard.runtime.engine.paged import PagedRows, PagedStage, compile_paged
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.engine.scores import Scores
 from ovshard.runtime.engine.stage import Stage
 from ovshard.runtime.wire.protocol import rows_read
+
+log = logging.getLogger(__name__)
+
+PAGED_BLOCK_SIZE = 32  # positions a block of the CPU plugin's paged caches holds (engine/paged.py)
+
+
+class OneSequence:
+    """A paged stage serving one sequence, with Stage's step: ids [1, T] or hidden [1, T, H] in, [1, T, H]
+    (or logits [1, T|rows, V]) out. The sequence owns every block, table 0..n-1 (n covers max_positions)."""
+
+    def __init__(self, paged: PagedStage) -> None:
+        if paged.num_blocks * paged.block_size < paged.max_positions:
+            raise BundleError(f"a paged stage of {paged.num_blocks} blocks of {paged.block_size} positions cannot "
+                              f"hold the bundle's {paged.max_positions} positions; expected blocks of "
+                              f"{PAGED_BLOCK_SIZE} (the CPU plugin's)")
+        self.paged, self.sliced = paged, paged.sliced
+        self.table = range(paged.num_blocks)
+
+    def reset(self) -> None:
+        """Nothing to clear: a step at position p attends to [0, p + T) only, and a new sequence starts at 0."""
+
+    def step(self, x: np.ndarray, position: int, rewind: int = 0, compact: bool = False,
+             rows: int | None = None) -> np.ndarray:
+        """``position``: the visible length, where the new rows go (rows past it, rejected drafts, are
+        overwritten), so ``rewind`` and ``compact`` need no work; ``rows`` as Stage.step's."""
+        want = (rows or x.shape[1]) if self.sliced else None
+        (out,) = self.paged.run([PagedRows(x[0], position, self.table, want)])  # x[0]: ids [T] or rows [T, H]
+        return out[np.newaxis]  # [T, H|V] -> [1, T, H|V]
+
+
+def load_stage(bundle: Path, manifest: Manifest, index: int, core: ov.Core, device: str,
+               config: dict[str, str] | None, slice_logits: bool, paged: bool) -> Stage | OneSequence:
+    """Stage ``index`` in paged form for one sequence when ``paged`` and it converts, else stateful."""
+    if paged:
+        blocks = blocks_for(manifest.runtime_hints.max_positions, PAGED_BLOCK_SIZE)
+        try:
+            return OneSequence(compile_paged(core, bundle, manifest, index, device, config, blocks, slice_logits))
+        except PagedUnsupportedError as e:
+            log.info("stage %d: stateful KV cache (its paged form is refused): %s", index, e)
+    return Stage(bundle, manifest, index, core, device, config, slice_logits)
 
 
 class LocalPipeline:
     """Stage-by-stage execution of one stream through every stage of a bundle."""
 
     def __init__(self, bundle: str | Path, device: str = "CPU", config: dict[str, str] | None = None,
-                 verify: bool = True, slice_logits: bool = False, cache_dir: Path | None = None) -> None:
+                 verify: bool = True, slice_logits: bool = False, cache_dir: Path | None = None,
+                 paged: bool = False) -> None:
         """``slice_logits``: the last stage computes logits only for the rows ``step``'s want reads (as a
-        worker does; ``forward`` then returns every row still). ``cache_dir``: OpenVINO's compiled-model cache."""
+        worker does; ``forward`` then returns every row still). ``cache_dir``: OpenVINO's compiled-model cache.
+        ``paged``: each stage in paged form (a stage that cannot be converted stays stateful, logged)."""
         self.bundle = Path(bundle)
         self.manifest = read_manifest(self.bundle)
         if verify:
@@ -40,11 +90,12 @@ class LocalPipeline:
         core = ov.Core()
         if cache_dir is not None:
             core.set_property({"CACHE_DIR": str(cache_dir)})
-        self.stages = [Stage(self.bundle, self.manifest, i, core, device, config, slice_logits)
+        self.stages = [load_stage(self.bundle, self.manifest, i, core, device, config, slice_logits, paged)
                        for i in range(self.manifest.num_stages)]
         self.position = 0
-        self.max_positions = self.stages[0].max_positions
+        self.max_positions = self.manifest.runtime_hints.max_positions
         self.vocab_size = self.manifest.architecture.vocab_size
+        self.hops = 1  # for Stats: no network, so a step's time beyond compute is one "hop" in this process
 
     def reset(self) -> None:
         for stage in self.stages:

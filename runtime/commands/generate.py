@@ -1,9 +1,10 @@
-"""``ovshard generate`` (through stage workers) and ``ovshard run --local`` (workers of its own)."""
+"""``ovshard generate`` (through stage workers) and ``ovshard run --local`` (in this process, or workers of its own)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import queue
 import sys
 import time
@@ -31,6 +32,8 @@ from ovshard.runtime.decoding.speculative import Speculation
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.node.config import model_cache, stage_config
 
+log = logging.getLogger(__name__)
+
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text through stage workers",
@@ -44,16 +47,24 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="start a local worker process per stage and generate",
-                       description="Everything on this machine: one `ovshard serve` process per stage on "
-                       "loopback, then generate as `ovshard generate` would.")
+    p = sub.add_parser("run", help="generate on this machine: in this process, or a local worker process per stage",
+                       description="Everything on this machine. A one-stage bundle and one prompt run in this "
+                       "process (paged attention, no worker); otherwise one `ovshard serve` process per stage "
+                       "on loopback, then generate as `ovshard generate` would.")
     p.add_argument("bundle", type=Path)
-    p.add_argument("--local", action="store_true", required=True, help="workers on this machine")
+    p.add_argument("--local", action="store_true", required=True, help="everything on this machine")
     p.add_argument("--exact", action="store_true", help=EXACT_HELP)
-    p.add_argument("--threads", type=int, help="CPU threads per worker process (default: all)")
-    p.add_argument("--in-process", action="store_true",
-                   help="run every stage in this process instead of one worker process per stage: no sockets or "
-                        "frames per token (one prompt at a time; docs/results/2026-12-against-llama-cpp.md)")
+    p.add_argument("--threads", type=int, help="CPU threads per stage (default: all)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--in-process", action="store_true",
+                       help="run every stage in this process, whatever their number: no sockets or frames per "
+                            "token (one prompt at a time; the default for a one-stage bundle)")
+    where.add_argument("--workers", action="store_true",
+                       help="one worker process per stage over loopback TCP even for a one-stage bundle (to "
+                            "compare, or to measure the networked path)")
+    p.add_argument("--kv", choices=("auto", "stateful"), default="auto",
+                   help="KV cache of every stage: auto (paged where a stage converts, else stateful) or stateful "
+                        "(one ReadValue/Assign cache a stream, as `serve --kv stateful`)")
     add_sampling(p)
     p.set_defaults(func=run)
 
@@ -82,7 +93,7 @@ def _generate(args: argparse.Namespace, open_head: Callable[[], AbstractContextM
     assert prompt is not None
     if open_head is None:
         local = LocalPipeline(args.bundle, config=stage_config(args.exact, args.threads), slice_logits=True,
-                              cache_dir=model_cache(None))
+                              cache_dir=model_cache(None), paged=args.kv == "auto")
         with closing(local):
             return _generate_one(args, local, text, prompt, config, speculation)
     with open_head() as head:
@@ -193,12 +204,27 @@ def run(args: argparse.Namespace) -> int:
     if args.in_process and args.prompts_file:
         raise OvshardError("--in-process runs one prompt at a time: give --prompt, or drop --in-process to "
                            "serve --prompts-file over --streams")
+    in_process = _runs_in_process(args)
     with ThreadPoolExecutor(1) as pool:
         ready = pool.submit(_text_and_prompt, args)  # while the stages compile (OpenVINO releases the GIL)
         try:
-            if args.in_process:
+            if in_process:
                 return _generate(args, None, ready)
             with pipeline_head(args) as head:  # the workers start now, the tokenizer loads beside them
                 return _generate(args, lambda: nullcontext(head), ready)
         finally:
             ready.cancel()
+
+
+def _runs_in_process(args: argparse.Namespace) -> bool:
+    """Whether `run` runs the stages in this process: --in-process, or a one-stage bundle and one prompt
+    (a worker process would only add a socket's round trip to every step) unless --workers. Says which."""
+    stages = read_manifest(args.bundle).num_stages
+    in_process = args.in_process or (stages == 1 and not args.workers and not args.prompts_file)
+    counted = "one stage" if stages == 1 else f"{stages} stages"
+    if in_process:
+        kv = "paged" if args.kv == "auto" else "stateful"
+        log.info("%s: running in this process (%s), no worker%s", counted, kv, "" if stages == 1 else "s")
+    else:
+        log.info("%s: one worker process per stage over loopback TCP", counted)
+    return in_process

@@ -144,7 +144,8 @@ def pipeline_head(args: argparse.Namespace, ignore_sigint: bool = False) -> Iter
         if getattr(args, "local", False):
             previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignore_sigint else None
             try:  # an ignored signal stays ignored across exec
-                addresses = stack.enter_context(local_workers(args.bundle, args.exact, threads=args.threads))
+                addresses = stack.enter_context(local_workers(args.bundle, args.exact, threads=args.threads,
+                                                                kv=getattr(args, "kv", "auto")))
             finally:
                 if previous is not None:
                     signal.signal(signal.SIGINT, previous)

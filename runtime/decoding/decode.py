@@ -65,12 +65,14 @@ class Stats:
     finish_reason: str = ""  # "stop" (an eos id), "length" (max_tokens or the context is full); "" while running
     replays: int = 0  # times the stream was replayed into fresh streams after a stage failure
     cached_tokens: int = 0  # prompt tokens whose KV the stages held already (a prefix seen before)
+    hops: int = 0  # links a step crosses, the target's ``hops``; 0: stages + 1 (head -> stage 0 -> ... -> head)
 
     def to_dict(self) -> dict:
         """Decode-phase figures (the first step, the prefill, is in time_to_first_token_s).
 
         per-hop network ms = (step round trip - sum of stage compute) / hops, hops = stages + 1
-        (head -> stage 0 -> ... -> last -> head): transfer, serialisation and waiting.
+        (head -> stage 0 -> ... -> last -> head): transfer, serialisation and waiting; a target in this
+        process counts 1, so it is all a step costs beyond compute (the sampler, Python).
         """
         decode, stages = self.step_s[1:], self.stage_s[1:]
         report: dict = {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
@@ -81,7 +83,7 @@ class Stats:
             report["cached_tokens"] = self.cached_tokens
         if decode:
             compute = [sum(s.values()) for s in stages]
-            hops = len(stages[0]) + 1
+            hops = self.hops or len(stages[0]) + 1
             report["decode_tokens_per_s"] = round(sum(self.step_tokens[1:]) / (sum(decode) + self.draft_s), 2)
             report["mean_step_ms"] = round(1000 * float(np.mean(decode)), 3)
             for name in stages[0]:
@@ -114,6 +116,7 @@ def generate(target: Target, prompt: list[int], config: SamplingConfig, stats: S
     if speculation:
         stats.speculative = speculation.name
     stats.prompt_tokens = len(prompt)
+    stats.hops = getattr(target, "hops", 0)
     start = time.perf_counter()
     try:
         yield from _loop(target, prompt, config, stats, speculation, policy, rng, start)
