@@ -125,7 +125,8 @@ def test_stages_compile_with_the_manifests_measured_cpu_hints(bundles: dict[int,
     assert manifest.runtime_hints.cpu_plugin == CPU_PLUGIN_HINTS
     assert "decode_overhead.py" in manifest.runtime_hints.cpu_plugin_measured
     hints = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "64", "KV_CACHE_PRECISION": "f16"}
-    edited = dataclasses.replace(manifest, runtime_hints=dataclasses.replace(manifest.runtime_hints, cpu_plugin=hints))
+    edited = dataclasses.replace(manifest, runtime_hints=dataclasses.replace(manifest.runtime_hints, cpu_plugin=hints,
+                                                                             cpu_plugin_by_isa={}))
     stage = Stage(bundles[2], edited, 1)
     assert int(stage.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == 64
     assert str(stage.compiled.get_property("KV_CACHE_PRECISION")) == "<Type: 'float16'>"
