@@ -7,6 +7,7 @@ The networked runtime sends the same per-step inputs over TCP; this one calls th
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,10 +20,13 @@ from ovshard.bundle.manifest import read_manifest, verify_files
 from ovshard.runtime.decoding import decode
 from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.decoding.speculative import Speculation
+from ovshard.runtime.engine.plugin import describe_plugin_config
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.engine.scores import Scores
 from ovshard.runtime.engine.stage import Stage
 from ovshard.runtime.wire.protocol import rows_read
+
+log = logging.getLogger(__name__)
 
 
 class LocalPipeline:
@@ -40,6 +44,7 @@ class LocalPipeline:
         core = ov.Core()
         if cache_dir is not None:
             core.set_property({"CACHE_DIR": str(cache_dir)})
+        log.info("every stage: %s", describe_plugin_config(self.manifest, device, config))
         self.stages = [Stage(self.bundle, self.manifest, i, core, device, config, slice_logits)
                        for i in range(self.manifest.num_stages)]
         self.position = 0
