@@ -20,7 +20,9 @@ import openvino as ov
 
 from ovshard.bundle import names, schema, staging
 from ovshard.bundle.manifest import (
+    CPU_PLUGIN_BY_ISA_MEASURED,
     CPU_PLUGIN_HINTS,
+    CPU_PLUGIN_HINTS_BY_ISA,
     CPU_PLUGIN_MEASURED,
     Chat,
     Generation,
@@ -307,6 +309,14 @@ def _generation(ckpt: Checkpoint) -> Generation:
     return Generation(bos_token_id=bos, eos_token_ids=eos_ids)
 
 
+def _runtime_hints(max_positions: int) -> RuntimeHints:
+    """What every new bundle tells its nodes: the context length, and the measured CPU plugin properties
+    (for every CPU, and per instruction-set class), each with the measurement that chose it."""
+    return RuntimeHints(max_positions, dict(CPU_PLUGIN_HINTS), CPU_PLUGIN_MEASURED,
+                        cpu_plugin_by_isa={isa: dict(hints) for isa, hints in CPU_PLUGIN_HINTS_BY_ISA.items()},
+                        cpu_plugin_by_isa_measured=dict(CPU_PLUGIN_BY_ISA_MEASURED))
+
+
 def _copy_configs(ckpt: Checkpoint, workdir: Path) -> dict[str, str]:
     """config.json and generation_config.json, which openvino-genai reads beside the model.
 
@@ -431,7 +441,7 @@ def _compile_bundle(config: CompileConfig) -> Manifest:
             pass_log=tuple(log_records),
             tokenizer=tokenizer,
             generation=generation,
-            runtime_hints=RuntimeHints(max_positions, dict(CPU_PLUGIN_HINTS), CPU_PLUGIN_MEASURED),
+            runtime_hints=_runtime_hints(max_positions),
             extra_files=_copy_configs(ckpt, workdir),
             dumps=str(config.dumps.dump_dir.resolve()) if config.dumps.dump_dir and _dumping(config) else None,
             chat=chat,

@@ -114,11 +114,32 @@ class Chat:
 # 270M's default compile no setting tried beat these beyond the run-to-run noise (+-15%), and the others lost
 # clearly (THROUGHPUT 0.60-0.67x, no dynamic quantization 0.73-0.95x, one thread of two 0.61-0.68x). They are
 # OpenVINO 2026.4's own CPU defaults, written down so a bundle keeps them where a plugin's defaults differ.
-# INFERENCE_PRECISION_HINT is left to the plugin (f32 here; bf16 where AMX makes it fast).
+# INFERENCE_PRECISION_HINT is left to the plugin: bf16 where the CPU has AVX512-BF16 or AMX (on that 2-core EPYC,
+# OpenVINO 2026.4.1 compiles stories260K's stages, fp32 and INT4, at bf16), f32 elsewhere.
 CPU_PLUGIN_HINTS = {"PERFORMANCE_HINT": "LATENCY", "KV_CACHE_PRECISION": "u8", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "32"}
 CPU_PLUGIN_MEASURED = ("bench/decode_overhead.py --part settings, Gemma 3 270M default compile, 2 cores (AVX512-BF16, "
                        "no AMX), OpenVINO 2026.4.1: none faster beyond noise; THROUGHPUT 0.60-0.67x, dynamic "
                        "quantization off 0.73-0.95x")
+
+# The instruction-set classes a node's CPU falls in, most capable first: the keys of the per-class hints below.
+# ovshard.runtime.engine.cpu tells them apart (avx512_amx: AMX tiles with int8 and bf16 on AVX-512; avx512:
+# AVX-512 F, BW, VL and DQ; avx2: AVX2 and FMA); "other" is every other CPU, which gets cpu_plugin alone.
+CPU_ISA_CLASSES = ("avx512_amx", "avx512", "avx2", "other")
+
+# CPU plugin properties per ISA class, layered over CPU_PLUGIN_HINTS on a node of that class (the user's settings
+# still win). The fastest settings differ by instruction set: dynamic quantization of activations
+# (DYNAMIC_QUANTIZATION_GROUP_SIZE) works only where INFERENCE_PRECISION_HINT is f32, and the plugin picks bf16
+# where the CPU has AVX512-BF16 or AMX. One line a class here, and its measurement on its line below.
+CPU_PLUGIN_HINTS_BY_ISA: dict[str, dict[str, str]] = {
+    "avx512_amx": {},
+    "avx512": {},
+    "avx2": {},
+}
+CPU_PLUGIN_BY_ISA_MEASURED: dict[str, str] = {
+    "avx512_amx": "not measured yet",
+    "avx512": "not measured yet",
+    "avx2": "not measured yet",
+}
 
 
 @dataclass(frozen=True)
@@ -127,6 +148,16 @@ class RuntimeHints:
     # CPU plugin properties a CPU stage applies by default (user settings override them); empty: the plugin's own
     cpu_plugin: dict[str, str] = field(default_factory=dict)
     cpu_plugin_measured: str = ""  # the measurement that chose them
+    # ISA class (CPU_ISA_CLASSES) -> properties layered over cpu_plugin on a CPU of that class; absent: none
+    cpu_plugin_by_isa: dict[str, dict[str, str]] = field(default_factory=dict)
+    cpu_plugin_by_isa_measured: dict[str, str] = field(default_factory=dict)  # ISA class -> what chose them
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_plugin_by_isa", "cpu_plugin_by_isa_measured"):
+            unknown = sorted(set(getattr(self, name)) - set(CPU_ISA_CLASSES))
+            if unknown:
+                raise ValueError(f"{name} names the ISA class {unknown[0]!r}; expected one of "
+                                 f"{', '.join(CPU_ISA_CLASSES)}")
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.decoding.speculative import Speculation
 from ovshard.runtime.engine.blocks import blocks_for
 from ovshard.runtime.engine.paged import PagedRows, PagedStage, compile_paged
+from ovshard.runtime.engine.plugin import describe_plugin_config
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.engine.scores import Scores
 from ovshard.runtime.engine.stage import Stage
@@ -90,6 +91,7 @@ class LocalPipeline:
         core = ov.Core()
         if cache_dir is not None:
             core.set_property({"CACHE_DIR": str(cache_dir)})
+        log.info("every stage: %s", describe_plugin_config(self.manifest, device, config))
         self.stages = [load_stage(self.bundle, self.manifest, i, core, device, config, slice_logits, paged)
                        for i in range(self.manifest.num_stages)]
         self.position = 0

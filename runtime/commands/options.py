@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from ovshard.bundle.manifest import Manifest
+from ovshard.bundle.manifest import Manifest, read_manifest
 from ovshard.errors import OvshardError
 from ovshard.runtime.client.head import Head
 from ovshard.runtime.client.launch import local_workers
 from ovshard.runtime.decoding.speculative import Speculation, make_speculation
 from ovshard.runtime.engine.kv import CompactionPolicy
+from ovshard.runtime.engine.plugin import describe_plugin_config
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.engine.stage import EXACT_HINTS
+from ovshard.runtime.node.config import stage_config
 from ovshard.runtime.wire.address import parse_address
 from ovshard.runtime.wire.tls import Credentials, client_context, is_loopback, load_credentials
+
+log = logging.getLogger(__name__)
 
 EXACT_HELP = ("f32 inference and KV cache, no dynamic quantization (parity with HF; a step of several tokens "
               "scores each row as one-token steps do)")
@@ -142,6 +147,10 @@ def pipeline_head(args: argparse.Namespace, ignore_sigint: bool = False) -> Iter
     (`chat`: Ctrl-C in a terminal reaches the whole process group, and must stop an answer, not the stages)."""
     with ExitStack() as stack:
         if getattr(args, "local", False):
+            # the workers run -q (their exit lines would follow the stats): say here what each compiles with,
+            # as they would, from the same bundle, settings and CPU (OVSHARD_CPU_ISA included)
+            config = stage_config(args.exact, args.threads)
+            log.info("local workers: %s", describe_plugin_config(read_manifest(args.bundle), "CPU", config))
             previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignore_sigint else None
             try:  # an ignored signal stays ignored across exec
                 addresses = stack.enter_context(local_workers(args.bundle, args.exact, threads=args.threads,

@@ -54,7 +54,7 @@ from ovshard.bundle.manifest import Manifest
 from ovshard.bundle.stage import StageSpec
 from ovshard.errors import BundleError, PagedUnsupportedError
 from ovshard.runtime.engine.logit_rows import lm_head
-from ovshard.runtime.engine.stage import plugin_config
+from ovshard.runtime.engine.plugin import plugin_config
 
 __all__ = ["CacheSpec", "PagedRows", "PagedStage", "compile_paged", "gather_logit_rows",
            "paged_inputs", "to_paged"]

@@ -18,6 +18,7 @@ from ovshard.bundle.manifest import Manifest, StageEntry
 from ovshard.errors import BundleError
 from ovshard.runtime.engine.kv import KVCache, StepInputs, step_inputs
 from ovshard.runtime.engine.logit_rows import slice_logit_rows
+from ovshard.runtime.engine.plugin import plugin_config
 
 __all__ = ["EXACT_HINTS", "Stage", "compile_on_device", "plugin_config", "step_inputs"]
 
@@ -27,13 +28,6 @@ log = logging.getLogger(__name__)
 # KV cache, and no dynamic quantization of activations for compressed weights, so a step of several tokens
 # scores each row as a one-token step does (to ~4e-5 on the real Gemma 3 270M; 0.58 with the defaults).
 EXACT_HINTS = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
-
-
-def plugin_config(manifest: Manifest, device: str, config: dict[str, str] | None) -> dict[str, str]:
-    """The properties a stage compiles with: on CPU the manifest's measured defaults
-    (``runtime_hints.cpu_plugin``) under the caller's ``config``, which wins key by key (--exact, --threads)."""
-    defaults = manifest.runtime_hints.cpu_plugin if device.upper() == "CPU" else {}
-    return {**defaults, **(config or {})}
 
 
 def compile_on_device(core: ov.Core, bundle: Path, manifest: Manifest, index: int, device: str,

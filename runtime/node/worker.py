@@ -34,6 +34,7 @@ from ovshard.bundle.manifest import bundle_fingerprint, read_manifest, verify_fi
 from ovshard.errors import BundleError, OvshardError, PagedUnsupportedError
 from ovshard.runtime.engine.kv import KVCache, StepInputs
 from ovshard.runtime.engine.paged import PagedStage, compile_paged
+from ovshard.runtime.engine.plugin import describe_plugin_config
 from ovshard.runtime.engine.stage import compile_on_device
 from ovshard.runtime.node.batches import KVPool, batch_answers, batch_input, forward_batch, run_batch
 from ovshard.runtime.node.config import Limits, kv_pool_blocks, model_cache
@@ -86,6 +87,7 @@ class StageWorker:
         core = ov.Core()
         if cache is not None:
             core.set_property({"CACHE_DIR": str(cache)})
+        log.info("stage %d: %s", stage, describe_plugin_config(self.manifest, device, config))
         self.paged: PagedStage | None = None
         self.pool: KVPool | None = None
         if kv not in ("auto", "paged", "stateful"):

@@ -10,7 +10,14 @@ import pytest
 from conftest import compile_fp32
 
 from ovshard.bundle import names
-from ovshard.bundle.manifest import FORMAT_VERSION, Manifest, read_manifest
+from ovshard.bundle.manifest import (
+    CPU_PLUGIN_BY_ISA_MEASURED,
+    CPU_PLUGIN_HINTS,
+    CPU_PLUGIN_HINTS_BY_ISA,
+    FORMAT_VERSION,
+    Manifest,
+    read_manifest,
+)
 from ovshard.errors import BundleError
 
 
@@ -74,3 +81,26 @@ def test_other_format_versions_say_what_to_do(manifest_dict: dict, tmp_path: Pat
     (tmp_path / names.MANIFEST_FILE).write_text(json.dumps(d))
     with pytest.raises(BundleError, match=f"format version {version}.*{says}"):
         read_manifest(tmp_path)
+
+
+def test_a_new_bundle_carries_the_cpu_hints_per_isa_class(manifest_dict: dict) -> None:
+    """A compile writes the per-class CPU plugin hints and the measurement behind each into runtime_hints."""
+    hints = manifest_dict["runtime_hints"]
+    assert hints["cpu_plugin_by_isa"] == CPU_PLUGIN_HINTS_BY_ISA
+    assert hints["cpu_plugin_by_isa_measured"] == CPU_PLUGIN_BY_ISA_MEASURED
+
+
+def test_a_manifest_from_before_the_per_class_hints_still_reads(manifest_dict: dict) -> None:
+    """Without cpu_plugin_by_isa and its measurements (an older compile) a manifest reads with none of them."""
+    d = copy.deepcopy(manifest_dict)
+    del d["runtime_hints"]["cpu_plugin_by_isa"], d["runtime_hints"]["cpu_plugin_by_isa_measured"]
+    hints = Manifest.from_dict(d).runtime_hints
+    assert (hints.cpu_plugin, hints.cpu_plugin_by_isa, hints.cpu_plugin_by_isa_measured) == (CPU_PLUGIN_HINTS, {}, {})
+
+
+def test_hints_for_an_unknown_isa_class_are_refused(manifest_dict: dict) -> None:
+    """A per-class hint keyed by no known class (a typo would never apply) names the key and the classes."""
+    d = copy.deepcopy(manifest_dict)
+    d["runtime_hints"]["cpu_plugin_by_isa"]["avx512-amx"] = {"INFERENCE_PRECISION_HINT": "f32"}
+    assert ("manifest.json.runtime_hints: cpu_plugin_by_isa names the ISA class 'avx512-amx'; expected one of "
+            "avx512_amx, avx512, avx2, other") in refused(d)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -125,13 +128,82 @@ def test_stages_compile_with_the_manifests_measured_cpu_hints(bundles: dict[int,
     assert manifest.runtime_hints.cpu_plugin == CPU_PLUGIN_HINTS
     assert "decode_overhead.py" in manifest.runtime_hints.cpu_plugin_measured
     hints = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "64", "KV_CACHE_PRECISION": "f16"}
-    edited = dataclasses.replace(manifest, runtime_hints=dataclasses.replace(manifest.runtime_hints, cpu_plugin=hints))
+    edited = dataclasses.replace(manifest, runtime_hints=dataclasses.replace(manifest.runtime_hints, cpu_plugin=hints,
+                                                                             cpu_plugin_by_isa={}))
     stage = Stage(bundles[2], edited, 1)
     assert int(stage.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == 64
     assert str(stage.compiled.get_property("KV_CACHE_PRECISION")) == "<Type: 'float16'>"
     exact = Stage(bundles[2], edited, 1, config=EXACT_HINTS)
     assert int(exact.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == 0
     assert str(exact.compiled.get_property("KV_CACHE_PRECISION")) == "<Type: 'float32'>"
+
+
+def with_isa_hints(bundle: Path, into: Path) -> Path:
+    """A copy of ``bundle`` whose manifest hints PERFORMANCE_HINT and KV_CACHE_PRECISION u8 for every CPU, and
+    KV_CACHE_PRECISION f16 and DYNAMIC_QUANTIZATION_GROUP_SIZE 64 for ISA class avx2 (the stage files unchanged)."""
+    shutil.copytree(bundle, into)
+    manifest = json.loads((into / "manifest.json").read_text())
+    manifest["runtime_hints"]["cpu_plugin"] = {"PERFORMANCE_HINT": "LATENCY", "KV_CACHE_PRECISION": "u8"}
+    manifest["runtime_hints"]["cpu_plugin_by_isa"] = {
+        "avx2": {"KV_CACHE_PRECISION": "f16", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "64"}}
+    (into / "manifest.json").write_text(json.dumps(manifest))
+    return into
+
+
+def test_a_worker_compiles_with_the_bundles_hints_for_its_isa_class(bundles: dict[int, Path], tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a node of ISA class avx2 (forced by OVSHARD_CPU_ISA) a worker's stage compiles with the bundle's hints
+    for avx2 over its hints for every CPU; on a node of another class, with the latter alone."""
+    from ovshard.runtime.node.worker import StageWorker
+
+    bundle = with_isa_hints(bundles[1], tmp_path / "b")
+    kv_precision = {}
+    for isa in ("avx2", "other"):
+        monkeypatch.setenv("OVSHARD_CPU_ISA", isa)
+        worker = StageWorker(bundle, 0, cache_dir=tmp_path / "cache")
+        assert worker.paged is not None
+        compiled = worker.paged.compiled
+        assert str(compiled.get_property("PERFORMANCE_HINT")) == "LATENCY"
+        kv_precision[isa] = str(compiled.get_property("KV_CACHE_PRECISION"))
+        if isa == "avx2":
+            assert int(compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == 64
+    assert kv_precision == {"avx2": "<Type: 'float16'>", "other": "<Type: 'uint8_t'>"}
+
+
+def test_serve_names_its_isa_class_and_settings_at_startup(bundles: dict[int, Path], tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ovshard serve` (default verbosity) says on stderr, once, its CPU's name and ISA class and each property
+    its stage compiles with under the layer that set it: the bundle's, the bundle's for the class, its own."""
+    monkeypatch.setenv("OVSHARD_CPU_ISA", "avx2")
+    command = serve_command(with_isa_hints(bundles[1], tmp_path / "b"), 0, options=["--threads", "1"])
+    with (tmp_path / "stderr").open("w") as log:
+        worker = WorkerProcess([c for c in command if c != "-q"], 0, stderr=log)
+        try:
+            worker.wait_listening(120)
+        finally:
+            worker.stop()
+    lines = [line for line in (tmp_path / "stderr").read_text().splitlines() if "ISA class" in line]
+    assert len(lines) == 1 and re.fullmatch(
+        r"ovshard: stage 0: CPU '.+' \(ISA class avx2 from OVSHARD_CPU_ISA\): PERFORMANCE_HINT=LATENCY from the "
+        r"bundle's hints; KV_CACHE_PRECISION=f16, DYNAMIC_QUANTIZATION_GROUP_SIZE=64 from the bundle's hints for avx2; "
+        r"INFERENCE_NUM_THREADS=1, ENABLE_CPU_PINNING=NO from the node's settings \(--exact, --threads\)",
+        lines[0]), lines
+
+
+def test_run_local_names_its_isa_class_and_settings(bundles: dict[int, Path]) -> None:
+    """`ovshard run --local` says on stderr by default what its workers (which run -q) compile with on this CPU,
+    and `--in-process` what its stages do; stdout holds the story alone."""
+    env = {**os.environ, "OVSHARD_CPU_ISA": "avx512_amx"}
+    for extra, who in (([], "local workers"), (["--in-process"], "every stage")):
+        out = subprocess.run([sys.executable, "-m", "ovshard.cli", "run", str(bundles[2]), "--local", "--exact",
+                              "--max-tokens", "5", *extra], capture_output=True, text=True, timeout=300, check=True,
+                             env=env)
+        assert out.stdout.startswith("Once upon a time") and "ISA class" not in out.stdout
+        lines = [line for line in out.stderr.splitlines() if "ISA class" in line]
+        assert len(lines) == 1 and lines[0].startswith(f"ovshard: {who}: CPU '"), out.stderr
+        assert "(ISA class avx512_amx from OVSHARD_CPU_ISA" in lines[0]
+        assert lines[0].endswith("INFERENCE_PRECISION_HINT=f32, KV_CACHE_PRECISION=f32, "
+                                 "DYNAMIC_QUANTIZATION_GROUP_SIZE=0 from the node's settings (--exact, --threads)")
 
 
 def test_run_in_process_prints_the_workers_text(bundles: dict[int, Path], tmp_path: Path) -> None:
