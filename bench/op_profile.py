@@ -78,19 +78,22 @@ def profile(bundle: Path, threads: int, context: int, steps: int, prefill: int, 
     stage = compile_paged(ov.Core(), bundle, manifest, 0, config=config, num_blocks=len(blocks), slice_logits=True)
     vocab = manifest.architecture.vocab_size
     ids = np.random.default_rng(0).integers(0, vocab, length).astype(np.int64)
-    stage.run([PagedRows(ids[:context], 0, blocks, 1)])
-    runs = [(ids[context:context + prefill], context)] if prefill else [
-        (ids[context + i:context + i + 1], context + i) for i in range(steps)]
+    if prefill:  # the same prompt again and again (each run rewrites the positions the last one wrote)
+        runs = [(ids[context:context + prefill], context)] * max(1, steps // 8)
+    else:
+        runs = [(ids[context + i:context + i + 1], context + i) for i in range(steps)]
+    warm = ([(ids[:context], 0)] if context else []) + [runs[0]]
+    for x, position in warm:
+        stage.run([PagedRows(x, position, blocks, 1)])
     kinds, order, walls = {}, {}, []
     # The plugin's counters are each node's mean over every inference since the model was compiled: the profiled
-    # steps' own mean is (total after them - total before them) / their count, totals being mean x inferences.
-    stage.run([PagedRows(ids[context:context + 1], context, blocks, 1)])  # a warm-up step (rewritten below)
-    before = _totals(stage.request, 2)  # two inferences so far: the prompt and the warm-up step
+    # runs' own mean is (total after them - total before them) / their count, totals being mean x inferences.
+    before = _totals(stage.request, len(warm))
     for x, position in runs:
         start = time.perf_counter()
         stage.run([PagedRows(x, position, blocks, 1)])
         walls.append(time.perf_counter() - start)
-    after = _totals(stage.request, 2 + len(runs), kinds)
+    after = _totals(stage.request, len(warm) + len(runs), kinds)
     times = {name: max(0.0, (total - before.get(name, 0.0)) / len(runs)) for name, total in after.items()}
     for n, op in enumerate(stage.compiled.get_runtime_model().get_ordered_ops()):
         order[op.get_friendly_name()] = n

@@ -2,7 +2,8 @@
 # Pack what bench/device/run.sh needs on a bare Python 3.12 x86-64 machine with no package registry, into .dev/
 # (ignored by git: .git/info/exclude), within the device tool's 64 MiB working-tree limit:
 #   .dev/site.tar.gz   openvino (CPU plugin and the IR, PyTorch and ONNX front ends only), openvino-tokenizers,
-#                      nncf, msgspec, gguf, pydot and ovshard itself, installed for cp312 manylinux
+#                      nncf, msgspec, gguf and pydot, installed for cp312 manylinux (ovshard itself runs from the
+#                      checkout that travels with every call: run.sh lays it out as a package)
 #   .dev/llama.tar.gz  llama.cpp's source as the llama-cpp-python sdist vendors it (bench/peers.py's cache),
 #                      without docs, models, tests, UI assets and the GPU back ends
 #   .dev/stories/      stories260K's tokenizer files, lent to the random-weight shapes
@@ -16,7 +17,6 @@ PY=${PY:-.venv/bin/python}
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .dev/whl \
   openvino==2026.4.1 openvino-tokenizers==2026.4.1.0 openvino-telemetry nncf==3.4.0 msgspec==0.23.0 gguf==0.19.0 \
   pydot==4.0.1
-"$PY" -m pip wheel -q --no-deps --no-build-isolation -w .dev/whl .
 site=$(mktemp -d)
 "$PY" -m pip install -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --target "$site/site" .dev/whl/*.whl

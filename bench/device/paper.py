@@ -6,11 +6,20 @@ and runs anywhere with enough cores, memory and disk (the 8B shape: ~16 GB check
 of ovshard bundle). Phases (``--only``; each appends to ``<work>/paper.json`` as it ends, so an interrupted run
 keeps what it measured):
 
-  setup    llama.cpp built from a source tree (cmake: llama-bench, llama-quantize, ggml-rpc-server); the
-           random-weight Llama shapes written (bf16), converted with llama.cpp's converter (bf16 GGUF, a
-           borrowed SentencePiece tokenizer: decode speed does not read the vocabulary's strings) and
-           quantized to Q4_K_M and Q4_0; ovshard's default compile of each shape, the largest in 4 stages,
+  kernels  bench/fc_kernels.py: the CPU plugin's fully connected kernels by weight format, plugin setting and
+           thread count at the shapes' widths, beside the copy bandwidth at each thread count.
+  setup    llama.cpp built from a source tree (cmake: llama-bench, llama-quantize, ggml-rpc-server), the fastest
+           build that runs here (bench/llama_build.py: AMX checked with a one-token run); the random-weight
+           Llama shapes written (bf16), converted with llama.cpp's converter (bf16 GGUF, a borrowed SentencePiece
+           tokenizer: decode speed does not read the vocabulary's strings) and quantized to Q4_0 (its fastest
+           4-bit format on these CPUs); ovshard's default compile of each shape with ``--calibration none`` (random weights:
+           calibration changes no op or type, only values, and costs 9x the time), the largest in 4 stages,
            regrouped at the IR level into 2 stages and 1 (runtime/cluster/regroup.py).
+  settings the candidate CPU plugin settings for this CPU's class A/B in one process on each one-stage bundle,
+           interleaved; the fastest at the table's node threads is written into every bundle's hints for this
+           class (manifest runtime_hints.cpu_plugin_by_isa), so the phases after run as a user would.
+  profile  bench/op_profile.py on each one-stage bundle: a decode step per op type and per layer, and the
+           largest shape's 512-token prompt.
   cost     compile cost per decoder layer at the 8B shape: data-free (the default) against calibrated
            compiles (scale estimation on the shipped text), wall seconds and peak RSS at 2 and 4 layers.
   one      one node: decode tokens/s of ``ovshard run --local --threads T`` against ``llama-bench -t T`` on the
@@ -45,7 +54,10 @@ HERE = Path(__file__).resolve().parent
 BENCH = HERE.parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(HERE))
 os.environ.setdefault("CI", "true")  # no telemetry forks, also in worker processes
+import tuning  # noqa: E402  (bench/device/tuning.py)
+from llama_build import fastest  # noqa: E402
 
 # stories260K's tokenizer files, lent to the random-weight shapes (the device gets no ../shared: run.sh carries them)
 STORIES = Path(os.environ.get("PAPER_TOKENIZER_FROM", ROOT.parent / "shared" / "models" / "stories260K"))
@@ -86,19 +98,7 @@ class Results:
 # ----------------------------------------------------------------------------------------------- setup
 
 
-def build_llama(src: Path) -> Path:
-    """llama.cpp's three tools in ``src/build/bin`` (built once)."""
-    targets = ("llama-bench", "llama-quantize", "ggml-rpc-server")
-    if all((src / "build" / "bin" / t).is_file() for t in targets):
-        return src / "build" / "bin"
-    log("building llama.cpp")
-    run(["cmake", "-B", "build", "-DGGML_RPC=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release",
-         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_NATIVE=ON"],
-        cwd=src, stdout=subprocess.DEVNULL)
-    run(["cmake", "--build", "build", "-j", str(os.cpu_count() or 4), "--target", *targets], cwd=src,
-        stdout=subprocess.DEVNULL)
-    log("llama.cpp built")
-    return src / "build" / "bin"
+LLAMA_TARGETS = ("llama-bench", "llama-quantize", "ggml-rpc-server")
 
 
 def checkpoint(work: Path, shape: str, layers: int | None = None) -> Path:
@@ -121,7 +121,7 @@ def checkpoint(work: Path, shape: str, layers: int | None = None) -> Path:
 def gguf_files(work: Path, llama_src: Path, bins: Path, shape: str, ckpt: Path) -> dict[str, Path]:
     out = work / f"gguf-{shape}"
     out.mkdir(exist_ok=True)
-    files = {kind: out / f"{kind}.gguf" for kind in ("Q4_K_M", "Q4_0")}
+    files = {kind: out / f"{kind}.gguf" for kind in ("Q4_0",)}  # llama.cpp's fastest 4-bit format on x86
     if all(f.is_file() for f in files.values()):
         return files
     full = out / "bf16.gguf"
@@ -168,7 +168,9 @@ def setup(work: Path, llama_src: Path, shapes: list[str], results: Results) -> d
     """Disk-frugal order (the 8B shape: 16 GB checkpoint, 16 GB bf16 GGUF, ~14 GB of bundles): the GGUFs first
     (the bf16 file deleted once quantized), then the bundles, then the checkpoint deleted."""
     built: dict[str, Any] = {}
-    builder = threading.Thread(target=lambda: built.update(bins=build_llama(llama_src)))
+    from llama_build import build
+
+    builder = threading.Thread(target=lambda: built.update(bins=build(llama_src, LLAMA_TARGETS, log=log)))
     builder.start()  # the build runs beside the checkpoints' writing
     facts: dict[str, Any] = {}
     ckpts = {shape: checkpoint(work, shape) for shape in shapes}
@@ -178,16 +180,22 @@ def setup(work: Path, llama_src: Path, shapes: list[str], results: Results) -> d
     ggufs, bundles = {}, {}
     for shape in shapes:
         ggufs[shape] = {k: str(v) for k, v in gguf_files(work, llama_src, built["bins"], shape, ckpts[shape]).items()}
-        fine = work / f"bundle-{shape}-4st"
+        largest = shape == shapes[-1]
+        fine = work / f"bundle-{shape}-{4 if largest else 1}st"
         if not (fine / "manifest.json").is_file():
-            log(f"compiling {shape} (default, 4 stages)")
-            facts[f"compile {shape} 4 stages"] = compile_bundle(ckpts[shape], fine, 4)
-            log(f"compiled {shape}: {facts[f'compile {shape} 4 stages']}")
-        bundles[shape] = {"4": str(fine), "2": str(regroup(fine, [[0, 1], [2, 3]], work / f"bundle-{shape}-2st")),
-                          "1": str(regroup(fine, [[0, 1, 2, 3]], work / f"bundle-{shape}-1st"))}  # keys as JSON keeps them
+            log(f"compiling {shape} (default, data-free, {4 if largest else 1} stages)")
+            facts[f"compile {shape}"] = compile_bundle(ckpts[shape], fine, 4 if largest else 1,
+                                                       ("--calibration", "none"))
+            log(f"compiled {shape}: {facts[f'compile {shape}']}")
+        bundles[shape] = {"1": str(fine)}  # keys as JSON keeps them
+        if largest:
+            bundles[shape] = {"4": str(fine), "2": str(regroup(fine, [[0, 1], [2, 3]], work / f"bundle-{shape}-2st")),
+                              "1": str(regroup(fine, [[0, 1, 2, 3]], work / f"bundle-{shape}-1st"))}
         shutil.rmtree(ckpts[shape])
         log(f"{shape} ready; disk free {shutil.disk_usage(work).free / 2**30:.1f} GB")
-    state = {"bins": str(built["bins"]), "bundles": bundles, "ggufs": ggufs, "facts": facts}
+    llama = fastest(llama_src, LLAMA_TARGETS, Path(ggufs[shapes[0]]["Q4_0"]), log=log)
+    log(f"llama.cpp: {llama.label}")
+    state = {"bins": str(llama.bins), "llama.cpp": llama.label, "bundles": bundles, "ggufs": ggufs, "facts": facts}
     results.put("setup", state)
     return state
 
@@ -254,6 +262,8 @@ def one_node(state: dict[str, Any], results: Results, shapes: list[str], rounds:
     for shape in shapes:
         bundle = state["bundles"][shape]["1"]
         for threads in thread_counts:
+            if shape == shapes[-1] and threads < NODE_CORES:
+                continue  # the largest shape from a node's cores up
             cores = f"0-{threads - 1}"
             samples: dict[str, list[float]] = {"ovshard": [], **{k: [] for k in state["ggufs"][shape]}}
             for r in range(rounds):
@@ -271,6 +281,7 @@ def one_node(state: dict[str, Any], results: Results, shapes: list[str], rounds:
             for kind in state["ggufs"][shape]:
                 ratios = [a / b for a, b in zip(samples["ovshard"], samples[kind], strict=True)]
                 rows.append({"shape": shape, "threads": threads, "llama.cpp file": kind,
+                             "llama.cpp build": state.get("llama.cpp", "native"),
                              "ovshard tok/s": round(statistics.median(samples["ovshard"]), 2),
                              "llama.cpp tok/s": round(statistics.median(samples[kind]), 2),
                              "ratio": round(statistics.median(ratios), 3),
@@ -347,7 +358,7 @@ def table(state: dict[str, Any], results: Results, shape: str, rounds: int, toke
                     ports.append(proxy.address)
                 time.sleep(2.0)
                 cores = ",".join(map(str, sorted(head_cores)))
-                rpc.append(llama_bench(state["bins"], cores, state["ggufs"][shape]["Q4_K_M"], NODE_CORES, 0, tokens,
+                rpc.append(llama_bench(state["bins"], cores, state["ggufs"][shape]["Q4_0"], NODE_CORES, 0, tokens,
                                        ",".join(ports)))
                 log(f"table: llama.cpp RPC 2 nodes 1 user: {rpc[-1]:.2f} tok/s")
         results.put("table", _table_rows(shape, samples, rpc, tokens))
@@ -379,6 +390,38 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# ----------------------------------------------------------------------------------------------- settings, profile
+
+
+def settings(state: dict[str, Any], results: Results, threads: list[int], rounds: int) -> None:
+    """The candidates A/B on every one-stage bundle; the fastest at a node's threads into every bundle's hints."""
+    rows: list[dict[str, Any]] = []
+    largest = list(state["bundles"])[-1]
+    for shape, bundles in state["bundles"].items():
+        counts = [t for t in threads if t >= NODE_CORES] if shape == largest else threads
+        rows += tuning.settings(Path(bundles["1"]), counts, max(rounds, 3), 8 if shape == largest else 16)
+        results.put("settings", {"rows": rows})
+    label, properties = tuning.choose(rows, NODE_CORES)
+    every = [Path(b) for bundles in state["bundles"].values() for b in bundles.values()]
+    isa = tuning.write_hints(every, properties, f"bench/device/paper.py settings ({label} fastest at {NODE_CORES} "
+                             "threads over the one-stage bundles)")
+    results.put("settings", {"rows": rows, "chosen": {"class": isa, "label": label, "properties": properties,
+                                                      "threads": NODE_CORES}})
+    log(f"settings: {label} written into every bundle's hints for {isa}")
+
+
+def profiles(state: dict[str, Any], results: Results, work: Path, shapes: list[str]) -> None:
+    found: dict[str, Any] = {}
+    for shape in shapes:
+        bundle = Path(state["bundles"][shape]["1"])
+        for threads in ((2, NODE_CORES, 2 * NODE_CORES) if shape != shapes[-1] else (2 * NODE_CORES,)):
+            found[f"{shape} decode t{threads}"] = tuning.profile(work, bundle, threads)
+            results.put("profile", found)
+    largest = Path(state["bundles"][shapes[-1]]["1"])
+    found[f"{shapes[-1]} prefill 512 t{2 * NODE_CORES}"] = tuning.profile(work, largest, 2 * NODE_CORES, prefill=512)
+    results.put("profile", found)
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -419,12 +462,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--llama-src", type=Path, required=True, help="a llama.cpp source tree (its CMakeLists.txt)")
-    parser.add_argument("--only", default="cost,setup,one,table", help="phases, run in this order")
+    parser.add_argument("--only", default="kernels,setup,settings,profile,one,table", help="phases, in this order")
     parser.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b", help="one-node shapes; the last one is "
                         "the table's and the compile cost's")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--threads", default="4,8", help="one node's thread counts")
+    parser.add_argument("--threads", default="2,4,8", help="one node's thread counts (the largest shape from 4)")
     parser.add_argument("--table", default=",".join(f"{n}x{u}" for n, u in TABLE), help="nodes x users rows")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -434,11 +477,15 @@ def main() -> int:
     phases = args.only.split(",")  # run in this order
     layout = tuple(tuple(int(x) for x in row.split("x")) for row in args.table.split(","))
     state: dict[str, Any] = results.data.get("setup", {})
+    threads = [int(t) for t in args.threads.split(",")]
     steps = {"setup": lambda: state.update(setup(args.work, args.llama_src, shapes, results)),
              "cost": lambda: cost(args.work, results, shapes[-1]),
              "one": lambda: one_node(state, results, shapes, args.rounds, args.tokens,
                                      [int(t) for t in args.threads.split(",")]),
-             "table": lambda: table(state, results, shapes[-1], args.rounds, args.tokens, layout)}
+             "table": lambda: table(state, results, shapes[-1], args.rounds, args.tokens, layout),
+             "kernels": lambda: results.put("kernels", tuning.kernels(args.work, shapes, threads)),
+             "settings": lambda: settings(state, results, threads, args.rounds),
+             "profile": lambda: profiles(state, results, args.work, shapes)}
     for phase in phases:
         start = time.perf_counter()
         try:

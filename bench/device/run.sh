@@ -11,9 +11,12 @@ start)
   mkdir -p "$W"
   [ -d /tmp/site ] || tar -C /tmp -xzf .dev/site.tar.gz
   [ -d /tmp/llama.cpp ] || tar -C /tmp -xzf .dev/llama.tar.gz
-  export PYTHONPATH=/tmp/site CI=true PAPER_TOKENIZER_FROM="$PWD/.dev/stories"
+  # ovshard from this checkout, laid out as the package pyproject.toml maps (passes/ and runtime/ inside ovshard/)
+  rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r ovshard /tmp/pkg/ovshard && cp -r passes /tmp/pkg/ovshard/passes \
+    && cp -r runtime /tmp/pkg/ovshard/runtime
+  export PYTHONPATH=/tmp/pkg:/tmp/site CI=true PAPER_TOKENIZER_FROM="$PWD/.dev/stories"
   repo=$PWD
-  cd /tmp  # python -m ovshard.cli from the checkout would find its ovshard/ (no runtime/ inside) before /tmp/site
+  cd /tmp  # python -m ovshard.cli from the checkout would find its ovshard/ (no runtime/ inside) before /tmp/pkg
   lscpu | grep -E "Model name|^CPU\(s\)|Thread|Flags" | cut -c1-400
   python3 -c "import openvino, nncf, ovshard, torch, transformers; print('openvino', openvino.get_version(), 'torch', torch.__version__, 'transformers', transformers.__version__)" || exit 1
   setsid nohup python3 "$repo/bench/device/paper.py" --work "$W" --llama-src /tmp/llama.cpp ${PAPER_ARGS:-} \
@@ -26,6 +29,7 @@ wait)
   pgrep -f bench/device/paper.py > /dev/null && echo RUNNING || echo FINISHED
   tail -n 60 "$W/log"
   cp "$W/paper.json" "$W/log" "$OUT/" 2>/dev/null; cp "$W/paper.md" "$OUT/" 2>/dev/null
+  (cd "$W" && tar -czf "$OUT/profiles.tar.gz" profiles kernels 2>/dev/null)
   ;;
 *) echo "usage: run.sh start|wait SECONDS" >&2; exit 2 ;;
 esac
