@@ -483,7 +483,7 @@ def main() -> int:
              "one": lambda: one_node(state, results, shapes, args.rounds, args.tokens,
                                      [int(t) for t in args.threads.split(",")]),
              "table": lambda: table(state, results, shapes[-1], args.rounds, args.tokens, layout),
-             "kernels": lambda: results.put("kernels", tuning.kernels(args.work, shapes, threads)),
+             "kernels": lambda: results.put("kernels", tuning.kernels(args.work, shapes, sorted({threads[0], threads[-1]}))),
              "settings": lambda: settings(state, results, threads, args.rounds),
              "profile": lambda: profiles(state, results, args.work, shapes)}
     for phase in phases:
