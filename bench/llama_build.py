@@ -46,6 +46,8 @@ def build(tree: Path, targets: tuple[str, ...], folder: str = "build", extra_fla
         return bins
     log(f"building llama.cpp into {folder} ({extra_flags or 'native'})")
     flags = [f"-DCMAKE_C_FLAGS={extra_flags}", f"-DCMAKE_CXX_FLAGS={extra_flags}"] if extra_flags else []
+    if "llama-server" not in targets:
+        flags.append("-DLLAMA_BUILD_SERVER=OFF")  # its web UI's sources need not be there
     subprocess.run(["cmake", "-B", folder, "-DGGML_RPC=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release",
                     "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", *flags],
                    cwd=tree, check=True, stdout=subprocess.DEVNULL)
