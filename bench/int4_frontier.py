@@ -115,6 +115,7 @@ ROWS = {
     "int4_asym g128 b1.30": ["--weights", "int4_asym", "--group-size", "128", "--budget", "1.3", *FREE],
     # data-aware (NNCF, layer by layer in the streamed compile); "auto": the model's own text
     "int4_sym g128 b1.15 se text": [],  # the default
+    "int4_sym g128 b1.15 se text all": ["--all-layers"],  # the default with an INT4 embedding and lm_head
     "int4_sym g128 b1.04 se text": ["--budget", "1.04"],  # at llama.cpp Q4_0's size
     "int4_sym g128 b1.00 se text": ["--budget", "1.0"],
     "int4_sym g128 b1.00 awq+se": ["--weights", "int4_sym", "--budget", "1.0", "--calibration", "auto", *AWQ_SE],
