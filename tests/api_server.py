@@ -1,11 +1,14 @@
-"""`ovshard api` as a process for the API tests: over stage workers it starts itself, or with `--local`."""
+"""`ovshard api` as a process for the API tests (over stage workers it starts itself, or with `--local`), and
+its /metrics read back."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -59,3 +62,26 @@ def api(bundle: Path, *options: str, local: bool = False, delay_s: float = 0.0) 
         yield server
     finally:
         server.stop()
+
+
+def metrics(url: str) -> dict[str, float]:
+    """/metrics as {sample name with its labels: value}, e.g. ``ovshard_kv_blocks{state=used}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    return {s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else ""): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def until(check: Callable[[dict[str, float]], bool], url: str, timeout: float = 15.0) -> dict[str, float]:
+    """/metrics once ``check`` holds on it (polled); the last reading when it never did."""
+    deadline = time.monotonic() + timeout
+    while not check(seen := metrics(url)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return seen
+
+
+def idle(seen: dict[str, float]) -> bool:
+    """Nothing running, waiting or holding KV blocks, at the API and in the batcher."""
+    return (seen["ovshard_active_streams"], seen["ovshard_queue_depth"], seen["ovshard_kv_blocks{state=used}"],
+            seen["ovshard_batch_sequences{state=running}"], seen["ovshard_batch_sequences{state=waiting}"]) == (0,) * 5

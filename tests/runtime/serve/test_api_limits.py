@@ -6,14 +6,13 @@ from __future__ import annotations
 import os
 import statistics
 import time
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import psutil
 import pytest
-from api_server import Api, api
+from api_server import Api, api, idle, until
 from conftest import at_once, compile_fp32
 
 CROWD, TOKENS = 64, 32
@@ -31,29 +30,6 @@ def limited(bundle: Path) -> Iterator[Api]:
     """One request at a time, two waiting, each step ~0.1 s (delayed links): a request holds its place for seconds."""
     with api(bundle, "--streams", "1", "--queue", "2", delay_s=0.02) as running:
         yield running
-
-
-def metrics(url: str) -> dict[str, float]:
-    """/metrics as {sample name with its labels: value}, e.g. ``ovshard_kv_blocks{state=used}``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
-    return {s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else ""): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
-
-
-def until(check: Callable[[dict[str, float]], bool], url: str, timeout: float = 15.0) -> dict[str, float]:
-    """/metrics once ``check`` holds on it (polled); the last reading when it never did."""
-    deadline = time.monotonic() + timeout
-    while not check(seen := metrics(url)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return seen
-
-
-def idle(seen: dict[str, float]) -> bool:
-    """Nothing running, waiting or holding KV blocks, at the API and in the batcher."""
-    return (seen["ovshard_active_streams"], seen["ovshard_queue_depth"], seen["ovshard_kv_blocks{state=used}"],
-            seen["ovshard_batch_sequences{state=running}"], seen["ovshard_batch_sequences{state=waiting}"]) == (0,) * 5
 
 
 def streamed(client: openai.OpenAI, i: int) -> tuple[str, float]:
