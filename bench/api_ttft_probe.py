@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_api import Api  # noqa: E402  (stage workers plus an `ovshard api` process)
+from api_server import Api  # noqa: E402  (stage workers plus an `ovshard api` process)
 
 BODY = {"prompt": [1, 400, 300], "max_tokens": 4, "temperature": 0, "stream": True}
 

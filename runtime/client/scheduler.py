@@ -1,12 +1,15 @@
-"""Many requests over a fixed number of concurrent streams: the API a server front end calls.
+"""Many requests over one head: the API a server front end calls.
 
-``Scheduler(head, streams=4)`` starts one thread per stream slot. ``submit(prompt, config)`` queues a
-request and returns a :class:`Request` at once; a free slot takes requests in submission order and
-runs each on a stream of its own (its own KV cache at every stage). Tokens arrive on the Request as
-they are sampled (``tokens()`` iterates them), so an HTTP server can stream them to its client.
+``Scheduler(head)`` runs as many requests at once as the KV blocks the stages granted the head hold
+(client/admission.py: each request reserves its prompt plus its max_tokens), ``Scheduler(head, streams=N)``
+at most N; the rest wait in submission order. ``submit(prompt, config)`` returns a :class:`Request` at once;
+when it may start, a thread of its own runs it on a stream of its own. Tokens arrive on the Request as they
+are sampled (``tokens()`` iterates them), so an HTTP server can stream them to its client. ``cancel()`` ends
+a running request after its current step (its stream is closed and its KV blocks freed on every stage) and
+takes a waiting one out of the queue at once.
 
-Fairness: a stream has one step in flight at a time and every stage serves steps in arrival order,
-so active streams take turns at each stage; a long request never holds up a short one.
+Fairness: no waiting request is overtaken; a stream has one step in flight at a time and every stage serves
+steps in arrival order, so running requests take turns at each stage and a long one never holds up a short one.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 
 from ovshard.errors import OvshardError
+from ovshard.runtime.client.admission import Admission, Pool, Refused
 from ovshard.runtime.client.head import Head
 from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.decoding.speculative import Speculation
@@ -39,15 +43,19 @@ class Request:
     finished: float | None = None
     error: Exception | None = None
     listener: Callable[[int | None], None] | None = None  # called with each token, then None at the end
-    cancelled: bool = False  # set by cancel(): the slot stops after the current step and frees the stream
-    started: float | None = None  # when a slot took it
+    cancelled: bool = False  # set by cancel(): a running request stops after its current step
+    started: float | None = None  # when it started running
+    _leave: Callable[[Request], None] | None = None  # the scheduler's: a cancelled request leaves its queue
     _tokens: list[int] = field(default_factory=list)
     _feed: queue.Queue = field(default_factory=queue.Queue)
     _done: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
-        """Stop generating (the client went away); the stream is closed on every stage."""
+        """Stop generating (the client went away): a running request after its current step (its stream is
+        closed on every stage), a waiting one at once."""
         self.cancelled = True
+        if self._leave is not None:
+            self._leave(self)
 
     @property
     def done(self) -> bool:
@@ -83,74 +91,107 @@ class Request:
 
 
 class Busy(OvshardError):
-    """Every stream slot is busy and the queue is full: try again later."""
+    """The queue is full: try again in ``retry_after`` seconds (client/admission.py says how that is estimated)."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class Scheduler:
-    """``streams`` concurrent streams over one Head; requests queue until a stream is free.
+    """Requests over one Head, as many at once as :class:`Admission` lets start, the rest waiting in order.
 
-    ``max_queue`` (None: unbounded) is how many requests may wait for a slot; beyond it ``submit``
-    raises :class:`Busy`.
+    ``streams``: at most this many at once (None: as many as the KV blocks the stages granted the head hold;
+    client/admission.py); ``max_queue``: requests that may wait (None: no limit), beyond it ``submit`` raises
+    :class:`Busy`. Each running request has a thread of its own, which ends with it.
     """
 
-    def __init__(self, head: Head, streams: int = 1, speculation: Speculation | None = None,
+    def __init__(self, head: Head, streams: int | None = None, speculation: Speculation | None = None,
                  max_queue: int | None = None) -> None:
-        if streams < 1:
-            raise OvshardError(f"--streams {streams}: expected at least 1 concurrent stream")
-        if max_queue is not None and max_queue < 0:
-            raise OvshardError(f"--queue {max_queue}: expected a number of waiting requests >= 0")
-        self.head, self.speculation, self.streams, self.max_queue = head, speculation, streams, max_queue
-        self.queue: queue.Queue = queue.Queue()
+        self.head, self.speculation = head, speculation
+        self.admission = Admission(streams, max_queue)
         self.lock = threading.Lock()
-        self.active = 0  # requests a slot is running
+        self.idle = threading.Condition(self.lock)  # notified whenever a request leaves
+        self.requests: dict[int, Request] = {}  # waiting or running, by index
         self.submitted = 0
-        self.slots = [threading.Thread(target=self._serve, name=f"stream-slot-{i}", daemon=True)
-                      for i in range(streams)]
-        for slot in self.slots:
-            slot.start()
 
     @property
     def waiting(self) -> int:
-        return self.queue.qsize()
+        return self.admission.waiting
+
+    @property
+    def active(self) -> int:
+        """Requests running now."""
+        return self.admission.running
+
+    def pool(self) -> Pool | None:
+        """The KV blocks the head holds on its stages now (None: stateful stages, no pool)."""
+        batcher = self.head.chain.batcher
+        if batcher is None:
+            return None
+        blocks = batcher.scheduler.blocks
+        return Pool(blocks.num_blocks, blocks.block_size, batcher.scheduler.config.max_seqs,
+                    self.head.manifest.runtime_hints.max_positions)
 
     def submit(self, prompt: list[int], config: SamplingConfig,
                listener: Callable[[int | None], None] | None = None) -> Request:
+        """Queue a request; it starts at once if it may. Raises :class:`Busy` when the queue is full."""
         with self.lock:
-            if self.max_queue is not None and self.active >= self.streams and self.waiting >= self.max_queue:
-                raise Busy(f"all {self.streams} streams are busy and {self.waiting} requests wait (the queue "
-                           f"holds {self.max_queue}); try again later")
             request = Request(self.submitted, list(prompt), config, listener=listener)
+            verdict = self.admission.offer(request.index, len(prompt) + config.max_tokens, self.pool(),
+                                           time.monotonic())
+            if isinstance(verdict, Refused):
+                raise Busy(f"busy: {verdict.running} running and {verdict.waiting} waiting, as many as the queue "
+                           f"holds; try again in {verdict.retry_after} s", verdict.retry_after)
             self.submitted += 1
-            self.queue.put(request)
+            self.requests[request.index] = request
+            request._leave = self._withdraw
+            starting = [self.requests[i] for i in verdict]
+        self._launch(starting)
         return request
 
     def close(self) -> None:
-        """Let the slots finish what is queued, then stop them."""
-        for _ in self.slots:
-            self.queue.put(None)
-        for slot in self.slots:
-            slot.join()
+        """Wait until every request submitted has ended."""
+        with self.lock:
+            while self.requests:
+                self.idle.wait()
 
-    def _serve(self) -> None:
-        while (request := self.queue.get()) is not None:
+    def _launch(self, requests: list[Request]) -> None:
+        """A thread for each request that starts now."""
+        for request in requests:
+            threading.Thread(target=self._serve, args=(request,), name=f"request-{request.index}", daemon=True).start()
+
+    def _withdraw(self, request: Request) -> None:
+        """``request`` was cancelled: if it still waits, it leaves the queue and ends now (a running one ends
+        after its current step, on its own thread)."""
+        with self.lock:
+            started = self.admission.withdraw(request.index, self.pool(), time.monotonic())
+            if started is None:
+                return
+            del self.requests[request.index]
+            starting = [self.requests[i] for i in started]
+            self.idle.notify_all()
+        _end(request)
+        self._launch(starting)
+
+    def _serve(self, request: Request) -> None:
+        """The thread of one running request: its generation, then its place handed on."""
+        request.started = time.perf_counter()
+        try:
+            if not request.cancelled:
+                self._run(request)
+        except OvshardError as e:
+            request.error = e
+        except Exception as e:  # never let a request's thread die silently: the request carries what went wrong
+            request.error = OvshardError(f"request {request.index} failed: {type(e).__name__}: {e}")
+        finally:
             with self.lock:
-                self.active += 1
-            request.started = time.perf_counter()
-            try:
-                if not request.cancelled:
-                    self._run(request)
-            except OvshardError as e:
-                request.error = e
-            except Exception as e:  # never let a slot thread die: the request carries what went wrong
-                request.error = OvshardError(f"request {request.index} failed: {type(e).__name__}: {e}")
-            finally:
-                with self.lock:
-                    self.active -= 1
-                request.finished = time.perf_counter()
-                request._feed.put(_DONE)
-                request._done.set()
-                if request.listener is not None:
-                    request.listener(None)
+                started = self.admission.finish(request.index, self.pool(), time.monotonic())
+                del self.requests[request.index]
+                starting = [self.requests[i] for i in started]
+                self.idle.notify_all()
+            _end(request)
+            self._launch(starting)
 
     def _run(self, request: Request) -> None:
         tokens: Generator[int, None, None] = self.head.generate(request.prompt, request.config, request.stats,
@@ -172,3 +213,12 @@ class Scheduler:
         for request in requests:
             request._done.wait()
         return requests
+
+
+def _end(request: Request) -> None:
+    """Mark ``request`` finished and tell whoever reads it."""
+    request.finished = time.perf_counter()
+    request._feed.put(_DONE)
+    request._done.set()
+    if request.listener is not None:
+        request.listener(None)

@@ -26,9 +26,10 @@ log = logging.getLogger(__name__)
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("api", help="serve an OpenAI-compatible HTTP API over stage workers",
-                       description="One head with --streams stream slots behind an OpenAI-compatible HTTP server: "
-                       "/v1/models, /v1/chat/completions, /v1/completions (stream with server-sent events), "
-                       "/health, /metrics. Needs the api extra: pip install 'ovshard[api]'.")
+                       description="One head behind an OpenAI-compatible HTTP server: /v1/models, "
+                       "/v1/chat/completions, /v1/completions (stream with server-sent events), /health, /metrics. "
+                       "As many requests run at once as the stages' KV memory holds (--streams), the rest wait in "
+                       "order (--queue). Needs the api extra: pip install 'ovshard[api]'.")
     p.add_argument("bundle", type=Path)
     add_pipeline(p)
     p.add_argument("--listen", default="127.0.0.1:8000", help="host:port of the HTTP server (default 127.0.0.1:8000)")

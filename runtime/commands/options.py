@@ -11,7 +11,8 @@ from pathlib import Path
 
 from ovshard.bundle.manifest import Manifest, read_manifest
 from ovshard.errors import OvshardError
-from ovshard.runtime.client.head import Head
+from ovshard.runtime.client.admission import DEFAULT_QUEUE, STATEFUL_STREAMS
+from ovshard.runtime.client.head import BATCHING, Head
 from ovshard.runtime.client.launch import local_workers
 from ovshard.runtime.decoding.speculative import Speculation, make_speculation
 from ovshard.runtime.engine.kv import CompactionPolicy
@@ -88,8 +89,15 @@ def add_prefill(p: argparse.ArgumentParser) -> None:
 
 def add_http(p: argparse.ArgumentParser) -> None:
     """The API server's options (`api`, and `up --api`)."""
-    p.add_argument("--streams", type=int, default=4, help="concurrent stream slots (default 4)")
-    p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; beyond it 429 (default 16)")
+    p.add_argument("--streams", type=int, default=None, metavar="N",
+                   help="requests generated at once (default: by memory, as many as the KV blocks the stages "
+                   "granted this head hold, each reserving its prompt plus its max_tokens, at most "
+                   f"{BATCHING.max_seqs}, the batcher's sequences at once; {STATEFUL_STREAMS} over stateful "
+                   "stages, which have no pool); N: at most N, whatever their size")
+    p.add_argument("--queue", type=int, default=DEFAULT_QUEUE, metavar="N",
+                   help="requests that may wait, in arrival order, for a place; beyond it 429 with Retry-After "
+                   f"(default {DEFAULT_QUEUE}: a waiting request holds only its connection and prompt, so a burst "
+                   "is served in turn rather than refused)")
     p.add_argument("--max-tokens", type=int, default=256, help="completion tokens when a request names none (default 256)")
     p.add_argument("--model", help="the model id clients send (default: the bundle folder's name)")
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` (default $OVSHARD_API_KEY); needed to "

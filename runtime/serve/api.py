@@ -8,10 +8,12 @@
     GET  /v1/pipeline           the live view: each stage's host, layers, compute ms; network ms, tokens/s
     GET  /                      a chat page with that live view (runtime/serve/web/index.html: plain HTML + JS)
 
-Requests run on the head's :class:`Scheduler` (``--streams`` slots, ``--queue`` waiting; beyond that 429). A
-client that disconnects cancels its request, which frees its stream on every stage. A stage that is down
-past ``--retry-s`` answers 503 naming the stage; so does every request while the head is refused (``ovshard
-up``: what is left of the cluster cannot hold the model), naming why. The HTTP stack lives in the ``api`` extra.
+Requests run on the head's :class:`Scheduler`: as many at once as the stages' KV blocks hold (or ``--streams``),
+``--queue`` more waiting in order; beyond that 429 with ``Retry-After`` (client/admission.py). A client that
+disconnects, streaming or not, cancels its request: a running one frees its stream and KV blocks on every
+stage, a waiting one leaves the queue. A stage that is down past ``--retry-s`` answers 503 naming the stage; so
+does every request while the head is refused (``ovshard up``: what is left of the cluster cannot hold the
+model), naming why. The HTTP stack lives in the ``api`` extra.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ class Engine:
         try:
             run.request = self.session.submit(ids, config, run.on_token)
         except Busy as e:
-            raise ApiError(429, str(e), kind="rate_limit_error", code="busy") from e
+            raise ApiError(429, str(e), kind="rate_limit_error", code="busy", retry_after=e.retry_after) from e
         return run
 
 
@@ -226,24 +228,37 @@ def _events(run: Run, answer: Answer, events: list[tuple[str, Any]]) -> tuple[by
 
 
 async def _whole(run: Run, answer: Answer, http: Any) -> dict:
+    """The whole answer of a run that is not streamed; a client that goes away meanwhile (while its request
+    waits or runs) cancels it at once."""
     parts: list[str] = []
-    while True:
-        try:
-            event = await asyncio.wait_for(run.events.queue.get(), timeout=0.5)
-        except asyncio.TimeoutError:
-            if await http.is_disconnected():
+    gone = asyncio.ensure_future(_disconnect(http))
+    event: asyncio.Future | None = None
+    try:
+        while True:
+            event = asyncio.ensure_future(run.events.queue.get())
+            await asyncio.wait((event, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not event.done():
                 assert run.request is not None
                 run.request.cancel()
-                raise ApiError(499, "the client went away") from None
-            continue
-        for kind, value in run.absorb(*event):
-            if kind == "text":
-                parts.append(value)
-            elif kind == "error":
-                raise value
-            else:
-                finish, usage = value
-                return answer.whole("".join(parts), finish, usage)
+                raise ApiError(499, "the client went away")
+            for kind, value in run.absorb(*event.result()):
+                if kind == "text":
+                    parts.append(value)
+                elif kind == "error":
+                    raise value
+                else:
+                    finish, usage = value
+                    return answer.whole("".join(parts), finish, usage)
+    finally:
+        gone.cancel()
+        if event is not None:
+            event.cancel()  # a no-op once it is done
+
+
+async def _disconnect(http: Any) -> None:
+    """Returns when the client of ``http`` (its body read already) closes its connection."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 _OPEN_PATHS = ("/health", "/")  # no key needed: the state of the stages, and the page (static, no data in it)
@@ -282,7 +297,7 @@ def make_app(engine: Engine, api_key: str | None = None) -> Any:
 
     def failed(endpoint: str, error: ApiError) -> JSONResponse:
         engine.metrics.requests.labels(endpoint, str(error.status)).inc()
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
     async def generate(http: HttpRequest, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"

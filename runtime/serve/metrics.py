@@ -8,8 +8,8 @@
     ovshard_stage_compute_seconds{stage}           histogram: one stage's compute per decode step
     ovshard_hop_network_seconds                    histogram: per-hop network time per decode step
     ovshard_speculative_drafted_total / _accepted_total   draft tokens proposed and accepted
-    ovshard_queue_depth                            requests waiting for a stream slot
-    ovshard_active_streams                         requests a slot is running
+    ovshard_queue_depth                            requests waiting to start
+    ovshard_active_streams                         requests running
 
 and, over paged stages (continuous batching; client/batcher.py, counted since the head's last (re)connect):
 
@@ -19,6 +19,8 @@ and, over paged stages (continuous batching; client/batcher.py, counted since th
     ovshard_batch_last_rows / _last_sequences      the latest tick's rows and sequences
     ovshard_kv_blocks{state}                       KV blocks: used (held by a sequence), cached (a prefix
                                                    kept for reuse), free
+    ovshard_batch_sequences{state}                 sequences the batcher holds: running (KV blocks held),
+                                                   waiting (for blocks, or preempted)
     ovshard_prefix_lookup_tokens_total             prompt tokens looked up in the prefix cache
     ovshard_prefix_hit_tokens_total                of those, found computed (hit rate = hit / lookup)
     ovshard_preemptions_total                      sequences preempted (a full pool), recomputed later
@@ -72,6 +74,10 @@ class _BatchCollector:
         for state, value in (("used", stats.blocks.used), ("cached", stats.blocks.cached), ("free", stats.blocks.free)):
             blocks.add_metric([state], value)
         yield blocks
+        seqs = GaugeMetricFamily("ovshard_batch_sequences", "Sequences the batcher holds by state", labels=["state"])
+        seqs.add_metric(["running"], stats.running)
+        seqs.add_metric(["waiting"], stats.waiting)
+        yield seqs
 
 
 class _MoveCollector:
@@ -113,8 +119,8 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.drafted = Counter("ovshard_speculative_drafted", "Draft tokens proposed", registry=r)
         self.accepted = Counter("ovshard_speculative_accepted", "Draft tokens accepted", registry=r)
-        Gauge("ovshard_queue_depth", "Requests waiting for a stream slot", registry=r).set_function(queue_depth)
-        Gauge("ovshard_active_streams", "Requests a stream slot is running", registry=r).set_function(active)
+        Gauge("ovshard_queue_depth", "Requests waiting to start", registry=r).set_function(queue_depth)
+        Gauge("ovshard_active_streams", "Requests running", registry=r).set_function(active)
         if batching is not None:
             r.register(_BatchCollector(batching))
         if moves is not None:

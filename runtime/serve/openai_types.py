@@ -18,12 +18,17 @@ MAX_STOP = 4  # as OpenAI: up to 4 stop strings
 
 
 class ApiError(OvshardError):
-    """An error answered as OpenAI does: HTTP ``status`` and ``{"error": {message, type, param, code}}``."""
+    """An error answered as OpenAI does: HTTP ``status`` and ``{"error": {message, type, param, code}}``;
+    ``retry_after``: seconds for a ``Retry-After`` header (a 429)."""
 
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status, self.kind, self.param, self.code = status, kind, param, code
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}

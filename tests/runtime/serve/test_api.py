@@ -5,60 +5,24 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import openai
 import pytest
+from api_server import CLI, Api, api
 from conftest import at_once, compile_fp32
 from families import moe_with_tokenizer
 
-from ovshard.runtime.client.launch import WorkerProcess, serve_command
-
-CLI = [sys.executable, "-m", "ovshard.cli"]
 PROMPT = "Once upon a time"
 
 
 @pytest.fixture(scope="module")
 def bundle(stories: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return compile_fp32(stories, tmp_path_factory.mktemp("api") / "stories", stages=2)
-
-
-class Api:
-    """Stage workers plus an `ovshard api` process in front of them."""
-
-    def __init__(self, bundle: Path, *options: str) -> None:
-        self.workers = [WorkerProcess(serve_command(bundle, i, "127.0.0.1:0", ["--exact"]), i) for i in range(2)]
-        stages = ",".join(w.wait_listening(120) for w in self.workers)
-        self.process = subprocess.Popen([*CLI, "-q", "api", str(bundle), "--stages", stages, "--listen",
-                                         "127.0.0.1:0", *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True)
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        assert line, self.process.stderr.read() if self.process.stderr else ""
-        self.address = json.loads(line)["api"]
-        self.url = f"http://{self.address}"
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(30)
-        for w in self.workers:
-            w.stop()
-
-
-@contextmanager
-def api(bundle: Path, *options: str) -> Iterator[Api]:
-    server = Api(bundle, *options)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
