@@ -391,7 +391,7 @@ def test_reader_fields_equal_gguf_reader(tmp_path: Path) -> None:
     """The faster reader yields the metadata and tensor bytes gguf.GGUFReader does."""
     import gguf
 
-    from ovshard.frontend.gguf import _reader_class
+    from ovshard.frontend.gguf_reader import reader_class
 
     path = write_gguf(tmp_path / "llama.gguf", "llama", hf_weights("llama"), qtype="Q8_0")
     writer_extra = gguf.GGUFWriter(str(tmp_path / "arrays.gguf"), "llama")
@@ -402,7 +402,7 @@ def test_reader_fields_equal_gguf_reader(tmp_path: Path) -> None:
     writer_extra.write_kv_data_to_file()
     writer_extra.close()
     for p in (path, tmp_path / "arrays.gguf"):
-        ours, theirs = _reader_class()(p), gguf.GGUFReader(p)
+        ours, theirs = reader_class()(p), gguf.GGUFReader(p)
         assert {k: f.contents() for k, f in ours.fields.items()} == {k: f.contents() for k, f in theirs.fields.items()}
         for a, b in zip(ours.tensors, theirs.tensors, strict=True):
             assert (a.name, a.tensor_type, a.data_offset) == (b.name, b.tensor_type, b.data_offset)
