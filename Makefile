@@ -20,7 +20,8 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check .
 
-# import-linter (the layering contracts in .importlinter) and mypy, on the package as installed
+# module sizes and docstrings (.ci/check_sizes.py), import-linter (the layering contracts in .importlinter)
+# and mypy, on the package as installed
 layout: setup
 	BIN=$(BIN) .ci/check-layout
 

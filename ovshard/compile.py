@@ -1,7 +1,8 @@
 """``ovshard compile``: checkpoint -> plan -> per stage (trace, passes, save) -> bundle, atomically.
 
 Stages are compiled one after another and each stage's tensors, torch module and graph are freed
-before the next starts, so peak memory follows the largest stage, not the model.
+before the next starts, so peak memory follows the largest stage, not the model. What a compile is
+asked to do, and the checks on it, are compile_config.py's (re-exported here).
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import openvino as ov
@@ -39,6 +39,7 @@ from ovshard.bundle.plan import PartitionPlan
 from ovshard.bundle.stage import StageSpec
 from ovshard.bundle.weights import DEFAULT_DATA_AWARE, WeightFormat
 from ovshard.cache import PieceCache, tokenizer_key
+from ovshard.compile_config import CompileConfig, DumpOptions, check_calibration, default_calibration
 from ovshard.errors import BundleError, ConfigError, PlanError
 from ovshard.frontend.calibration import Activations, calibration_text
 from ovshard.frontend.checkpoint import Checkpoint
@@ -63,102 +64,18 @@ from ovshard.verify.predict import PredictFusionInstrument
 
 log = logging.getLogger(__name__)
 
+__all__ = ["PREDICTED_DEVICES", "CompileConfig", "DumpOptions", "compile_bundle", "compile_stage", "make_plan"]
+
 PREDICTED_DEVICES = ("CPU", "GPU")  # the static fusion predictor runs for these after every stage
 CHAT_RECORD = ".chat.json"  # the chat template's record beside a converted tokenizer, in the cache; never in a bundle
-
-
-@dataclass(frozen=True)
-class DumpOptions:
-    """Which graphs to dump where. ``after``/``before`` are "all" or a set of pass names."""
-
-    dump_dir: Path | None = None
-    after: Collection[str] | str | None = None
-    before: Collection[str] | str | None = None
-    with_ir: bool = True
-    print_after_change: Callable[[str], None] | None = None
-
-
-@dataclass(frozen=True)
-class CompileConfig:
-    checkpoint: Path
-    output: Path
-    stages: int | None = None  # balanced split into this many stages
-    layers: tuple[tuple[int, int], ...] | None = None  # explicit half-open ranges
-    budgets: tuple[int, ...] | None = None  # per-node memory budgets in bytes
-    context_tokens: int = 4096  # KV cache length the budgets must hold
-    weights: WeightFormat = field(default_factory=WeightFormat)
-    max_positions: int | None = None  # rotary table length; default: max_position_embeddings
-    frontend: str = "torchscript"  # "torchscript" or "onnx": how the stage module reaches OpenVINO
-    dumps: DumpOptions = field(default_factory=DumpOptions)
-    skip_passes: tuple[str, ...] = ()  # pipeline passes not to run (A/B experiments, e.g. the beam_idx Gather)
-    streaming: bool = True  # one piece (layer, row chunk) at a time; False: trace and compress whole stages
-    only_stage: int | None = None  # compile this stage only: a part bundle for `ovshard bundle merge`
-    cache_dir: Path | None = None  # layer cache (compiled pieces by content); None: no cache
-    jobs: int = 1  # pieces compiled in parallel processes
-    max_memory: int | None = None  # bytes the compile may use in all; None: no cap
-    piece_bytes: int = 16 << 20  # streamed: consecutive small layers share a piece up to this many f32 weight bytes
-    balance: str = "reads"  # split by bytes read per decode step ("reads") or by memory held ("memory")
-    # data-aware INT4: "default" (the shipped text where the compile can use it, else none: _calibrate), "text",
-    # "auto" (the model's own text), a text file's path or "none"
-    calibration: str = "default"
-    calibration_samples: int = 16
-    calibration_tokens: int = 128  # tokens per calibration sample
-
-    def __post_init__(self) -> None:
-        _check_counts(self)
-        _check_calibration(self)
-        if not self.skip_passes:
-            return
-        known = [p.name for p in pipeline(self.weights)]
-        unknown = [name for name in self.skip_passes if name not in known]
-        if unknown:
-            raise ValueError(f"skip_passes names {unknown}, which the pipeline does not have; "
-                             f"expected names from {known}")
-
-    def passes(self) -> list[GraphPass]:
-        """The pipeline this config runs: ``pipeline(weights)`` without ``skip_passes``."""
-        return [p for p in pipeline(self.weights) if p.name not in self.skip_passes]
-
-
-def _at_least(option: str, value: int | None, low: int, what: str, fix: str) -> None:
-    """ConfigError naming ``option`` when ``value`` is given and below ``low``."""
-    if value is not None and value < low:
-        raise ConfigError(f"{option} {value}: expected {what}, at least {low}; {fix}")
-
-
-def _check_counts(config: CompileConfig) -> None:
-    """Refuse counts that would be silently replaced (0 stages, 0 positions, 0 jobs) or make no sense."""
-    _at_least("--stages", config.stages, 1, "a number of stages", "pass --stages 1 for one stage")
-    _at_least("--max-positions", config.max_positions, 1, "the longest context served in tokens",
-              "leave it out for the checkpoint's max_position_embeddings")
-    _at_least("--context-tokens", config.context_tokens, 0, "the KV-cache length in tokens the budgets "
-              "must hold", "pass e.g. --context-tokens 4096")
-    _at_least("--jobs", config.jobs, 1, "a number of layers compiled in parallel",
-              "pass --jobs 1 for one at a time")
-
-
-def _check_calibration(config: CompileConfig) -> None:
-    if config.calibration == "default":  # resolved where the checkpoint is known (_calibrate), never an error
-        return
-    if config.calibration == "none":
-        if config.weights.methods:
-            raise ConfigError(f"--calibration-methods {','.join(config.weights.methods)} need calibration text: "
-                              "add --calibration text (ovshard's own), auto (the model's own text) or FILE")
-        return
-    if not config.weights.is_int4:
-        raise ConfigError(f"--calibration calibrates INT4 weights; --weights {config.weights.mode} has none: use "
-                          "--weights int4_sym or int4_asym, or leave --calibration out")
-    if not _streamed(config):
-        raise ConfigError("--calibration runs layer by layer inside the streamed compile: leave out --whole-stage "
-                          "and --frontend onnx")
 
 
 def _calibrate(config: CompileConfig, ckpt: Checkpoint, workdir: Path,
                max_positions: int) -> tuple[CompileConfig, Activations | None]:
     """With --calibration: the text, recorded in the weight format, and the activations the layers read."""
     if config.calibration == "default":
-        config = replace(config, calibration=_default_calibration(config, ckpt))
-        _check_calibration(config)
+        config = replace(config, calibration=default_calibration(config, ckpt))
+        check_calibration(config)
     if config.calibration == "none":
         return config, None
     text = calibration_text(ckpt, config.calibration, config.calibration_samples, config.calibration_tokens,
@@ -173,22 +90,6 @@ def _calibrate(config: CompileConfig, ckpt: Checkpoint, workdir: Path,
     return replace(config, weights=weights, jobs=1), Activations(ckpt, text, max_positions)
 
 
-def _default_calibration(config: CompileConfig, ckpt: Checkpoint) -> str:
-    """The default: INT4 weights calibrated on the shipped text, where this compile can; else data-free, said why."""
-    if not config.weights.is_int4 or config.weights.methods:
-        return "text" if config.weights.methods else "none"
-    if not _streamed(config):
-        why = "the streamed compile calibrates layer by layer (--whole-stage and --frontend onnx trace whole stages)"
-    elif config.jobs > 1:
-        why = f"--jobs {config.jobs} compiles layers side by side (calibration reads each layer's input from the one before)"
-    elif not ckpt.has_tokenizer:
-        why = f"{ckpt.path} has no tokenizer to read the calibration text with"
-    else:
-        return "text"
-    log.info("INT4 weights data-free: %s; --calibration auto or FILE calibrates anyway where it can", why)
-    return "none"
-
-
 def make_plan(config: CompileConfig, ckpt: Checkpoint) -> PartitionPlan:
     model = ckpt.description
     rotary = rotary_table_bytes(len(model.rope), model.block.rotary_dim,
@@ -201,15 +102,10 @@ def make_plan(config: CompileConfig, ckpt: Checkpoint) -> PartitionPlan:
     return plan_balanced(costs, config.stages or 1, config.context_tokens, config.balance)
 
 
-def _dumping(config: CompileConfig) -> bool:
-    d = config.dumps
-    return d.dump_dir is not None and bool(d.after or d.before)
-
-
 def _instruments(config: CompileConfig) -> list[Instrument]:
     found: list[Instrument] = [ValidateInstrument(), ProgressInstrument(), PredictFusionInstrument(PREDICTED_DEVICES)]
     d = config.dumps
-    if _dumping(config) and d.dump_dir is not None:
+    if config.dumping and d.dump_dir is not None:
         found.append(DumpInstrument(d.dump_dir, after=d.after, before=d.before, with_ir=d.with_ir))
     if d.print_after_change is not None:
         found.append(PrintAfterChangeInstrument(d.print_after_change))
@@ -221,11 +117,11 @@ def compile_stage(ckpt: Checkpoint, stage: StageSpec, config: CompileConfig, max
     """Build one stage (streamed or whole), save it; free everything before returning."""
     start = time.perf_counter()
     log.info("stage %d (%d of %d): layers [%d, %d), %s", stage.index, stage.index + 1, stage.num_stages,
-             stage.start, stage.end, "streamed" if _streamed(config) else "traced whole")
+             stage.start, stage.end, "streamed" if config.streamed else "traced whole")
     scratch = workdir / ".pieces" / f"stage{stage.index}"
-    if _streamed(config):
+    if config.streamed:
         build = StageBuild(ckpt, stage, config.passes(), _instruments(config), max_positions, scratch,
-                           keep_raw=_dumping(config), cache=_piece_cache(config, workdir),
+                           keep_raw=config.dumping, cache=_piece_cache(config, workdir),
                            piece_bytes=_piece_bytes(config), calibration=calibration)
         model, records = build_stage(build)
     else:
@@ -272,7 +168,7 @@ def _prebuild(config: CompileConfig, ckpt: Checkpoint, stages: tuple[StageSpec, 
     """Check --max-memory against one layer; with --jobs > 1 compile the pieces in parallel processes first."""
     jobs = plan_jobs(ckpt, stages, config.jobs, config.max_memory)
     cache = _piece_cache(config, workdir)
-    if jobs > 1 and cache is not None and not _dumping(config):
+    if jobs > 1 and cache is not None and not config.dumping:
         prebuild(ckpt.path, stages, functools.partial(_pipeline_without, config.weights, config.skip_passes),
                  max_positions, cache.root, workdir / ".pieces" / "jobs", jobs, _piece_bytes(config))
 
@@ -282,11 +178,6 @@ def _piece_bytes(config: CompileConfig) -> int:
     NNCF computes inside the piece, its first layer the float inputs ``Activations`` computes, so the INT4 codes of a
     layer (rounding on float noise) would depend on where the stage cuts put the piece boundaries."""
     return 0 if config.weights.methods else piece_bytes_within(config.max_memory, config.piece_bytes)
-
-
-def _streamed(config: CompileConfig) -> bool:
-    """Streaming traces pieces with TorchScript; the ONNX front end traces whole stages."""
-    return config.streaming and config.frontend == "torchscript"
 
 
 def _generation(ckpt: Checkpoint) -> Generation:
@@ -420,7 +311,7 @@ def _compile_bundle(config: CompileConfig) -> Manifest:
     workdir, figures = _workdir(config.output, needed), []
     try:
         config, activations = _calibrate(config, ckpt, workdir, max_positions)
-        if _streamed(config):
+        if config.streamed:
             _prebuild(config, ckpt, chosen, max_positions, workdir)
         entries, log_records = [], []
         for stage in chosen:
@@ -443,7 +334,7 @@ def _compile_bundle(config: CompileConfig) -> Manifest:
             generation=generation,
             runtime_hints=_runtime_hints(max_positions),
             extra_files=_copy_configs(ckpt, workdir),
-            dumps=str(config.dumps.dump_dir.resolve()) if config.dumps.dump_dir and _dumping(config) else None,
+            dumps=str(config.dumps.dump_dir.resolve()) if config.dumps.dump_dir and config.dumping else None,
             chat=chat,
         )
         staging.write_text(workdir / names.MANIFEST_FILE, manifest.to_json())

@@ -15,20 +15,19 @@ processes (one in-process client when W is 1). Most frames travel on long-lived 
 Some connections never finish a handshake: random bytes, mutated or refused Hellos, a request before the
 Hello, a Hello cut short. A background thread leaves frames half-sent, which the worker must time out.
 
-Every reply is checked against :class:`SessionModel`, worker.py's rules restated: what each request is owed
-(OpenOk, Pong, a Result of a given shape, an Error with a given code, stream and seq, or nothing), in request
-order; a malformed frame is owed the Error code the local decoder gives the same bytes, then a close. After
-the fuzz the worker must be alive, generate the tokens it generated before, have grown its RSS by at most
-RSS_BOUND_MB since warm-up, and have its whole capacity: MAX_CONNECTIONS head sessions at once (one more
-turned away) and MAX_STREAMS streams before its worker-wide cap answers busy, so no connection, session or
-stream leaked. Prints one JSON line; exits 1 on any failure, with each failure (and its frames, in hex) on
-stderr.
+Every reply is checked against :class:`SessionModel` (tests/fuzz_session.py), the worker's rules restated:
+what each request is owed (OpenOk, Pong, a Result of a given shape, an Error with a given code, stream and
+seq, or nothing), in request order; a malformed frame is owed the Error code the local decoder gives the same
+bytes, then a close. After the fuzz the worker must be alive, generate the tokens it generated before, have
+grown its RSS by at most RSS_BOUND_MB since warm-up, and have its whole capacity: MAX_CONNECTIONS head
+sessions at once (one more turned away) and MAX_STREAMS streams before its worker-wide cap answers busy, so no
+connection, session or stream leaked. Prints one JSON line; exits 1 on any failure, with each failure (and its
+frames, in hex) on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import multiprocessing
 import os
@@ -36,35 +35,49 @@ import random
 import secrets
 import shutil
 import socket
-import struct
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 import numpy as np
+from fuzz_frames import (
+    REPLY_TIMEOUT_S,
+    close,
+    decode_all,
+    drain,
+    half_close,
+    mutate,
+    random_bytes,
+    receive,
+    refused_hello,
+    session_id,
+)
+from fuzz_session import (
+    FRAME_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    MAX_STREAMS,
+    MAX_STREAMS_PER_SESSION,
+    PRE_AUTH_FRAME_BYTES,
+    WANTS,
+    Mismatch,
+    SessionModel,
+    Spec,
+    expect_error,
+)
 
 from ovshard.bundle.manifest import bundle_fingerprint
 from ovshard.errors import OvshardError
 from ovshard.runtime.client.launch import WorkerProcess, serve_command
 from ovshard.runtime.wire import protocol as p
-from ovshard.runtime.wire.framing import DEFAULT_MAX_FRAME, MAX_HEADER_BYTES, PREFIX, encode, read_message
+from ovshard.runtime.wire.framing import encode
 
 STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
 PROMPT = [1, 403, 407]
-# The worker's limits for the run: small stream caps, so the leak check can fill them through the protocol;
-# as many sessions as connections, so a full house of head sessions shows a leak of either; a short frame
-# timeout, so stalled frames are answered while the fuzz runs.
-MAX_CONNECTIONS = 512
-MAX_STREAMS = 64
-MAX_STREAMS_PER_SESSION = 32
-FRAME_TIMEOUT_S = 2.0
-PRE_AUTH_FRAME_BYTES = 4096  # Limits.pre_auth_frame_bytes
 WORKER_OPTIONS = ["--kv", "stateful",  # the stream messages: Batches are fuzzed by tests/batch_fuzz.py
                   "--max-connections", str(MAX_CONNECTIONS), "--max-sessions", str(MAX_CONNECTIONS),
                   "--max-streams", str(MAX_STREAMS), "--max-streams-per-session", str(MAX_STREAMS_PER_SESSION),
@@ -75,199 +88,6 @@ WORKER_OPTIONS = ["--kv", "stateful",  # the stream messages: Batches are fuzzed
 # freed arenas for up to 8 x cores threads) and the log buffers. A leaked stream or frame buffer per
 # connection, over the thousands of connections of a run, shows far above it.
 RSS_BOUND_MB = 100.0
-REPLY_TIMEOUT_S = 30.0
-WANTS = ["argmax", "argmax", "argmax@1", "argmax@3", "logits", "logits@2", "topk:1", "topk:40", "topk:600",
-         "topk:5@4", "topk:999999999@999999999", "logits@999999999"]
-
-
-class Mismatch(Exception):
-    """A reply (or its absence) that the worker's rules do not allow."""
-
-
-@dataclass(frozen=True)
-class Spec:
-    """What a client needs to know of the worker and its bundle."""
-
-    host_port: tuple[str, int]
-    fingerprint: str
-    vocab: int
-    max_positions: int
-    hidden: int
-
-    @property
-    def tokens(self) -> list[int]:
-        """The token counts a Step may carry. Few on purpose: the worker's RSS grows by ~0.4 MB the first
-        time it runs each new count (OpenVINO's per-shape caches), so warm-up runs every one of them once."""
-        m = self.max_positions
-        return [*range(1, 9), 9, 16, 31, 64, 100, m // 2 - 1, m // 2, m - 12, m - 1, m, m + 1, m + 16]
-
-    @property
-    def max_frame(self) -> int:
-        """The worker's frame cap after the handshake: a Step of every position (stage 0: i64 ids)."""
-        return min(DEFAULT_MAX_FRAME, MAX_HEADER_BYTES + self.max_positions * 8)
-
-
-# ----- the model of one head session -----
-
-@dataclass
-class StreamState:
-    visible: int = 0  # the next position id
-    physical: int = 0  # cached positions, holes included
-
-
-def expect_error(reply: p.Message, code: str, stream: int | None, seq: int | None, words: str = "") -> None:
-    if not (isinstance(reply, p.Error) and reply.code == code and reply.stream == stream and reply.seq == seq
-            and words in reply.message):
-        raise Mismatch(f"expected Error {code} (stream {stream}, seq {seq}{', ' + words if words else ''}), "
-                       f"got {reply!r:.300}")
-
-
-class SessionModel:
-    """One head session as a one-stage worker holds it (open streams and their counts), what the worker owes
-    each request (worker.py's order of checks), and hostile requests to send it."""
-
-    def __init__(self, spec: Spec, session: str) -> None:
-        self.spec, self.session = spec, session
-        self.streams: dict[int, StreamState] = {}
-        self.seq = 0
-
-    # --- what the worker owes ---
-    def settle(self, msg: p.Message, read: Callable[[], p.Message]) -> bool:
-        """Read and check the reply ``msg`` is owed; False if the worker closes the connection after it."""
-        if isinstance(msg, p.Ping):
-            if (reply := read()) != p.Pong(msg.nonce):
-                raise Mismatch(f"expected Pong({msg.nonce}), got {reply!r:.300}")
-        elif isinstance(msg, p.Open):
-            self.settle_open(msg.stream, read())
-        elif isinstance(msg, p.Reset):
-            if msg.stream in self.streams:
-                self.streams[msg.stream] = StreamState()
-            else:
-                expect_error(read(), "no_stream", msg.stream, None)
-        elif isinstance(msg, p.Close):
-            self.streams.pop(msg.stream, None)
-        elif isinstance(msg, p.Step):
-            code = self.step_refusal(msg)
-            if code is not None:
-                expect_error(read(), code, msg.stream, msg.seq)
-            else:
-                self.check_result(msg, read())
-                self.advance(msg)
-        else:  # Hello, HelloOk, OpenOk, Result, Error, Pong: not a head's to send
-            expect_error(read(), "unknown_kind", None, None)
-            return False
-        return True
-
-    def settle_open(self, stream: int, reply: p.Message) -> None:
-        if stream in self.streams:
-            expect_error(reply, "refused", stream, None)
-        elif len(self.streams) >= MAX_STREAMS_PER_SESSION:
-            expect_error(reply, "busy", stream, None, "--max-streams-per-session")
-        elif reply == p.OpenOk(stream):
-            self.streams[stream] = StreamState()
-        else:  # the worker-wide cap, which other clients share
-            expect_error(reply, "busy", stream, None, "--max-streams)")
-
-    def step_refusal(self, msg: p.Step) -> str | None:
-        state, t = self.streams.get(msg.stream), msg.tensor
-        if state is None:
-            return "no_stream"
-        if t.dtype not in ("i64", "i32") or len(t.shape) != 2:
-            return "failed"
-        ids = t.to_array(np.int64)
-        if int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab:
-            return "failed"
-        if msg.timings:  # stage 0 takes none: no stage comes before it
-            return "failed"
-        if msg.rewind > state.visible or msg.position != state.visible - msg.rewind:
-            return "position"
-        if msg.position + t.shape[1] > self.spec.max_positions:
-            return "position"
-        if (msg.position if msg.compact else state.physical) + t.shape[1] > self.spec.max_positions:
-            return "position"  # the physical cache would pass the rotary table: compact first
-        return None
-
-    def advance(self, msg: p.Step) -> None:
-        state = self.streams[msg.stream]
-        state.visible -= msg.rewind
-        if msg.compact:
-            state.physical = state.visible
-        state.physical += msg.tensor.shape[1]
-        state.visible += msg.tensor.shape[1]
-
-    def check_result(self, msg: p.Step, reply: p.Message) -> None:
-        mode, k, rows = p.parse_want(msg.want)
-        tokens, vocab = msg.tensor.shape[1], self.spec.vocab
-        if mode == "argmax":
-            want = ("i64", (1, min(rows or tokens, tokens)), None)
-        else:
-            last = min(rows or 1, tokens)
-            want = (("f32", (1, last, min(k, vocab)), ("i64", (1, last, min(k, vocab)))) if mode == "topk"
-                    else ("f32", (1, last, vocab), None))
-        if not isinstance(reply, p.Result) or (reply.stream, reply.seq) != (msg.stream, msg.seq):
-            raise Mismatch(f"expected the Result of stream {msg.stream} seq {msg.seq}, got {reply!r:.300}")
-        got = (reply.tensor.dtype, reply.tensor.shape,
-               None if reply.indices is None else (reply.indices.dtype, reply.indices.shape))
-        if got != want or set(reply.timings) != {*msg.timings, "stage0"}:
-            raise Mismatch(f"Result for want {msg.want!r} of {tokens} tokens: expected {want}, got {got}, "
-                           f"timings {sorted(reply.timings)[:8]}")
-        ids = reply.tensor if mode == "argmax" else reply.indices
-        if ids is not None and not np.all((ids.to_array() >= 0) & (ids.to_array() < vocab)):
-            raise Mismatch(f"Result ids outside [0, {vocab}): {ids.to_array().ravel()[:8]}")
-
-    # --- hostile requests ---
-    def stream_id(self, rng: random.Random) -> int:
-        roll = rng.random()
-        if self.streams and roll < 0.5:
-            return rng.choice(list(self.streams))
-        return rng.randrange(8) if roll < 0.8 else rng.randrange(48) if roll < 0.95 else rng.getrandbits(63)
-
-    def hostile_request(self, rng: random.Random) -> p.Message:
-        roll = rng.random()
-        if roll < 0.3:
-            return p.Ping(rng.getrandbits(63))
-        if roll < 0.5:
-            return p.Open(self.stream_id(rng))
-        if roll < 0.55:  # rare: a fresh stream's first Step costs the worker ~3 ms, a later one ~1.5 ms
-            return p.Close(self.stream_id(rng))
-        if roll < 0.6:
-            return p.Reset(self.stream_id(rng))
-        return self.step(rng)
-
-    def step(self, rng: random.Random) -> p.Step:
-        stream = rng.choice(list(self.streams)) if self.streams and rng.random() < 0.85 else self.stream_id(rng)
-        visible = self.streams[stream].visible if stream in self.streams else 0
-        tokens = rng.choice(self.spec.tokens) if rng.random() < 0.1 else 1 if rng.random() < 0.6 else rng.randint(2, 8)
-        roll = rng.random()
-        rewind = 0 if roll < 0.7 or not visible else rng.randint(1, visible) if roll < 0.95 else visible + rng.randint(1, 3)
-        position = max(0, visible - rewind)
-        if rng.random() < 0.12:
-            position = rng.choice([position + 1, max(0, position - 1), 0, self.spec.max_positions, 2**63 - 1])
-        timings = {} if rng.random() < 0.9 else {
-            rng.choice(["stage0", "queue", "x" * 250, "é"]) + str(i): rng.random() for i in range(rng.randint(1, 8))}
-        self.seq += 1
-        seq = self.seq if rng.random() < 0.95 else rng.getrandbits(63)
-        return p.Step(stream, seq, position, rng.choice(WANTS), self.step_tensor(rng, tokens), timings, rewind,
-                      rng.random() < 0.1)
-
-    def step_tensor(self, rng: random.Random, tokens: int) -> p.Tensor:
-        ids = np.array([[rng.randrange(self.spec.vocab) for _ in range(tokens)]], np.int64)
-        roll = rng.random()
-        if roll < 0.07:
-            ids[0, rng.randrange(tokens)] = rng.choice([-1, self.spec.vocab, 2**31 - 1, -(2**31)])
-        if roll < 0.9:
-            return p.Tensor.from_array(ids)
-        if roll < 0.95:
-            return p.Tensor.from_array(ids, "i32")
-        wrong = rng.choice([("f16", (1, tokens, self.spec.hidden)), ("f32", (1, tokens)), ("i64", (1, tokens, 1)),
-                            ("i32", (1, tokens, 2))])
-        return p.Tensor(wrong[0], wrong[1], bytes(int(np.prod(wrong[1])) * p.DTYPES[wrong[0]].itemsize))  # type: ignore[arg-type]
-
-    def forbidden_message(self, rng: random.Random) -> p.Message:
-        """A well-formed message a head must never send to a stage."""
-        fp, ids = self.spec.fingerprint, p.Tensor.from_array(np.array([[1]], np.int64))
-        return rng.choice([p.Result(0, 0, ids, {}), p.HelloOk(0, fp, 1), p.OpenOk(0), p.Pong(1),
-                           p.Error("failed", "from a head"), p.Hello("head", p.PROTOCOL_VERSION, fp, 0, self.session)])
 
 
 # ----- one client: sessions, side episodes, counts -----
@@ -478,132 +298,6 @@ class Client:
         if isinstance(tail, p.ProtocolError):
             expect_error(self.read(sock), tail.code, None, None)
         self.expect_close(sock)
-
-
-class QuickAck:
-    """A socket read with TCP_QUICKACK before every recv, so this end acknowledges at once.
-
-    The worker's accepted sockets keep Nagle's algorithm on, so a second reply sent before the first is
-    acknowledged waits for the ACK, which Linux delays up to 40 ms: 44 ms for any two back-to-back replies
-    instead of 0.2 ms. Acking at once keeps the fuzz fast (the worker should set TCP_NODELAY; see the report).
-    """
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-
-    def read(self, n: int) -> bytes:
-        if hasattr(socket, "TCP_QUICKACK"):
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
-        return self.sock.recv(n)
-
-
-def receive(sock: socket.socket) -> p.Message:
-    """The next frame from the worker, waiting at most REPLY_TIMEOUT_S (TimeoutError) for it to begin."""
-    sock.settimeout(REPLY_TIMEOUT_S)
-    return read_message(QuickAck(sock))  # type: ignore[arg-type]
-
-
-def session_id(rng: random.Random) -> str:
-    return f"{rng.getrandbits(128):032x}"
-
-
-def half_close(sock: socket.socket) -> None:
-    """No more frames from us; the worker may have reset the connection already (it refused the frame)."""
-    try:
-        sock.shutdown(socket.SHUT_WR)
-    except OSError:
-        pass
-
-
-def close(sock: socket.socket, abort: bool) -> None:
-    """Close; with ``abort`` as a reset (SO_LINGER 0: the worker sees ECONNRESET, no TIME_WAIT here)."""
-    if abort:
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        except OSError:
-            pass
-    sock.close()
-
-
-def refused_hello(spec: Spec, rng: random.Random, live: SessionModel | None) -> p.Hello:
-    """A well-formed Hello this worker must refuse (Error "refused")."""
-    session, fp, v = session_id(rng), spec.fingerprint, p.PROTOCOL_VERSION
-    choices = [p.Hello("head", v, fp, rng.choice([1, 2, 2**63 - 1]), session),  # another stage
-               p.Hello("head", v, "sha256:" + "0" * 64, 0, session),  # another bundle
-               p.Hello("upstream", v, fp, 0, session),  # a link for a session nobody opened
-               p.Hello("upstream", v, fp, 0, session, "127.0.0.1:1"),  # an upstream naming a next hop
-               p.Hello("head", rng.choice([0, v - 1, v + 1, 2**63 - 1]), fp, 0, session)]  # a Hello of another protocol
-    if live is not None:
-        choices.append(p.Hello("head", v, fp, 0, live.session))  # a session in use
-    return rng.choice(choices)
-
-
-def decode_all(blob: bytes, max_frame: int) -> tuple[list[p.Message], p.ProtocolError | p.ConnectionClosed | None]:
-    """The messages the worker's reader finds in ``blob``, and what stops it (None: the blob ended cleanly)."""
-    stream, messages = io.BytesIO(blob), []
-    while True:
-        try:
-            messages.append(read_message(stream, max_frame))
-        except p.ConnectionClosed as e:
-            return messages, (None if e.clean else e)
-        except p.ProtocolError as e:
-            return messages, e
-
-
-def drain(sock: socket.socket) -> None:
-    try:
-        while receive(sock):
-            pass
-    except (p.ConnectionClosed, p.ProtocolError, OSError):
-        pass
-
-
-def random_bytes(rng: random.Random) -> bytes:
-    n = rng.choice([rng.randrange(1, 17), rng.randrange(17, 64), rng.randrange(64, 5000)])
-    data = rng.randbytes(n)
-    if rng.random() < 0.5:  # behind a plausible prefix, so the reader gets past the magic
-        data = PREFIX.pack(b"OVSH", p.PROTOCOL_VERSION, rng.choice(sorted(p.KINDS)), 0, min(n, 4000), 0) + data
-    return data
-
-
-def mutate(frame: bytes, rng: random.Random) -> bytes:
-    """One of: bit flips, a byte replaced, a cut, a length changed (a little or to a huge value), a byte inserted
-    or deleted, a prefix field changed, a header field swapped for random JSON."""
-    data, how = bytearray(frame), rng.randrange(8)
-    if how == 0:
-        for _ in range(rng.randint(1, 4)):
-            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
-    elif how == 1:
-        data[rng.randrange(len(data))] = rng.randrange(256)
-    elif how == 2:
-        return bytes(data[:rng.randrange(len(data))])
-    elif how == 3:
-        at = rng.choice([8, 12])
-        old = struct.unpack_from("<I", data, at)[0]
-        new = rng.choice([old + rng.randint(-3, 3), rng.getrandbits(32), 2**32 - 1, 64 * 1024 + 1, 2**28])
-        struct.pack_into("<I", data, at, max(0, min(new, 2**32 - 1)))
-    elif how == 4:
-        at = rng.randrange(16, len(data) + 1)
-        data[at:at] = bytes([rng.randrange(256)])
-    elif how == 5:
-        del data[rng.randrange(16, len(data))]
-    elif how == 6:
-        data[rng.choice([0, 4, 6, 7])] = rng.randrange(256)
-    else:
-        return swap_field(frame, rng)
-    return bytes(data)
-
-
-def swap_field(frame: bytes, rng: random.Random) -> bytes:
-    """The frame with one header field (or one key of its tensor spec) set to a random JSON value."""
-    _, _, kind, _, header_len, _ = PREFIX.unpack(frame[:16])
-    header, body = json.loads(frame[16:16 + header_len]), frame[16 + header_len:]
-    target = header["tensor"] if "tensor" in header and rng.random() < 0.4 else header
-    target[rng.choice(sorted(target) + ["extra"])] = rng.choice([
-        None, True, -1, 0, 1, 2**31, 2**63, 2**64, 1.5, -0.0, "", "x" * 300, [], [1, 2], {}, {"a": 1},
-        [1, 2**31 - 1], "i64", "f64", "argmax", "0" * 32])
-    text = json.dumps(header).encode()
-    return PREFIX.pack(b"OVSH", p.PROTOCOL_VERSION, kind, 0, len(text), len(body)) + text + body
 
 
 def run_client(spec: Spec, frames: int, seed: int) -> Counts:

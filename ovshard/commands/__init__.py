@@ -1,0 +1,1 @@
+"""The compiler's subcommands: compile, bundle merge, inspect, verify, cache, synth, demo."""

@@ -206,7 +206,7 @@ class StageActor:
 
         if self.worker is None:
             return {"stage": self.order.index, "state": "waiting for the pipeline's manifest"}
-        entry, worker = self.worker.entry.stage, self.worker
+        entry, worker = self.worker.backend.entry.stage, self.worker
         with worker.lock:
             steps, compute_s = worker.steps, worker.compute_s
         sessions, streams = worker.heads.counts()

@@ -26,20 +26,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-import openvino as ov
 
-from ovshard.bundle import names
-from ovshard.bundle.checked import CheckedFiles
-from ovshard.bundle.manifest import bundle_fingerprint, read_manifest, verify_files
-from ovshard.errors import BundleError, OvshardError, PagedUnsupportedError
-from ovshard.runtime.engine.kv import KVCache, StepInputs
-from ovshard.runtime.engine.paged import PagedStage, compile_paged
-from ovshard.runtime.engine.plugin import describe_plugin_config
-from ovshard.runtime.engine.stage import compile_on_device
-from ovshard.runtime.node.batches import KVPool, batch_answers, batch_input, forward_batch, run_batch
-from ovshard.runtime.node.config import Limits, kv_pool_blocks, model_cache
+from ovshard.errors import OvshardError
+from ovshard.runtime.node.backend import StageBackend
+from ovshard.runtime.node.batches import batch_answers, forward_batch
+from ovshard.runtime.node.config import Limits
 from ovshard.runtime.node.heads import HeadTable, RequestError, SessionState
-from ovshard.runtime.node.steps import answer, check_step, step_input
+from ovshard.runtime.node.steps import answer
 from ovshard.runtime.wire import protocol as p
 from ovshard.runtime.wire.framing import MAX_HEADER_BYTES
 from ovshard.runtime.wire.transport import Connection, StageUnreachable, connect
@@ -54,58 +47,22 @@ _RESOURCE_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
 class StageWorker:
-    """One stage of a bundle served over TCP. A last stage is loaded with ``slice_logits`` (the default): it
-    computes logits for the rows each Step's ``want`` reads only (runtime/engine/logit_rows.py); False keeps the
-    bundle's all-rows graph (the before side of bench/prefill_logits_memory.py).
-
-    ``kv``: "paged" converts the stage to paged attention (engine/paged.py) and serves Batches from a pool of
-    ``kv_blocks`` KV blocks (None: node/config.kv_pool_blocks); "stateful" keeps one stateful cache a stream
-    and serves Steps; "auto" (the default) is paged where the stage converts, else stateful with a log line."""
+    """One stage of a bundle served over TCP: the server, its connections and sessions, over a
+    :class:`~ovshard.runtime.node.backend.StageBackend` that loads the stage and runs it (the arguments it
+    takes, ``kv`` and ``slice_logits`` among them, are described there)."""
 
     def __init__(self, bundle: Path, stage: int, device: str = "CPU", config: dict | None = None,
                  cache_dir: Path | None = None, wire_dtype: str = p.ACTIVATION_WIRE_DTYPE,
                  limits: Limits | None = None, server_tls: ssl.SSLContext | None = None,
                  client_tls: ssl.SSLContext | None = None, slice_logits: bool = True, kv: str = "auto",
                  kv_blocks: int | None = None) -> None:
-        self.bundle = Path(bundle)
-        self.manifest = read_manifest(self.bundle)
-        if not 0 <= stage < self.manifest.num_stages:
-            raise BundleError(f"--stage {stage}: the bundle has stages 0..{self.manifest.num_stages - 1}")
-        cache = model_cache(cache_dir)
-        # files checked before and unchanged since are not read again (a restart's sha256 of the weights)
-        verify_files(self.bundle, self.manifest, stages=[stage],
-                     checked=CheckedFiles.in_cache(cache))
-        self.stage, self.entry = stage, self.manifest.stages[stage]
-        self.last = stage == self.manifest.num_stages - 1
-        self.fingerprint = bundle_fingerprint(self.bundle)
-        self.max_positions = self.manifest.runtime_hints.max_positions
+        self.backend = StageBackend(bundle, stage, device, config, cache_dir, slice_logits, kv, kv_blocks)
+        self.stage, self.manifest = stage, self.backend.manifest
         self.wire_dtype, self.limits = wire_dtype, limits or Limits()
         # the largest frame this stage can need: a Step of every position, ids (stage 0) or f32 activations
         per_token = 8 if stage == 0 else 4 * self.manifest.architecture.hidden_size
-        self.max_frame = min(self.limits.max_frame_bytes, MAX_HEADER_BYTES + self.max_positions * per_token)
+        self.max_frame = min(self.limits.max_frame_bytes, MAX_HEADER_BYTES + self.backend.max_positions * per_token)
         self.server_tls, self.client_tls = server_tls, client_tls
-        core = ov.Core()
-        if cache is not None:
-            core.set_property({"CACHE_DIR": str(cache)})
-        log.info("stage %d: %s", stage, describe_plugin_config(self.manifest, device, config))
-        self.paged: PagedStage | None = None
-        self.pool: KVPool | None = None
-        if kv not in ("auto", "paged", "stateful"):
-            raise OvshardError(f"--kv {kv!r}: expected auto, paged or stateful")
-        if kv != "stateful":
-            try:
-                blocks = kv_blocks or kv_pool_blocks(self.manifest)
-                self.paged = compile_paged(core, self.bundle, self.manifest, stage, device, config, blocks, slice_logits)
-                sequence = -(-self.max_positions // self.paged.block_size)
-                self.pool, self.sliced = KVPool(blocks, sequence), self.paged.sliced
-            except PagedUnsupportedError as e:
-                if kv == "paged":
-                    raise
-                log.info("stage %d: stateful KV cache, one stream at a time per request (no batching): %s", stage, e)
-        if self.paged is None:
-            self.compiled, self.sliced = compile_on_device(core, self.bundle, self.manifest, stage, device, config,
-                                                           slice_logits)
-        self.paged_lock = threading.Lock()  # one inference at a time on the paged caches
         self.heads = HeadTable(stage, self.limits)
         self.connections: set[Connection] = set()
         self.lock = threading.Lock()  # guards connections and counters
@@ -272,8 +229,8 @@ class StageWorker:
         else:
             session = self._attach_upstream(conn, hello)
         granted = 0 if session.grant is None else len(session.grant)
-        block_size = 0 if self.paged is None else self.paged.block_size
-        conn.send(p.HelloOk(self.stage, self.fingerprint, self.manifest.num_stages, block_size, granted))
+        conn.send(p.HelloOk(self.stage, self.backend.fingerprint, self.manifest.num_stages, self.backend.block_size,
+                            granted))
         conn.sock.settimeout(None)
         return hello.role, session
 
@@ -285,8 +242,9 @@ class StageWorker:
             raise RequestError("refused", "stage 0 takes Steps from the head only; no stage comes before it")
         if hello.stage != self.stage:
             raise RequestError("refused", f"this node serves stage {self.stage}, the peer expected stage {hello.stage}")
-        if hello.bundle_fingerprint != self.fingerprint:
-            raise RequestError("refused", f"bundle mismatch: this node serves {self.fingerprint[:19]}..., the peer "
+        ours = self.backend.fingerprint
+        if hello.bundle_fingerprint != ours:
+            raise RequestError("refused", f"bundle mismatch: this node serves {ours[:19]}..., the peer "
                                           f"has {hello.bundle_fingerprint[:19]}...; copy the same bundle to every node")
         if self.heads.draining:
             raise RequestError("draining", "this worker is shutting down")
@@ -299,13 +257,14 @@ class StageWorker:
 
     def _open_session(self, conn: Connection, hello: p.Hello) -> SessionState:
         session = self.heads.admit(hello.session, conn)
-        if hello.kv_blocks is not None and self.pool is not None:
+        pool = self.backend.pool
+        if hello.kv_blocks is not None and pool is not None:
             try:
-                session.grant = self.pool.grant(hello.kv_blocks)
+                session.grant = pool.grant(hello.kv_blocks)
             except RequestError:
                 self._drop(session)
                 raise
-        if hello.next_hop is not None and not self.last:
+        if hello.next_hop is not None and not self.backend.last:
             try:
                 self._link(session, hello.next_hop)
             except OvshardError as e:
@@ -315,7 +274,7 @@ class StageWorker:
 
     def _link(self, session: SessionState, address: str) -> None:
         """This session's link to the next stage (whose head connection for it exists already)."""
-        downstream = connect(address, self.stage + 1, self.fingerprint, "upstream", session.id,
+        downstream = connect(address, self.stage + 1, self.backend.fingerprint, "upstream", session.id,
                              tls=self.client_tls)
         with session.lock:
             session.downstream, session.next_hop = downstream, address
@@ -342,8 +301,8 @@ class StageWorker:
         freed = self.heads.drop(session)
         with session.lock:
             grant, session.grant = session.grant, None
-        if grant is not None and self.pool is not None:
-            self.pool.release(grant)
+        if grant is not None and self.backend.pool is not None:
+            self.backend.pool.release(grant)
         log.info("stage %d: session %s... ended, %d streams freed", self.stage, session.id[:8], freed)
 
     def _where(self) -> str:
@@ -379,10 +338,10 @@ class StageWorker:
         elif role != "head":
             raise p.ProtocolError("unknown_kind", f"an upstream link carries Step and Ping, not {type(msg).__name__}")
         elif isinstance(msg, p.Open):
-            if self.paged is not None:
+            if self.backend.paged is not None:
                 raise RequestError("refused", f"stage {self.stage} keeps a paged KV cache: it runs Batches, not "
                                               "streams (start the worker with --kv stateful for streams)")
-            self.heads.open_stream(session, msg.stream, lambda: KVCache(self.compiled.create_infer_request()))
+            self.heads.open_stream(session, msg.stream, self.backend.new_stream)
             conn.send(p.OpenOk(msg.stream))
         elif isinstance(msg, p.Reset):
             self.heads.stream(session, msg.stream).reset()
@@ -408,37 +367,27 @@ class StageWorker:
 
     def _step(self, session: SessionState, msg: p.Step) -> None:
         cache = self.heads.stream(session, msg.stream)
-        x = step_input(msg, self.stage, self.manifest.architecture)
-        check_step(msg, x.shape[1], cache, self.stage, self.max_positions)
+        x = self.backend.step_input(msg, cache)
         self._begin()
         compute: float | None = None
         try:
-            start = time.perf_counter()
-            primary = names.INPUT_IDS if self.stage == 0 else names.HIDDEN_STATES
-            rows = p.rows_read(msg.want, x.shape[1]) if self.sliced else None
-            inputs = StepInputs(primary, x, msg.position, (1,) * x.shape[1], self.max_positions, rows)
-            out = cache.step(inputs, self.compiled.output(0), msg.rewind, msg.compact)
-            compute = time.perf_counter() - start
+            out, compute = self.backend.run_step(msg, cache, x)
             timings = {**msg.timings, f"stage{self.stage}": compute}
             self._pass_on(session, msg, out, timings)
         finally:
             self._done(compute)
 
     def _batch(self, session: SessionState, msg: p.Batch) -> None:
-        if self.paged is None or session.grant is None:
-            raise RequestError("refused", f"stage {self.stage} holds no paged KV blocks for this session (a "
-                                          "stateful stage, or a Hello without kv_blocks): send Steps")
-        if len(msg.timings) > self.stage:
-            raise RequestError("failed", f"Batch {msg.seq}: {len(msg.timings)} timings, but only {self.stage} "
-                                         f"stages come before stage {self.stage}")
-        x = batch_input(msg, self.stage, self.manifest.architecture)
+        grant = session.grant
+        x = self.backend.batch_input(msg, grant)
+        assert grant is not None, "batch_input refuses a session without blocks"
         self._begin()
         compute: float | None = None
         try:
-            run = run_batch(self.paged, session.grant, msg, x, self.stage, self.paged_lock)
+            run = self.backend.run_batch(msg, grant, x)
             compute = run.compute_s
             timings = {**msg.timings, f"stage{self.stage}": compute}
-            if self.last:
+            if self.backend.last:
                 answers: list[p.Message] = [*batch_answers(run, msg.seq), p.BatchDone(msg.seq, timings, run.refused)]
                 for answer in answers:
                     if not self._try_send(session.head, answer):
@@ -463,7 +412,7 @@ class StageWorker:
 
     def _pass_on(self, session: SessionState, msg: p.Step, out: np.ndarray, timings: dict[str, float]) -> None:
         """Forward the activations to the next stage, or answer the session's head from the last."""
-        if not self.last:
+        if not self.backend.last:
             self._send_downstream(session, p.Step(msg.stream, msg.seq, msg.position, msg.want,
                                                   p.Tensor.activations(out, self.wire_dtype), timings, msg.rewind,
                                                   msg.compact))

@@ -1,8 +1,7 @@
 """GGUF files as checkpoints: config, tensor names and values against transformers' own GGUF loader.
 
-Two sources: the real Gemma 3 270M Q4_K_M (written by llama.cpp; :mod:`real_gemma`), and tiny files
-written here with ``gguf.GGUFWriter`` the way llama.cpp's ``convert_hf_to_gguf.py`` writes them (its
-names, its q/k row permutation for llama, Gemma's norms stored as ``1 + w``).
+Tiny files written with ``gguf.GGUFWriter`` the way llama.cpp's ``convert_hf_to_gguf.py`` writes them
+(:mod:`dense_gguf`, :mod:`moe_gguf`); the real Gemma 3 270M is test_gguf_real_gemma.py's.
 """
 
 from __future__ import annotations
@@ -15,164 +14,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from dense_gguf import FAMILIES, assert_config_matches, dims_of, hf_reading, hf_weights, write_gguf
 from families import Family, as_saved_state, write_random_checkpoint
 from moe_gguf import gpt_oss_config, mixtral_config, write_gpt_oss_gguf, write_mixtral_gguf
-from real_gemma import gemma_gguf, gemma_hf_reference  # noqa: F401  (fixtures)
 
 from ovshard.errors import CheckpointError, UnsupportedArchitectureError
 from ovshard.frontend.description import describe
 from ovshard.frontend.gguf import GGUFCheckpoint, open_gguf
 
 pytestmark = pytest.mark.slow
-
-
-PROMPT = "The capital of France is"
-# transformers' GGUF tokenizer of the real Gemma 3 270M on PROMPT (bos first)
-PROMPT_IDS = [2, 818, 5279, 529, 7001, 563]
-
-
-# ---- tiny GGUF files, written as llama.cpp writes them ----------------------------------------------
-
-# Hugging Face name -> llama.cpp name, per family (the names in llama.cpp's gguf-py tensor table)
-LAYER_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-}
-LLAMA_NORMS = {"post_attention_layernorm": "ffn_norm"}
-GEMMA_NORMS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-               "post_feedforward_layernorm": "post_ffw_norm"}
-
-DIMS = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=128)
-# transformers reads no head size for qwen3 and no query scale for Gemma: its defaults (128; 256, the head
-# size of every Gemma but the 27B) are what these files must have for it to read them right
-FAMILIES: dict[str, dict[str, Any]] = {  # GGUF architecture, and what the tiny model has
-    "llama": dict(arch="llama", norms=LLAMA_NORMS, tied=False),
-    "mistral": dict(arch="llama", norms=LLAMA_NORMS, tied=False, name="Mistral 7B Instruct"),
-    "qwen2": dict(arch="qwen2", norms=LLAMA_NORMS, bias=True),
-    "qwen3": dict(arch="qwen3", norms=LLAMA_NORMS, qk_norm=True, dims=dict(head_dim=128)),
-    "gemma2": dict(arch="gemma2", norms=GEMMA_NORMS, gemma=True, dims=dict(head_dim=256)),
-    "gemma3": dict(arch="gemma3", norms=GEMMA_NORMS, gemma=True, qk_norm=True, dims=dict(head_dim=256)),
-}
-
-
-def dims_of(family: str, **overrides: int) -> dict[str, int]:
-    return DIMS | FAMILIES[family].get("dims", {}) | overrides
-
-
-def hf_weights(family: str, seed: int = 0, **overrides: int) -> dict[str, np.ndarray]:
-    """Random Hugging Face weights (float32) of a tiny model of ``family``."""
-    f, d = FAMILIES[family], dims_of(family, **overrides)
-    rng = np.random.default_rng(seed)
-    q, kv, h = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"], d["hidden"]
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (d["vocab"], h)}
-    for i in range(d["layers"]):
-        p = f"model.layers.{i}."
-        shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                   p + "mlp.gate_proj.weight": (d["ffn"], h), p + "mlp.up_proj.weight": (d["ffn"], h),
-                   p + "mlp.down_proj.weight": (h, d["ffn"]), p + "input_layernorm.weight": (h,)}
-        shapes |= {p + norm + ".weight": (h,) for norm in f["norms"]}
-        if f.get("bias"):
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)}
-        if f.get("qk_norm"):
-            shapes |= {p + "self_attn.q_norm.weight": (d["head_dim"],), p + "self_attn.k_norm.weight": (d["head_dim"],)}
-    shapes["model.norm.weight"] = (h,)
-    if not f.get("tied", True):
-        shapes["lm_head.weight"] = (d["vocab"], h)
-    return {name: rng.standard_normal(shape).astype(np.float32) * 0.5 for name, shape in shapes.items()}
-
-
-def gguf_name(family: str, hf: str) -> str:
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    if hf in fixed:
-        return fixed[hf]
-    _, _, i, rest = hf.split(".", 3)
-    module, suffix = rest.rsplit(".", 1)
-    return f"blk.{i}.{(LAYER_NAMES | FAMILIES[family]['norms'])[module]}.{suffix}"
-
-
-def to_llama_cpp(family: str, hf: str, w: np.ndarray, d: dict[str, int]) -> np.ndarray:
-    """What convert_hf_to_gguf.py does to a tensor: llama permutes q/k rows, Gemma stores norms as 1 + w."""
-    if FAMILIES[family]["arch"] == "llama" and (".q_proj." in hf or ".k_proj." in hf):
-        heads = d["heads"] if ".q_proj." in hf else d["kv_heads"]
-        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-    if FAMILIES[family].get("gemma") and hf.endswith("norm.weight"):
-        return w + 1
-    return w
-
-
-def write_gguf(path: Path, family: str, weights: dict[str, np.ndarray], qtype: str = "F32",
-               meta: dict[str, Any] | None = None, extra: dict[str, np.ndarray] | None = None,
-               arch: str | None = None, dims: dict[str, int] | None = None,
-               tokenizer: tuple[list[str], list[str], list[int]] | None = None) -> Path:
-    """A GGUF of ``weights`` (Hugging Face names) as llama.cpp writes one; matrices stored as ``qtype``."""
-    import gguf
-
-    f, d = FAMILIES[family], dims or dims_of(family)
-    arch = arch or f["arch"]
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(f.get("name", f"tiny {family}"))
-    writer.add_block_count(d["layers"])
-    writer.add_context_length(256)
-    writer.add_embedding_length(d["hidden"])
-    writer.add_feed_forward_length(d["ffn"])
-    writer.add_head_count(d["heads"])
-    writer.add_head_count_kv(d["kv_heads"])
-    writer.add_key_length(d["head_dim"])
-    writer.add_value_length(d["head_dim"])
-    writer.add_rope_dimension_count(d["head_dim"])
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(d["vocab"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_file_type(int(gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType[f"MOSTLY_{qtype}"]))
-    if f.get("gemma"):
-        writer.add_sliding_window(32)
-    if tokenizer is not None:  # (tokens, merges, token types)
-        writer.add_token_list(tokenizer[0])
-        writer.add_token_merges(tokenizer[1])
-        writer.add_token_types(tokenizer[2])
-    for key, value in (meta or {}).items():
-        (writer.add_string if isinstance(value, str) else writer.add_float32 if isinstance(value, float)
-         else writer.add_uint32)(key.format(arch=arch), value)
-    kind = gguf.GGMLQuantizationType[qtype]
-    for hf, w in weights.items():
-        data = to_llama_cpp(family, hf, w, d)
-        if data.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name(family, hf), gguf.quants.quantize(data, kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(gguf_name(family, hf), data)
-    for name, data in (extra or {}).items():  # stacked experts (3-D) quantized like the matrices, as llama.cpp does
-        if data.ndim == 3 and kind != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-def hf_reading(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """transformers' config and float32 state dict of a GGUF file."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return model.config.to_dict(), model.state_dict()
-
-
-def assert_config_matches(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
-    """Every key both configs set agrees, and ovshard reads the same model off either."""
-    differ = {k: (v, theirs[k]) for k, v in ours.items() if k in theirs and theirs[k] != v}
-    assert not differ, f"config keys (ours, transformers') differ: {differ}"
-    mine, hf = describe(ours), describe(theirs)
-    assert (mine.arch, mine.dims, mine.block, dict(mine.rope)) == (hf.arch, hf.dims, hf.block, dict(hf.rope))
 
 
 # ---- the tiny families against transformers ------------------------------------------------------
@@ -391,7 +241,7 @@ def test_reader_fields_equal_gguf_reader(tmp_path: Path) -> None:
     """The faster reader yields the metadata and tensor bytes gguf.GGUFReader does."""
     import gguf
 
-    from ovshard.frontend.gguf import _reader_class
+    from ovshard.frontend.gguf_reader import reader_class
 
     path = write_gguf(tmp_path / "llama.gguf", "llama", hf_weights("llama"), qtype="Q8_0")
     writer_extra = gguf.GGUFWriter(str(tmp_path / "arrays.gguf"), "llama")
@@ -402,7 +252,7 @@ def test_reader_fields_equal_gguf_reader(tmp_path: Path) -> None:
     writer_extra.write_kv_data_to_file()
     writer_extra.close()
     for p in (path, tmp_path / "arrays.gguf"):
-        ours, theirs = _reader_class()(p), gguf.GGUFReader(p)
+        ours, theirs = reader_class()(p), gguf.GGUFReader(p)
         assert {k: f.contents() for k, f in ours.fields.items()} == {k: f.contents() for k, f in theirs.fields.items()}
         for a, b in zip(ours.tensors, theirs.tensors, strict=True):
             assert (a.name, a.tensor_type, a.data_offset) == (b.name, b.tensor_type, b.data_offset)
@@ -591,64 +441,3 @@ def test_incomplete_or_foreign_tensors_refused(tmp_path: Path) -> None:
     extra = {"v.blk.0.attn_q.weight": np.zeros((4, 4), np.float32)}
     with pytest.raises(CheckpointError, match="does not use, e.g. v.blk.0.attn_q.weight"):
         open_gguf(write_gguf(tmp_path / "extra.gguf", "qwen3", hf_weights("qwen3"), extra=extra)).validate_tensors()
-
-
-# ---- the real Gemma 3 270M ------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def gemma(gemma_gguf: Path) -> GGUFCheckpoint:  # noqa: F811
-    return open_gguf(gemma_gguf)
-
-
-def test_real_gemma_config_matches_transformers(gemma: GGUFCheckpoint, gemma_hf_reference: Path) -> None:  # noqa: F811
-    """The rebuilt config.json agrees with transformers' on every key both set, and describes the same model."""
-    from transformers import AutoConfig
-
-    assert_config_matches(gemma.config, AutoConfig.from_pretrained(gemma_hf_reference).to_dict())
-    assert gemma.dims.model_type == "gemma3_text" and gemma.dims.num_layers == 18
-    assert gemma.block.layer_types.count("full_attention") == 3 and gemma.block.sliding_window == 512
-
-
-def test_real_gemma_tensors_equal_transformers(gemma: GGUFCheckpoint, gemma_hf_reference: Path) -> None:  # noqa: F811
-    """Every tensor, dequantized one at a time, equals transformers' float32 state dict bit for bit."""
-    from safetensors import safe_open
-
-    gemma.validate_tensors()
-    with safe_open(str(gemma_hf_reference / "model.safetensors"), framework="pt") as reference:
-        assert set(gemma.tensor_names()) == set(reference.keys())
-        for name in gemma.tensor_names():
-            ours, theirs = gemma.load(name), reference.get_tensor(name)
-            assert ours.dtype == torch.float32 and torch.equal(ours, theirs), name
-
-
-def test_real_gemma_load_rows(gemma: GGUFCheckpoint) -> None:
-    """Rows of the Q8_0 embedding and a Q5_0 projection equal the same rows of the whole tensor."""
-    for name in ("model.embed_tokens.weight", "model.layers.3.self_attn.q_proj.weight"):
-        whole = gemma.load(name)
-        for start, end in ((0, 1), (300, 617), (whole.shape[0] - 7, whole.shape[0])):
-            assert torch.equal(gemma.load_rows(name, start, end), whole[start:end]), (name, start, end)
-
-
-def test_real_gemma_identity(gemma: GGUFCheckpoint, gemma_gguf: Path) -> None:  # noqa: F811
-    """Fingerprint stable across opens; source quantization Q4_K_M over all 236 tensors."""
-    assert gemma.fingerprint() == open_gguf(gemma_gguf).fingerprint()
-    quant = gemma.source_quantization
-    assert quant.file_type == "Q4_K_M" and quant.quantized
-    assert sum(n for _, n in quant.tensor_types) == 236 and dict(quant.tensor_types)["Q4_K"] == 27
-    assert gemma.generation_config == {"bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
-
-
-def test_real_gemma_tokenizer_export(gemma: GGUFCheckpoint, gemma_hf_reference: Path, tmp_path: Path) -> None:  # noqa: F811
-    """The exported folder holds transformers' GGUF tokenizer file for file, and it encodes as transformers does."""
-    from transformers import AutoTokenizer
-
-    written = gemma.export_tokenizer(tmp_path)
-    assert set(written) == {"tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"}
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # as AutoTokenizer.from_pretrained(dir, gguf_file=...) saves
-        assert (tmp_path / name).read_bytes() == (gemma_hf_reference / name).read_bytes(), name
-    exported = AutoTokenizer.from_pretrained(tmp_path)
-    assert exported(PROMPT).input_ids == PROMPT_IDS
-    text = "Ollama and LM Studio ship GGUF files: naïve café, 東京, emoji 🙂, code `x = 1`.\n"
-    assert exported.decode(exported(text).input_ids, skip_special_tokens=True) == text
-    assert json.loads((tmp_path / "config.json").read_text()) == gemma.config
-    assert json.loads((tmp_path / "generation_config.json").read_text()) == gemma.generation_config

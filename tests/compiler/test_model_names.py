@@ -266,8 +266,8 @@ def ollama_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture
 def tiny_gguf(tmp_path: Path) -> Path:
-    """A tiny random llama GGUF as llama.cpp writes one (tests/compiler/test_gguf.py's writer)."""
-    from test_gguf import hf_weights, write_gguf
+    """A tiny random llama GGUF as llama.cpp writes one (tests/dense_gguf.py's writer)."""
+    from dense_gguf import hf_weights, write_gguf
 
     return write_gguf(tmp_path / "tiny-llama.gguf", "llama", hf_weights("llama"))
 

@@ -194,6 +194,6 @@ def test_node_with_its_group_only_serves_it(regrouped: Regrouped, tmp_path: Path
     assert not (node / "stage_0.xml").exists()
     assert bundle_fingerprint(node) == bundle_fingerprint(regrouped.out)
     worker = StageWorker(node, 1, cache_dir=tmp_path / "ov_cache")
-    assert worker.last and worker.entry == regrouped.entries[1]
+    assert worker.backend.last and worker.backend.entry == regrouped.entries[1]
     with pytest.raises(BundleError, match="stage_0.xml is missing"):
         StageWorker(node, 0, cache_dir=tmp_path / "ov_cache")

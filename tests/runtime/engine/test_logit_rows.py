@@ -69,7 +69,7 @@ def test_the_runtime_graph_slices_before_the_lm_head(bundles: dict[str, Path]) -
 
     worker = StageWorker(bundle, manifest.num_stages - 1, config=EXACT_HINTS, kv="stateful")
     try:
-        runtime = worker.compiled.get_runtime_model()
+        runtime = worker.backend.compiled.get_runtime_model()
         kinds = {op.get_friendly_name(): op.get_rt_info()["layerType"].astype(str) for op in runtime.get_ops()}
         heads = [op for op in runtime.get_ops() if kinds[op.get_friendly_name()] == "FullyConnected"
                  and op.get_output_partial_shape(0)[-1].is_static
@@ -77,7 +77,7 @@ def test_the_runtime_graph_slices_before_the_lm_head(bundles: dict[str, Path]) -
         assert len(heads) == 1, sorted(set(kinds.values()))
         source = heads[0].input_value(0).get_node()
         assert kinds[source.get_friendly_name()] in ("StridedSlice", "Slice"), kinds[source.get_friendly_name()]
-        request = worker.compiled.create_infer_request()
+        request = worker.backend.compiled.create_infer_request()
         inputs = step_inputs(names.INPUT_IDS, np.array([PROMPT], np.int64), [1] * len(PROMPT), 0, 1 << 16)
         request.infer({**inputs, names.LOGIT_ROWS: np.array([rows_read("argmax@1", len(PROMPT))], np.int64)})
         assert request.get_tensor(names.LOGITS).shape == [1, 1, manifest.architecture.vocab_size]

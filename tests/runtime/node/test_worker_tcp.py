@@ -161,8 +161,8 @@ def test_a_worker_compiles_with_the_bundles_hints_for_its_isa_class(bundles: dic
     for isa in ("avx2", "other"):
         monkeypatch.setenv("OVSHARD_CPU_ISA", isa)
         worker = StageWorker(bundle, 0, cache_dir=tmp_path / "cache")
-        assert worker.paged is not None
-        compiled = worker.paged.compiled
+        assert worker.backend.paged is not None
+        compiled = worker.backend.paged.compiled
         assert str(compiled.get_property("PERFORMANCE_HINT")) == "LATENCY"
         kv_precision[isa] = str(compiled.get_property("KV_CACHE_PRECISION"))
         if isa == "avx2":

@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import compile_fp32
-from fuzz_worker import MAX_STREAMS_PER_SESSION, RSS_BOUND_MB, Spec, handshake, receive, run_fuzz
+from fuzz_frames import receive
+from fuzz_session import MAX_STREAMS_PER_SESSION, Spec
+from fuzz_worker import RSS_BOUND_MB, handshake, run_fuzz
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (

@@ -1,0 +1,143 @@
+"""What ``ovshard compile`` is asked to do: the compile's config, and the checks that refuse a bad ask before
+any work is done (counts, calibration settings, passes to skip), each naming the option to change.
+
+compile.py drives the compile from a :class:`CompileConfig`; the command line (commands/compile.py), the
+demo and the tests build one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ovshard.bundle.weights import WeightFormat
+from ovshard.errors import ConfigError
+from ovshard.ir.pass_manager import GraphPass
+from ovshard.passes import pipeline
+
+if TYPE_CHECKING:
+    from ovshard.frontend.checkpoint import Checkpoint
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CompileConfig", "DumpOptions", "check_calibration", "default_calibration"]
+
+
+@dataclass(frozen=True)
+class DumpOptions:
+    """Which graphs to dump where. ``after``/``before`` are "all" or a set of pass names."""
+
+    dump_dir: Path | None = None
+    after: Collection[str] | str | None = None
+    before: Collection[str] | str | None = None
+    with_ir: bool = True
+    print_after_change: Callable[[str], None] | None = None
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """One compile: the checkpoint and the bundle folder, how to cut the layers, the weight format, dumps,
+    the layer cache and the memory and parallelism it may use. Checked when built (ConfigError, ValueError)."""
+
+    checkpoint: Path
+    output: Path
+    stages: int | None = None  # balanced split into this many stages
+    layers: tuple[tuple[int, int], ...] | None = None  # explicit half-open ranges
+    budgets: tuple[int, ...] | None = None  # per-node memory budgets in bytes
+    context_tokens: int = 4096  # KV cache length the budgets must hold
+    weights: WeightFormat = field(default_factory=WeightFormat)
+    max_positions: int | None = None  # rotary table length; default: max_position_embeddings
+    frontend: str = "torchscript"  # "torchscript" or "onnx": how the stage module reaches OpenVINO
+    dumps: DumpOptions = field(default_factory=DumpOptions)
+    skip_passes: tuple[str, ...] = ()  # pipeline passes not to run (A/B experiments, e.g. the beam_idx Gather)
+    streaming: bool = True  # one piece (layer, row chunk) at a time; False: trace and compress whole stages
+    only_stage: int | None = None  # compile this stage only: a part bundle for `ovshard bundle merge`
+    cache_dir: Path | None = None  # layer cache (compiled pieces by content); None: no cache
+    jobs: int = 1  # pieces compiled in parallel processes
+    max_memory: int | None = None  # bytes the compile may use in all; None: no cap
+    piece_bytes: int = 16 << 20  # streamed: consecutive small layers share a piece up to this many f32 weight bytes
+    balance: str = "reads"  # split by bytes read per decode step ("reads") or by memory held ("memory")
+    # data-aware INT4: "default" (the shipped text where the compile can use it, else none: default_calibration), "text",
+    # "auto" (the model's own text), a text file's path or "none"
+    calibration: str = "default"
+    calibration_samples: int = 16
+    calibration_tokens: int = 128  # tokens per calibration sample
+
+    def __post_init__(self) -> None:
+        _check_counts(self)
+        check_calibration(self)
+        if not self.skip_passes:
+            return
+        known = [p.name for p in pipeline(self.weights)]
+        unknown = [name for name in self.skip_passes if name not in known]
+        if unknown:
+            raise ValueError(f"skip_passes names {unknown}, which the pipeline does not have; "
+                             f"expected names from {known}")
+
+    def passes(self) -> list[GraphPass]:
+        """The pipeline this config runs: ``pipeline(weights)`` without ``skip_passes``."""
+        return [p for p in pipeline(self.weights) if p.name not in self.skip_passes]
+
+    @property
+    def streamed(self) -> bool:
+        """Streaming traces pieces with TorchScript; the ONNX front end traces whole stages."""
+        return self.streaming and self.frontend == "torchscript"
+
+    @property
+    def dumping(self) -> bool:
+        """Whether graphs are dumped: a dump folder and passes to dump after or before."""
+        d = self.dumps
+        return d.dump_dir is not None and bool(d.after or d.before)
+
+
+def _at_least(option: str, value: int | None, low: int, what: str, fix: str) -> None:
+    """ConfigError naming ``option`` when ``value`` is given and below ``low``."""
+    if value is not None and value < low:
+        raise ConfigError(f"{option} {value}: expected {what}, at least {low}; {fix}")
+
+
+def _check_counts(config: CompileConfig) -> None:
+    """Refuse counts that would be silently replaced (0 stages, 0 positions, 0 jobs) or make no sense."""
+    _at_least("--stages", config.stages, 1, "a number of stages", "pass --stages 1 for one stage")
+    _at_least("--max-positions", config.max_positions, 1, "the longest context served in tokens",
+              "leave it out for the checkpoint's max_position_embeddings")
+    _at_least("--context-tokens", config.context_tokens, 0, "the KV-cache length in tokens the budgets "
+              "must hold", "pass e.g. --context-tokens 4096")
+    _at_least("--jobs", config.jobs, 1, "a number of layers compiled in parallel",
+              "pass --jobs 1 for one at a time")
+
+
+def check_calibration(config: CompileConfig) -> None:
+    """Refuse --calibration settings this compile cannot honour ("default" is resolved later: default_calibration)."""
+    if config.calibration == "default":  # resolved where the checkpoint is known (default_calibration), never an error
+        return
+    if config.calibration == "none":
+        if config.weights.methods:
+            raise ConfigError(f"--calibration-methods {','.join(config.weights.methods)} need calibration text: "
+                              "add --calibration text (ovshard's own), auto (the model's own text) or FILE")
+        return
+    if not config.weights.is_int4:
+        raise ConfigError(f"--calibration calibrates INT4 weights; --weights {config.weights.mode} has none: use "
+                          "--weights int4_sym or int4_asym, or leave --calibration out")
+    if not config.streamed:
+        raise ConfigError("--calibration runs layer by layer inside the streamed compile: leave out --whole-stage "
+                          "and --frontend onnx")
+
+
+def default_calibration(config: CompileConfig, ckpt: Checkpoint) -> str:
+    """The default: INT4 weights calibrated on the shipped text, where this compile can; else data-free, said why."""
+    if not config.weights.is_int4 or config.weights.methods:
+        return "text" if config.weights.methods else "none"
+    if not config.streamed:
+        why = "the streamed compile calibrates layer by layer (--whole-stage and --frontend onnx trace whole stages)"
+    elif config.jobs > 1:
+        why = f"--jobs {config.jobs} compiles layers side by side (calibration reads each layer's input from the one before)"
+    elif not ckpt.has_tokenizer:
+        why = f"{ckpt.path} has no tokenizer to read the calibration text with"
+    else:
+        return "text"
+    log.info("INT4 weights data-free: %s; --calibration auto or FILE calibrates anyway where it can", why)
+    return "none"
