@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import subprocess
 import sys
 from collections import Counter
@@ -21,6 +22,7 @@ from conftest import REPO, STORIES
 from ovshard.bundle.manifest import read_manifest, read_part_manifest
 from ovshard.bundle.weights import DEFAULT_DATA_AWARE, WeightFormat
 from ovshard.compile import CompileConfig, compile_bundle
+from ovshard.frontend.arch import linear_shapes
 from ovshard.runtime.client.inprocess import LocalPipeline
 from ovshard.runtime.engine.stage import EXACT_HINTS
 from ovshard.tools.shapes import preset
@@ -94,11 +96,18 @@ def test_per_weight_formats_do_not_depend_on_the_stage_count(int4_bundles: dict[
     vocab = 512
     ends = {(op, kind) for op, kind, shape, _ in one if shape[0] == vocab}
     assert ends == {("Gather", "u8"), ("MatMul", "u8")}, ends  # the tied embedding and the lm_head: INT8
-    kinds = Counter(kind for _, kind, shape, _ in one if shape[0] != vocab)
-    chosen = read_manifest(int4_bundles[1]).weights.int8_weights
+    manifest = read_manifest(int4_bundles[1])
+    chosen = manifest.weights.int8_weights
     assert chosen and all(read_manifest(b).weights.int8_weights == chosen for b in int4_bundles.values())
-    # 35 decoder weights: the 5 downs (172 inputs, no INT4 group fits) and the chosen ones INT8, the rest INT4
-    assert kinds == Counter({"u8": 5 + len(chosen), "i4": 30 - len(chosen)}), (kinds, chosen)  # int4_sym: i4
+    # 35 decoder weights (stored alone or row-stacked by FuseProjectionsPass, so counted in elements): the 5 downs
+    # (172 inputs, no INT4 group fits) and the chosen ones INT8, the rest INT4 (int4_sym: i4)
+    sizes = {key: rows * cols for key, (rows, cols) in linear_shapes(manifest.architecture).items()}
+    elements: Counter = Counter()
+    for (_, kind, shape, _), count in one.items():
+        if shape[0] != vocab:
+            elements[kind] += count * math.prod(shape)
+    int8 = 5 * sizes["down"] + sum(sizes[key.split(".")[1]] for key in chosen)
+    assert elements == Counter({"u8": int8, "i4": 5 * sum(sizes.values()) - int8}), (elements, chosen)
 
 
 def test_the_same_checkpoint_decodes_the_same_tokens_at_every_stage_count(int4_bundles: dict[int, Path]) -> None:
