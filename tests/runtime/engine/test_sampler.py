@@ -128,6 +128,41 @@ def test_top_p_applies_to_what_top_k_left() -> None:
 
 
 @settings(max_examples=300)
+
+def _reference_probabilities(logits: np.ndarray, config: SamplingConfig) -> np.ndarray:
+    """`probabilities` as first written: the whole row ranked (ties: lower id first), then filtered."""
+    ids = np.arange(logits.size)
+    order = np.lexsort((ids, -logits))
+    if config.greedy:
+        out = np.zeros(logits.size)
+        out[order[0]] = 1.0
+        return out
+    with np.errstate(over="ignore"):
+        z = (logits - logits.max()) / config.temperature
+    if config.top_k:
+        order = order[: config.top_k]
+    if config.top_p < 1:
+        q = np.exp(z[order])
+        n = int(np.searchsorted(np.cumsum(q / q.sum()), config.top_p, side="left")) + 1
+        order = order[: min(n, order.size)]
+    order = np.sort(order)
+    out = np.zeros(logits.size)
+    out[order] = np.exp(z[order]) / np.exp(z[order]).sum()
+    return out
+
+
+@given(arrays(np.float64, st.integers(1, 600), elements=st.one_of(st.integers(-4, 4).map(float),
+                                                                  st.floats(-30.0, 30.0))),
+       st.builds(SamplingConfig, temperature=st.sampled_from([0.0, 0.3, 1.0, 2.0]), top_k=st.integers(0, 700),
+                 top_p=st.sampled_from([1.0, 0.99, 0.9, 0.5, 0.05])))
+@settings(max_examples=300, deadline=None)
+def test_filters_rank_only_what_they_keep_and_keep_what_a_whole_sort_keeps(logits: np.ndarray,
+                                                                          config: SamplingConfig) -> None:
+    """The sampler ranks only the tokens top-k/top-p keep (a partial selection), and gives the distribution of
+    ranking the whole row first, ties included (to float rounding of the top-p sums)."""
+    np.testing.assert_allclose(probabilities(logits, config), _reference_probabilities(logits, config),
+                               rtol=1e-12, atol=1e-15)
+
 @given(LOGITS, CONFIGS)
 def test_probabilities_are_a_distribution(logits: np.ndarray, config: SamplingConfig) -> None:
     """For any row, incl. -inf and huge logits: no NaN, non-negative, sums to 1, -inf entries get 0."""
