@@ -252,7 +252,9 @@ def compile_paged(core: ov.Core, bundle: Path, manifest: Manifest, index: int, d
         raise PagedUnsupportedError(f"stage {index}: the paged form does not compile on {device} ({reason}); "
                                     "run this stage on the stateful path") from e
     primary = names.INPUT_IDS if entry.stage.first else names.INPUTS_EMBEDS
-    return PagedStage(compiled, primary, num_blocks, manifest.runtime_hints.max_positions, sliced)
+    stage = PagedStage(compiled, primary, num_blocks, manifest.runtime_hints.max_positions, sliced)
+    stage.warm()
+    return stage
 
 
 def paged_inputs(primary: str, seqs: Sequence[PagedRows], block_size: int, sliced: bool) -> dict[str, np.ndarray]:
@@ -310,6 +312,16 @@ class PagedStage:
     def bytes_per_token(self) -> int:
         """KV bytes one position of one sequence takes in this stage (scales and zero points included)."""
         return self.bytes_per_block // self.block_size
+
+    def warm(self) -> None:
+        """A 2-token step, then a 1-token step, on block 0: the CPU plugin prepares its prompt kernels (packs their
+        weights, generates their code) at the first step of several tokens, so a node pays that at load, not on
+        its first request (the Llama-3.2-1B shape on 2 cores: a first 512-token prompt 4.2-4.5 s cold, 2.1 s
+        after this 2.0-2.4 s warm-up, later prompts 2.0-2.2 s either way; docs/results/2026-12-one-node.md).
+        Block 0 holds garbage after: every sequence writes the positions of its blocks before it reads them."""
+        x = np.zeros((2,) if self.hidden is None else (2, self.hidden), np.int64 if self.hidden is None else np.float32)
+        self.run([PagedRows(x, 0, [0], 1 if self.sliced else None)])  # ids [2] or rows [2, H]
+        self.run([PagedRows(x[:1], 2, [0], 1 if self.sliced else None)])
 
     def cache(self, name: str) -> np.ndarray:
         """Cache ``name`` as its plugin type and shape [num_blocks, ...] (a view; u4 stays packed bytes)."""

@@ -119,6 +119,19 @@ def test_one_sequence_matches_the_stateful_path(bundle: Path, stages: list[Paged
     assert_matches(found, run_greedy(bundle, prompt, 6))
 
 
+def test_warming_at_load_leaves_no_trace(bundle: Path):
+    """compile_paged warms each stage (a 2-token and a 1-token step on block 0, so the plugin prepares its prompt
+    kernels at load); a sequence whose table starts at that block gets the outputs of stages that never ran."""
+    manifest, core = read_manifest(bundle), ov.Core()
+    warmed = [compile_paged(core, bundle, manifest, i, config=EXACT_HINTS, num_blocks=NUM_BLOCKS, slice_logits=True)
+              for i in range(manifest.num_stages)]
+    assert any(np.any(s.cache(s.specs[0].name)[0]) for s in warmed)  # block 0 holds the warm-up's keys
+    never_ran = [PagedStage(s.compiled, s.primary, NUM_BLOCKS, s.max_positions, s.sliced) for s in warmed]
+    prompt = [1, 403, 407, 261, 378]
+    assert_matches(Pipeline(warmed).greedy({"a": prompt}, steps=3)["a"],
+                   Pipeline(never_ran).greedy({"a": prompt}, steps=3)["a"])
+
+
 def test_batched_sequences_each_get_their_solo_output(bundle: Path, stages: list[PagedStage]):
     """Three prompts of different lengths, prefilled in one call and decoded with all three rows in each call,
     each give exactly the tokens (and the logits) of running alone."""
