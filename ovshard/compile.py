@@ -18,6 +18,7 @@ from pathlib import Path
 
 import openvino as ov
 
+from ovshard import watchdog
 from ovshard.bundle import names, schema, staging
 from ovshard.bundle.manifest import (
     CPU_PLUGIN_BY_ISA_MEASURED,
@@ -291,7 +292,8 @@ def _chosen_stages(plan: PartitionPlan, only_stage: int | None) -> tuple[StageSp
 def compile_bundle(config: CompileConfig) -> Manifest:
     """Compile ``config.checkpoint`` into a stage bundle at ``config.output``; return its manifest."""
     libraries = ("torch", "transformers", *(("nncf",) if config.weights.mode not in ("fp32", "fp16") else ()))
-    with libraries_spared_from_gc(*libraries):  # the compile's collections walk the compile's own objects
+    # the compile's collections walk the compile's own objects; numpy's BLAS on one thread, a heartbeat watched
+    with libraries_spared_from_gc(*libraries), watchdog.guarded():
         return _compile_bundle(config)
 
 
@@ -319,6 +321,7 @@ def _compile_bundle(config: CompileConfig) -> Manifest:
                 entry, records = compile_stage(ckpt, stage, config, max_positions, workdir, activations)
             figures.append(StageFigures(stage, memory.seconds, memory.peak))
             log.info("%s", stage_done(figures, chosen))
+            watchdog.beat(f"stage {stage.index} compiled")
             entries.append(entry)
             log_records += records
         tokenizer, chat = _tokenizer(ckpt, workdir, _piece_cache(config, workdir) if config.cache_dir else None)

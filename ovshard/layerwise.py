@@ -21,6 +21,7 @@ from pathlib import Path
 
 import openvino as ov
 
+from ovshard import watchdog
 from ovshard.bundle import names, schema, staging
 from ovshard.bundle.manifest import PassRecord
 from ovshard.bundle.stage import StageSpec
@@ -100,6 +101,7 @@ def build_stage(b: StageBuild) -> tuple[ov.Model, list[PassRecord]]:
         eta = f"; about {(time.perf_counter() - start) / done * left:.0f} s for {left} more" if left else ""
         log.info("stage %d: %s done (%d of %d layers) in %.1f s%s", stage.index, piece, done, len(stage.layers),
                  time.perf_counter() - began, eta)
+        watchdog.beat(f"stage {stage.index}: {piece} compiled")
     if stage.last:
         for asm in filter(None, (joined, raw)):
             asm.add(pieces.final_norm_piece(b.ckpt))
@@ -246,6 +248,7 @@ def _matrix_models(b: StageBuild, tensor: str, chunk_model: Callable, piece: Pie
                 model = _run_layer_passes(b, model, piece)
             splicer.add(start, _weight_of(model, piece))
             first.setdefault(key, model)
+            watchdog.beat(f"stage {b.stage.index}: {piece}, rows from {start} compiled")
         del block
     for key, splicer in splicers.items():
         splicer.finish()
@@ -350,6 +353,7 @@ def prebuild(checkpoint: Path, stages: tuple[StageSpec, ...], passes_of: Callabl
         for done, future in enumerate(futures, start=1):
             future.result()
             log.info("pieces compiled: %d of %d", done, len(work))
+            watchdog.beat(f"{done} of {len(work)} pieces compiled in worker processes")
 
 
 def _job(checkpoint: Path, job: Job, passes_of: Callable[[], list[GraphPass]], max_positions: int,
@@ -358,7 +362,12 @@ def _job(checkpoint: Path, job: Job, passes_of: Callable[[], list[GraphPass]], m
     from ovshard.memory import return_freed_blocks
 
     return_freed_blocks()  # as in the main process (ovshard.compile.compile_bundle)
-    ckpt = open_source(checkpoint)
+    with watchdog.one_blas_thread():  # as in the main process: numpy's BLAS never hands work to its own threads
+        _job_piece(open_source(checkpoint), job, passes_of, max_positions, cache_root, scratch, piece_bytes)
+
+
+def _job_piece(ckpt: Checkpoint, job: Job, passes_of: Callable[[], list[GraphPass]], max_positions: int,
+               cache_root: Path, scratch: Path, piece_bytes: int) -> None:
     b = StageBuild(ckpt, job.stage, passes_of(), [], max_positions, scratch, cache=PieceCache(cache_root),
                    piece_bytes=piece_bytes)
     joined = Assembler()

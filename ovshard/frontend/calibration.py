@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ovshard import watchdog
 from ovshard.bundle import names
 from ovshard.bundle.stage import StageSpec
 from ovshard.errors import ConfigError
@@ -218,6 +219,7 @@ def _generate(ckpt: Checkpoint, prompts: list[list[int]], tokens: int,
             if (step + 1) % 16 == 0:
                 log.info("calibration: token %d of %d (%.1f s)", step + 1 + min(map(len, prompts)), tokens,
                          time.perf_counter() - started)
+                watchdog.beat(f"calibration: token {step + 1} of {tokens}")
     del embed, head, rows  # the mapped tables; their files go with the compile's scratch folder
     return tuple(tuple(int(t) for t, m in zip(row, keep, strict=True) if m)[:tokens]
                  for row, keep in zip(ids, mask, strict=True))
@@ -291,3 +293,4 @@ class Activations:
                 self.hidden = [_layer(self.ckpt, i, h, self._context(range(i, i + 1), h.shape[1]), (empty, empty))[0]
                                for h in self.hidden]
                 self.at += 1
+                watchdog.beat(f"calibration: layer {i} run in float32")

@@ -1,0 +1,90 @@
+"""A compile that cannot hang in numpy's BLAS, and that says where it is when it makes no progress.
+
+A default (calibrated) compile was once seen to stop for good: its main thread spun in OpenBLAS's
+``exec_blas`` (a matmul of NNCF's scale estimation) waiting for a BLAS worker thread that slept in a futex and
+never took the job. ``exec_blas`` is OpenBLAS's hand-off to its own thread pool; with one BLAS thread it is never
+called (the kernel runs in the calling thread), so a compile runs numpy's BLAS on one thread
+(``threadpoolctl``). It costs nothing measurable: the default compile of SmolLM2-135M took 51.3 s with one BLAS
+thread and 53.5 s with two on 2 cores, with byte-identical weights (the heavy work is OpenVINO's and torch's,
+on their own threads).
+
+And whatever else might stop a compile, it is not silent: the compile beats a heartbeat at every piece it
+finishes (:func:`beat`), and a watchdog thread that hears none for ``stall_s`` seconds logs what the last beat
+said and the Python stack of every thread (``faulthandler``) to stderr, then again every ``stall_s`` while the
+silence lasts. It never kills the compile: a layer may be slow, not stuck.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+log = logging.getLogger(__name__)
+
+STALL_S = 600.0  # no piece for this long: report (a calibrated 128-expert layer took 49 s on 2 cores)
+
+class _Heart:
+    """When the last beat came (time.monotonic()) and what it said."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.at, self.what = time.monotonic(), "the compile started"
+
+
+_heart = _Heart()
+
+
+def beat(what: str) -> None:
+    """The compile made progress: ``what`` is done."""
+    with _heart.lock:
+        _heart.at, _heart.what = time.monotonic(), what
+
+
+def _silence() -> tuple[float, str]:
+    with _heart.lock:
+        return time.monotonic() - _heart.at, _heart.what
+
+
+def _watch(stop: threading.Event, stall_s: float) -> None:
+    reported = 0.0
+    while not stop.wait(min(stall_s / 4, 30.0)):
+        quiet, what = _silence()
+        if quiet < stall_s:
+            reported = 0.0
+        elif quiet - reported >= stall_s:
+            reported = quiet
+            log.warning("no progress for %.0f s since: %s; every thread's Python stack follows (the compile goes "
+                        "on; report this with the stacks if it never ends)", quiet, what)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+
+@contextmanager
+def one_blas_thread() -> Iterator[None]:
+    """numpy's BLAS on one thread (no-op where threadpoolctl is missing)."""
+    try:
+        from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+    except ImportError:
+        yield
+        return
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
+
+
+@contextmanager
+def guarded(stall_s: float = STALL_S) -> Iterator[None]:
+    """Run a compile with numpy's BLAS on one thread and a watchdog on its heartbeat."""
+    beat("the compile started")
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(stop, stall_s), name="ovshard-watchdog", daemon=True)
+    with one_blas_thread():
+        watcher.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            watcher.join()
