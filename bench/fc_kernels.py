@@ -115,16 +115,6 @@ def copy_bandwidth(threads: int, megabytes: float = 512) -> float:
     return best
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="2048x8192,576x1536", help="KxN pairs (hidden x intermediate)")
@@ -157,6 +147,8 @@ def main() -> int:
                         row["GMAC/s"] = round(args.rows * nbytes * 8 / BITS[fmt] / seconds / 1e9, 1)
                     rows.append(row)
                     log(" ".join(f"{key}={value}" for key, value in row.items()))
+    from ovshard.runtime.engine.cpu import cpu_name
+
     machine = {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "versions": {"openvino": ov.get_version()}}
     command = "CI=true .venv/bin/python bench/fc_kernels.py " + " ".join(sys.argv[1:])
     doc = {"target": "the format and setting fastest per instruction set (the bundle's CPU hints)", "rows": rows,

@@ -30,14 +30,6 @@ class LlamaBuild:
         return self.bins / name
 
 
-def cpu_has_amx() -> bool:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    return "amx_tile" in flags.split()
-
-
 def build(tree: Path, targets: tuple[str, ...], folder: str = "build", extra_flags: str = "",
           log=print) -> Path:  # noqa: ANN001  (a message sink)
     """``targets`` built native into ``tree/folder`` (once); returns the folder's bin/."""
@@ -67,7 +59,9 @@ def one_token_runs(bins: Path, gguf: Path) -> bool:
 def fastest(tree: Path, targets: tuple[str, ...], probe: Path, log=print) -> LlamaBuild:  # noqa: ANN001
     """The native build where it runs ``probe`` (AMX in it when the CPU has AMX), else the one without AMX."""
     bins = build(tree, targets, log=log)
-    if not cpu_has_amx():
+    from ovshard.runtime.engine.cpu import cpu_flags
+
+    if "amx_tile" not in cpu_flags():
         return LlamaBuild(tree, bins, "native build (this CPU has no AMX)")
     if one_token_runs(bins, probe):
         return LlamaBuild(tree, bins, "native build with AMX (checked: a one-token run works)")

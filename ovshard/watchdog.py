@@ -50,13 +50,19 @@ def _silence() -> tuple[float, str]:
         return time.monotonic() - _heart.at, _heart.what
 
 
+def due(quiet: float, reported: float, stall_s: float) -> bool:
+    """Whether a silence of ``quiet`` seconds, last reported at ``reported`` seconds into it (0: not yet), is to
+    be reported now: once it reaches ``stall_s``, then every ``stall_s`` more."""
+    return quiet >= stall_s and quiet - reported >= stall_s
+
+
 def _watch(stop: threading.Event, stall_s: float) -> None:
     reported = 0.0
     while not stop.wait(min(stall_s / 4, 30.0)):
         quiet, what = _silence()
         if quiet < stall_s:
             reported = 0.0
-        elif quiet - reported >= stall_s:
+        elif due(quiet, reported, stall_s):
             reported = quiet
             log.warning("no progress for %.0f s since: %s; every thread's Python stack follows (the compile goes "
                         "on; report this with the stacks if it never ends)", quiet, what)
@@ -65,12 +71,9 @@ def _watch(stop: threading.Event, stall_s: float) -> None:
 
 @contextmanager
 def one_blas_thread() -> Iterator[None]:
-    """numpy's BLAS on one thread (no-op where threadpoolctl is missing)."""
-    try:
-        from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
-    except ImportError:
-        yield
-        return
+    """numpy's BLAS on one thread (threadpoolctl: a compile dependency)."""
+    from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+
     with threadpool_limits(limits=1, user_api="blas"):
         yield
 

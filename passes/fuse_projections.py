@@ -136,9 +136,9 @@ def _fused_name(members: list[Weight]) -> str:
 def fuse(members: list[Weight]) -> ov.Node:
     """Replace ``members`` (MatMuls of one input, weights of one signature) by one MatMul and a VariadicSplit
     along the last axis; returns the split."""
-    rows = [m.rows for m in members]
+    rows, name = [m.rows for m in members], _fused_name(members)
     x = members[0].matmul.input_value(0)
-    w: ov.Output = _stacked([m.stored for m in members], _fused_name(members)).output(0)
+    w: ov.Output = _stacked([m.stored for m in members], name).output(0)
     for i, step in enumerate(members[0].steps):
         kind = step.node.get_type_name()
         if kind == "Convert":
@@ -147,11 +147,11 @@ def fuse(members: list[Weight]) -> ov.Node:
             w = ops.reshape(w, ops.constant(np.array([sum(rows), *step.node.get_output_shape(0)[1:]], np.int64)),
                             False).output(0)
         else:
-            side: ov.Output = _stacked([m.steps[i].side for m in members], f"{_fused_name(members)}/{kind}").output(0)
+            side: ov.Output = _stacked([m.steps[i].side for m in members], f"{name}/{kind}").output(0)
             if step.side_convert is not None:
                 side = ops.convert(side, step.side_convert).output(0)
             w = (ops.multiply(w, side) if kind == "Multiply" else ops.subtract(w, side)).output(0)
-    product = ops.matmul(x, w, False, True, name=f"{_fused_name(members)}/MatMul")  # [..., sum of rows]
+    product = ops.matmul(x, w, False, True, name=f"{name}/MatMul")  # [..., sum of rows]
     split = ops.variadic_split(product, ops.constant(np.int64(-1)), ops.constant(np.array(rows, np.int64)))
     for n, member in enumerate(members):
         member.matmul.output(0).replace(split.output(n))

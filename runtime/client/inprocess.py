@@ -26,7 +26,7 @@ from ovshard.runtime.decoding import decode
 from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.decoding.speculative import Speculation
 from ovshard.runtime.engine.blocks import blocks_for
-from ovshard.runtime.engine.paged import PagedRows, PagedStage, compile_paged
+from ovshard.runtime.engine.paged import BLOCK_SIZE, PagedRows, PagedStage, compile_paged
 from ovshard.runtime.engine.plugin import describe_plugin_config
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.engine.scores import Scores
@@ -34,9 +34,6 @@ from ovshard.runtime.engine.stage import Stage
 from ovshard.runtime.wire.protocol import rows_read
 
 log = logging.getLogger(__name__)
-
-PAGED_BLOCK_SIZE = 32  # positions a block of the CPU plugin's paged caches holds (engine/paged.py)
-
 
 class OneSequence:
     """A paged stage serving one sequence, with Stage's step: ids [1, T] or hidden [1, T, H] in, [1, T, H]
@@ -46,7 +43,7 @@ class OneSequence:
         if paged.num_blocks * paged.block_size < paged.max_positions:
             raise BundleError(f"a paged stage of {paged.num_blocks} blocks of {paged.block_size} positions cannot "
                               f"hold the bundle's {paged.max_positions} positions; expected blocks of "
-                              f"{PAGED_BLOCK_SIZE} (the CPU plugin's)")
+                              f"{BLOCK_SIZE} (the CPU plugin's)")
         self.paged, self.sliced = paged, paged.sliced
         self.table = range(paged.num_blocks)
 
@@ -66,7 +63,7 @@ def load_stage(bundle: Path, manifest: Manifest, index: int, core: ov.Core, devi
                config: dict[str, str] | None, slice_logits: bool, paged: bool) -> Stage | OneSequence:
     """Stage ``index`` in paged form for one sequence when ``paged`` and it converts, else stateful."""
     if paged:
-        blocks = blocks_for(manifest.runtime_hints.max_positions, PAGED_BLOCK_SIZE)
+        blocks = blocks_for(manifest.runtime_hints.max_positions, BLOCK_SIZE)
         try:
             return OneSequence(compile_paged(core, bundle, manifest, index, device, config, blocks, slice_logits))
         except PagedUnsupportedError as e:

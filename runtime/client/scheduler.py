@@ -164,8 +164,13 @@ class Scheduler:
     def _withdraw(self, request: Request) -> None:
         """``request`` was cancelled: if it still waits, it leaves the queue and ends now (a running one ends
         after its current step, on its own thread)."""
+        self._retire(request, self.admission.withdraw)
+
+    def _retire(self, request: Request, leave: Callable[[int, Pool | None, float], list[int] | None]) -> None:
+        """``request`` leaves admission by ``leave`` (finish or withdraw; None: it could not leave that way),
+        then ends, and the requests admission lets in after it start."""
         with self.lock:
-            started = self.admission.withdraw(request.index, self.pool(), time.monotonic())
+            started = leave(request.index, self.pool(), time.monotonic())
             if started is None:
                 return
             del self.requests[request.index]
@@ -185,13 +190,7 @@ class Scheduler:
         except Exception as e:  # never let a request's thread die silently: the request carries what went wrong
             request.error = OvshardError(f"request {request.index} failed: {type(e).__name__}: {e}")
         finally:
-            with self.lock:
-                started = self.admission.finish(request.index, self.pool(), time.monotonic())
-                del self.requests[request.index]
-                starting = [self.requests[i] for i in started]
-                self.idle.notify_all()
-            _end(request)
-            self._launch(starting)
+            self._retire(request, self.admission.finish)
 
     def _run(self, request: Request) -> None:
         tokens: Generator[int, None, None] = self.head.generate(request.prompt, request.config, request.stats,

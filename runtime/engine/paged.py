@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 CACHE_PREFIXES = ("key_cache.", "value_cache.")
 PAGED_OP = "PagedAttentionExtension"
 STATEFUL_OPS = ("ReadValue", "Assign", "ScaledDotProductAttention")
+BLOCK_SIZE = 32  # positions a block of the CPU plugin's paged caches holds (it types the caches so)
 _ROWS = 1  # of a cache's shape per block [kv_heads, rows, cols]: a value cache's rows are its positions
 _MASK_INPUT = 3  # of ScaledDotProductAttention (q, k, v, mask, scale)
 _SLIDING_WINDOW_INPUT = 10  # of PagedAttentionExtension (q, k, v, caches, past_lens, begins, blocks, ..., scale, window)

@@ -10,6 +10,7 @@ from pathlib import Path
 from ovshard.bundle.manifest import Manifest
 from ovshard.bundle.places import cache_root
 from ovshard.errors import OvshardError
+from ovshard.runtime.engine.paged import BLOCK_SIZE
 from ovshard.runtime.engine.stage import EXACT_HINTS
 from ovshard.runtime.wire.framing import DEFAULT_MAX_FRAME
 from ovshard.runtime.wire.transport import HANDSHAKE_TIMEOUT_S
@@ -43,7 +44,7 @@ KV_POOL_SEQUENCES = 16  # full-length sequences a paged stage's pool holds by de
 KV_POOL_MAX_TOKENS = 1 << 16  # ... but at most this many positions (memory, not a limit on any sequence)
 
 
-def kv_pool_blocks(manifest: Manifest, block_size: int = 32) -> int:
+def kv_pool_blocks(manifest: Manifest, block_size: int = BLOCK_SIZE) -> int:
     """The default paged KV pool of a stage: room for KV_POOL_SEQUENCES sequences of the bundle's
     max_positions, capped at KV_POOL_MAX_TOKENS positions but never below one full-length sequence. The
     caches are zeroed lazily by the OS, so blocks never written take no memory."""

@@ -34,19 +34,20 @@ def test_a_silent_compile_says_where_it_is(caplog: pytest.LogCaptureFixture, cap
     stack goes to stderr; the compile itself goes on."""
     with caplog.at_level(logging.WARNING, logger="ovshard.watchdog"), watchdog.guarded(stall_s=0.4):
         watchdog.beat("stage 0: layer 3 compiled")
-        time.sleep(1.5)
+        deadline = time.monotonic() + 60  # the watchdog wakes every 0.1 s; a loaded machine may be slow to run it
+        while not any("no progress for" in m for m in caplog.messages) and time.monotonic() < deadline:
+            time.sleep(0.1)
     assert any("no progress for" in m and "stage 0: layer 3 compiled" in m for m in caplog.messages), caplog.messages
     err = capfd.readouterr().err
     assert "test_a_silent_compile_says_where_it_is" in err and "Thread" in err, err[-2000:]
 
 
-def test_a_beating_compile_is_not_reported(caplog: pytest.LogCaptureFixture) -> None:
-    """Beats more often than the stall time: nothing is reported."""
-    with caplog.at_level(logging.WARNING, logger="ovshard.watchdog"), watchdog.guarded(stall_s=0.6):
-        for n in range(8):
-            time.sleep(0.15)
-            watchdog.beat(f"piece {n}")
-    assert not [m for m in caplog.messages if "no progress" in m]
+def test_a_silence_is_reported_when_it_reaches_the_stall_time_then_every_stall_time() -> None:
+    """Shorter silences are never reported; a long one at the stall time, then once per stall time more."""
+    assert not watchdog.due(quiet=9.9, reported=0.0, stall_s=10.0)
+    assert watchdog.due(quiet=10.0, reported=0.0, stall_s=10.0)
+    assert not watchdog.due(quiet=19.0, reported=10.0, stall_s=10.0)
+    assert watchdog.due(quiet=20.5, reported=10.0, stall_s=10.0)
 
 
 def test_the_default_compile_ends_under_a_load_of_numpy_threads(stories: Path, tmp_path: Path) -> None:
