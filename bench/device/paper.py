@@ -31,6 +31,9 @@ keeps what it measured):
            2/8 and 4/4 (users = concurrent streams, greedy, paged workers: continuous batching); aggregate
            tokens/s and the ratio to 1 node/1 user. llama.cpp RPC for the 2-node 1-user row: two
            ``ggml-rpc-server -t 4`` pinned likewise behind the same relays, ``llama-bench --rpc``.
+  quarter  the 70B shape's quarter as one node's stage at 1K and 8K context, and the 4-node rates it implies
+  wan      the 8B layout behind 100 ms links: naive pipeline decode against streams and prompt lookup
+           (both in bench/device/far.py)
 
     python bench/device/paper.py --work /tmp/paper --llama-src DIR [--only setup,cost,one,table] [--shapes ...]
 """
@@ -56,6 +59,7 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(HERE))
 os.environ.setdefault("CI", "true")  # no telemetry forks, also in worker processes
+import far  # noqa: E402  (bench/device/far.py)
 import tuning  # noqa: E402  (bench/device/tuning.py)
 from llama_build import fastest  # noqa: E402
 
@@ -140,11 +144,12 @@ def gguf_files(work: Path, llama_src: Path, bins: Path, shape: str, ckpt: Path) 
     return files
 
 
-def compile_bundle(ckpt: Path, out: Path, stages: int, extra: tuple[str, ...] = ()) -> dict[str, float]:
+def compile_bundle(ckpt: Path, out: Path, stages: int, extra: tuple[str, ...] = (),
+                   positions: int = 4096) -> dict[str, float]:
     """``ovshard compile`` in a child process: its wall seconds and peak RSS (GB)."""
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "ovshard.cli", "-q", "compile", str(ckpt), "-o", str(out),
-                             "--stages", str(stages), "--max-positions", "4096", "--no-cache", *extra],
+                             "--stages", str(stages), "--max-positions", str(positions), "--no-cache", *extra],
                             stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
     if status != 0:
@@ -292,8 +297,9 @@ def one_node(state: dict[str, Any], results: Results, shapes: list[str], rounds:
 # ----------------------------------------------------------------------------------------------- table
 
 
-def _workers(stack: ExitStack, bundle: str, threads: int) -> list[str]:
-    """One pinned ``ovshard serve`` per stage (node i: cores 4i..4i+3) behind a delaying, capped relay."""
+def _workers(stack: ExitStack, bundle: str, threads: int, delay_s: float = DELAY_S) -> list[str]:
+    """One pinned ``ovshard serve`` per stage (node i: cores 4i..4i+3) behind a relay delaying each way by
+    ``delay_s``, capped at 1 Gbit/s."""
     from ovshard.bundle.manifest import read_manifest
     from ovshard.runtime.client.launch import WorkerProcess, serve_command
     from ovshard.runtime.wire.wanproxy import DelayProxy
@@ -309,7 +315,7 @@ def _workers(stack: ExitStack, bundle: str, threads: int) -> list[str]:
     addresses = []
     for worker in workers:
         host, port = worker.wait_listening(600).rsplit(":", 1)
-        proxy = stack.enter_context(DelayProxy(target=(host, int(port)), latency_s=DELAY_S,
+        proxy = stack.enter_context(DelayProxy(target=(host, int(port)), latency_s=delay_s,
                                                bandwidth_bytes_per_s=LINK_BYTES_PER_S))
         addresses.append(proxy.address)
     return addresses
@@ -429,15 +435,15 @@ def profiles(state: dict[str, Any], results: Results, work: Path, shapes: list[s
 
 def markdown(data: dict[str, Any]) -> str:
     lines = [f"# ovshard on {data.get('machine', {}).get('cpu', 'this machine')}", ""]
-    for key in ("cost", "one", "table"):
+    for key in ("cost", "one", "table", "wan", "quarter"):
         part = data.get(key)
-        if not part or not part.get("rows"):
+        if not part or not part.get("rows" if key != "quarter" else "rates"):
             continue
-        rows = part["rows"]
+        rows = part["rows" if key != "quarter" else "rates"]
         cols = list(rows[0])
         lines += [f"## {key}", "", "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
         lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
-        lines += [""] + [f"- {k}: {v}" for k, v in part.items() if k != "rows"] + [""]
+        lines += [""] + [f"- {k}: {v}" for k, v in part.items() if k not in ("rows", "rates")] + [""]
     return "\n".join(lines)
 
 
@@ -485,7 +491,9 @@ def main() -> int:
              "table": lambda: table(state, results, shapes[-1], args.rounds, args.tokens, layout),
              "kernels": lambda: results.put("kernels", tuning.kernels(args.work, shapes, sorted({threads[0], threads[-1]}))),
              "settings": lambda: settings(state, results, threads, args.rounds),
-             "profile": lambda: profiles(state, results, args.work, shapes)}
+             "profile": lambda: profiles(state, results, args.work, shapes),
+             "quarter": lambda: far.quarter(sys.modules[__name__], args.work, results, 2 * NODE_CORES),
+             "wan": lambda: far.wan(sys.modules[__name__], state, args.work, results, args.rounds, args.tokens)}
     for phase in phases:
         start = time.perf_counter()
         try:
