@@ -19,6 +19,7 @@ from families import FAMILIES, write_random_checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ovshard.bundle.manifest import read_manifest
+from ovshard.bundle.plan import format_bytes
 from ovshard.bundle.weights import WeightFormat
 from ovshard.cli import main
 from ovshard.compile import CompileConfig, compile_bundle
@@ -39,6 +40,7 @@ from ovshard.tools.shapes import family_config, preset
 from ovshard.tools.synth import with_layers
 from ovshard.verify.checks import runtime_rows
 from ovshard.verify.fusion import check_cpu_fusion
+from ovshard.verify.inspect import summary
 
 
 def _weight_types(xml: Path) -> dict[str, tuple[str, list[int]]]:
@@ -130,6 +132,8 @@ def test_int4_glm4_moe_gathers_only_its_sparse_layers_and_plans_int8_per_layer_k
     assert set(manifest.weights.int8_weights) <= valid
     scored = {c.key for c in candidates(open_checkpoint(checkpoint), manifest.weights)}
     assert {"0.down", "1.experts_gate", "2.shared_up"} <= scored and "0.experts_gate" not in scored
+    shown = summary(tmp_path / "b", manifest)  # `ovshard inspect`: the plan's bytes, from the per-layer cost model
+    assert all(format_bytes(planned.weight_bytes) in shown for planned in manifest.plan.stages), shown
 
 
 def test_multi_token_prediction_layers_stored_after_the_last_are_left_unread(tmp_path: Path) -> None:
