@@ -102,6 +102,7 @@ class ArchSpec:
     expert_size_key: str = "intermediate_size"  # the config key of one expert's intermediate size
     # the config key saying whether the top-k routing weights are renormalized to sum to 1; None: always
     norm_topk_key: str | None = None
+    norm_topk_default: bool = False  # its value where config.json omits it (transformers' default for the family)
     # a shared expert every token runs (Qwen2-MoE): a gated MLP's prefix over {i}, its sigmoid gate's [1, hidden]
     # weight prefix, and the config key of its intermediate size
     shared_expert: str | None = None
@@ -239,7 +240,7 @@ GLM4_MOE = ArchSpec(
     router="model.layers.{i}.mlp.gate", router_correction="model.layers.{i}.mlp.gate.e_score_correction_bias",
     expert_gate="model.layers.{i}.mlp.experts.{e}.gate_proj", expert_up="model.layers.{i}.mlp.experts.{e}.up_proj",
     expert_down="model.layers.{i}.mlp.experts.{e}.down_proj", experts_keys=("n_routed_experts", "num_local_experts"),
-    expert_size_key="moe_intermediate_size", norm_topk_key="norm_topk_prob",
+    expert_size_key="moe_intermediate_size", norm_topk_key="norm_topk_prob", norm_topk_default=True,
     shared_expert="model.layers.{i}.mlp.shared_experts", shared_expert_count_key="n_shared_experts",
     sigmoid_routing=True, dense_rule="first_k", mtp_layers_key="num_nextn_predict_layers",
     wires=frozenset({"partial_rotary_factor", "use_qk_norm", "first_k_dense_replace", "n_group", "topk_group",

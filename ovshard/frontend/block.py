@@ -196,7 +196,7 @@ def read_block(spec: ArchSpec, config: dict[str, Any], dims: ModelDims) -> Block
         layer_types=layer_types,
         rope_keys=rope_keys,
         norm_topk=spec.moe and not spec.topk_softmax and (spec.norm_topk_key is None
-                                                          or bool(config.get(spec.norm_topk_key, False))),
+                                                          or bool(config.get(spec.norm_topk_key, spec.norm_topk_default))),
         topk_softmax=spec.topk_softmax,
         swiglu_limit=float(config["swiglu_limit"]) if "swiglu_limit" in spec.wires else None,
         swiglu_alpha=float(config.get("swiglu_alpha", 1.0)),

@@ -95,6 +95,14 @@ def test_dense_layers_are_the_ones_transformers_builds_dense(layout: str) -> Non
     assert describe(config).dims.dense_layers == dense
 
 
+def test_glm_config_keys_left_out_take_transformers_defaults() -> None:
+    """A GLM-4.5 config.json without norm_topk_prob renormalizes (Glm4MoeConfig's default), as transformers does."""
+    config = family_config("glm4_moe", norm_topk_prob=False)
+    assert not describe(config).block.norm_topk
+    del config["norm_topk_prob"]
+    assert describe(config).block.norm_topk and AutoConfig.for_model(**config).norm_topk_prob
+
+
 def test_a_dense_layer_counts_its_mlp_and_a_sparse_one_its_experts() -> None:
     """GLM-4.5-Air: layer 0 holds and reads a dense MLP of 10944; the others hold 128 experts + 1 shared and read 8
     + 1; the INT4 plan's unit (all-INT4 bytes) sums the same per-layer projections."""
