@@ -114,8 +114,8 @@ def checkpoint_facts(path: Path, shape: str, dtype: str, reused: bool) -> dict[s
 
 def stage_f32_bytes(ckpt_path: Path, start: int, end: int, first: bool, last: bool) -> int:
     """Bytes of the float32 tensors ``trace_stage`` loads for layers [start, end) (see ovshard.frontend.trace)."""
-    from ovshard.frontend.arch import layer_tensors
     from ovshard.frontend.checkpoint import open_checkpoint
+    from ovshard.frontend.tensors import layer_tensors
 
     ckpt = open_checkpoint(ckpt_path)
     spec, dims = ckpt.spec, ckpt.dims

@@ -16,6 +16,9 @@ Cases (``--cases``, comma-separated sets):
 * ``70b-big``: ``--whole-stage`` for the 70B 2- and 4-layer cuts (for a big machine).
 * ``30b-a3b``: the qwen3-30b-a3b shape (a mixture of 128 experts, 8 routed) cut to 1, 2 and 4 layers, 1 stage,
   streamed: a layer now holds 128 experts, and the memory must stay one layer's worth.
+* ``glm-air``: the glm-4.5-air shape cut to 2, 3 and 5 layers (its dense layer 0, then 1, 2 and 4 layers of 128
+  experts and a shared one), 1 stage, streamed: one sparse layer's worth, flat in layers (~40 GB of checkpoints
+  in --work; a machine with >= 64 GB).
 
 Every case runs streamed and (where listed) ``--whole-stage``, one fresh subprocess each, with
 ``CI=true`` (openvino_telemetry off: it forks the compiler, and a fork would count the parent's pages
@@ -30,6 +33,7 @@ Reproduce (from the repository root)::
     .venv/bin/python bench/compile_memory.py --sweep                 # 1b and 70b sets, ~1.5 h on 2 cores
     .venv/bin/python bench/compile_memory.py --sweep --cases 8b      # on a machine with >= 64 GB
     .venv/bin/python bench/compile_memory.py --sweep --cases 30b-a3b # ~15 GB of checkpoints in --work
+    .venv/bin/python bench/compile_memory.py --sweep --cases glm-air # ~40 GB of checkpoints, >= 64 GB of RAM
     .venv/bin/python bench/compile_memory.py --sweep --report-only --merge OTHER.json   # table + plot
 
 Writes ``bench/results/compile_memory_sweep.json`` (after every run), prints a table and draws
@@ -108,6 +112,9 @@ CASE_SETS: dict[str, list[Case]] = {
            Case("llama-3.1-8b", None, 4, True, "8B, 32 layers in 2/4 stages")],
     # a mixture of experts: a layer holds 128 experts (604M parameters, ~2.4 GB in f32), the router and attention
     "30b-a3b": [Case("qwen3-30b-a3b", n, 1, False, "Qwen3-30B-A3B cut to 1/2/4 layers, 1 stage") for n in (1, 2, 4)],
+    # GLM-4.5-Air: layer 0 dense, then 128 experts + 1 shared a layer (2.34B parameters, ~9.4 GB in f32); the cuts hold
+    # 1, 2 and 4 sparse layers after the dense one
+    "glm-air": [Case("glm-4.5-air", n, 1, False, "GLM-4.5-Air cut to 2/3/5 layers, 1 stage") for n in (2, 3, 5)],
 }
 
 

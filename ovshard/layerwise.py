@@ -28,8 +28,8 @@ from ovshard.bundle.stage import StageSpec
 from ovshard.cache import PieceCache, piece_key
 from ovshard.errors import PassError
 from ovshard.frontend import pieces
-from ovshard.frontend.arch import layer_tensors
 from ovshard.frontend.checkpoint import Checkpoint
+from ovshard.frontend.tensors import layer_tensors
 from ovshard.ir.pass_manager import Calibration, GraphPass, Instrument, PassContext, PassManager, Piece
 from ovshard.ir.splice import Assembler, RowSplicer
 

@@ -14,6 +14,7 @@ from transformers import (
     Gemma2Config,
     Gemma3Config,
     Gemma3TextConfig,
+    Glm4MoeConfig,
     GptOssConfig,
     MistralConfig,
     MixtralConfig,
@@ -148,6 +149,47 @@ def _qwen2_moe() -> PretrainedConfig:
                           rope_parameters=ROPE)
 
 
+def _qwen3_moe_dense_between() -> PretrainedConfig:
+    # layer 1 of 3 dense (mlp_only_layers) between two sparse ones: 6 experts of 24, top-4 renormalized
+    return Qwen3MoeConfig(vocab_size=320, eos_token_id=319, hidden_size=48, intermediate_size=96,
+                          moe_intermediate_size=24, num_experts=6, num_experts_per_tok=4, norm_topk_prob=True,
+                          mlp_only_layers=[1], num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=12, tie_word_embeddings=False, max_position_embeddings=128, rope_parameters=ROPE)
+
+
+def _qwen2_moe_sparse_step() -> PretrainedConfig:
+    # decoder_sparse_step 2: layers 0 and 2 of 3 dense (the first and the last), layer 1 sparse with its shared
+    # expert; 6 experts of 24, top-2
+    return Qwen2MoeConfig(vocab_size=320, eos_token_id=319, hidden_size=48, intermediate_size=96,
+                          moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=6,
+                          num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=2, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                          max_position_embeddings=128, rope_parameters=ROPE)
+
+
+def _glm4_moe() -> PretrainedConfig:
+    # GLM-4.5's block: q/k/v biased, per-head q/k norms (use_qk_norm), half of each 16-wide head rotated; layer 0
+    # dense (first_k_dense_replace 1); 8 experts of 24 in 4 groups, top-2 within the best 2 groups by sigmoid score
+    # + correction bias, renormalized and x2.5, plus a shared expert (n_shared_experts 2: 48 wide); untied
+    return Glm4MoeConfig(vocab_size=320, eos_token_id=319, hidden_size=64, intermediate_size=128,
+                         moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                         n_shared_experts=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+                         use_qk_norm=True, attention_bias=True, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, max_position_embeddings=128,
+                         rope_parameters={**ROPE, "partial_rotary_factor": 0.5})
+
+
+def _glm4_moe_air() -> PretrainedConfig:
+    # GLM-4.5-Air's choices: no q/k norms, one group, top-4 of 8 not renormalized, scale 1, one shared expert;
+    # layers 0 and 1 dense of 4; partial rotary 0.5 given at the top level as GLM's config.json does; tied
+    return Glm4MoeConfig(vocab_size=320, eos_token_id=319, hidden_size=48, intermediate_size=96,
+                         moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=4, n_group=1, topk_group=1,
+                         n_shared_experts=1, routed_scaling_factor=1.0, norm_topk_prob=False, first_k_dense_replace=2,
+                         use_qk_norm=False, attention_bias=True, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=4, head_dim=12, tie_word_embeddings=True, max_position_embeddings=128,
+                         partial_rotary_factor=0.5, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
+
 def _gpt_oss() -> PretrainedConfig:
     # attention sinks; q/k/v/o biased; sliding (8) and full layers; yarn rope; 4 experts, top-2 by logit then a
     # softmax over those two; biased router; clamped SwiGLU with a limit (0.6) low enough to clamp here
@@ -180,6 +222,10 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family(_qwen3_moe),
     "qwen3_moe_top4": Family(_qwen3_moe_top4),
     "qwen2_moe": Family(_qwen2_moe, seed=1),
+    "qwen3_moe_dense_between": Family(_qwen3_moe_dense_between),
+    "qwen2_moe_sparse_step": Family(_qwen2_moe_sparse_step),
+    "glm4_moe": Family(_glm4_moe, seed=1),
+    "glm4_moe_air": Family(_glm4_moe_air),
     "mixtral": Family(_mixtral),
     "gpt_oss": Family(_gpt_oss, max_positions=256, explicit_attention=True, seed=3),
 }
@@ -224,6 +270,9 @@ def write_random_checkpoint(family: Family, root: Path) -> Path:
             else:  # ones for w * x norms, zeros for Gemma's x * (1 + w) norms and for biases: all get noise
                 param.add_(torch.randn_like(param) * SEED_STD)
         model.get_input_embeddings().weight.normal_(0.0, family.embed_std)
+        for name, buffer in model.named_buffers():  # GLM's routing correction bias: zeros would test nothing
+            if name.endswith("e_score_correction_bias"):
+                buffer.add_(torch.randn_like(buffer) * SEED_STD)
     model.save_pretrained(root)
     return root
 
@@ -236,10 +285,23 @@ def _qwen3_moe_text() -> PretrainedConfig:
                           tie_word_embeddings=False, max_position_embeddings=512, rope_parameters=ROPE)
 
 
-def moe_with_tokenizer(stories: Path, root: Path) -> Path:
-    """A random Qwen3-MoE checkpoint that carries stories260K's tokenizer (its files linked): an MoE bundle that
-    serves text, for the API and `ovshard up` tests."""
-    write_random_checkpoint(Family(_qwen3_moe_text), root)
+def _glm4_moe_text() -> PretrainedConfig:
+    # _glm4_moe's block over stories260K's vocabulary and special tokens: layer 0 dense, 3 sparse (grouped top-2)
+    return Glm4MoeConfig(vocab_size=512, bos_token_id=1, eos_token_id=2, hidden_size=64, intermediate_size=128,
+                         moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                         n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+                         use_qk_norm=True, attention_bias=True, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, max_position_embeddings=512,
+                         rope_parameters={**ROPE, "partial_rotary_factor": 0.5})
+
+
+MOE_TEXT = {"qwen3_moe": _qwen3_moe_text, "glm4_moe": _glm4_moe_text}
+
+
+def moe_with_tokenizer(stories: Path, root: Path, model_type: str = "qwen3_moe") -> Path:
+    """A random MoE checkpoint (Qwen3-MoE, or GLM-4.5's block: ``MOE_TEXT``) that carries stories260K's tokenizer
+    (its files linked): an MoE bundle that serves text, for the API and `ovshard up` tests."""
+    write_random_checkpoint(Family(MOE_TEXT[model_type]), root)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (root / name).symlink_to(stories / name)
     return root

@@ -31,13 +31,21 @@ class ModelDims:
     num_experts: int = 0
     experts_per_token: int = 0
     expert_size: int = 0
-    shared_expert_size: int = 0
+    shared_expert_size: int = 0  # an expert every token runs (Qwen2-MoE, GLM-4.5); 0: none
     expert_projections: int = 0  # an expert's weight matrices: 3 (gate, up, down) or 2 (gate and up fused, down)
-    attention_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax (no SDPA op form)  # an expert every token runs, gated by sigmoid(x . w) (Qwen2-MoE); 0: none
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax (no SDPA op form)
+    # the layers of a mixture-of-experts model whose MLP is dense, of intermediate_size (GLM-4.5's leading
+    # layers, Qwen MoE's mlp_only_layers); every other layer holds the experts
+    dense_layers: tuple[int, ...] = ()
+    qk_norm: bool = True  # a family with q/k norms: whether this checkpoint has them (GLM-4.5's use_qk_norm)
 
     @property
     def moe(self) -> bool:
         return self.num_experts > 0
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts (not a dense layer of a MoE model)."""
+        return self.moe and layer not in self.dense_layers
 
     @property
     def kv_groups(self) -> int:

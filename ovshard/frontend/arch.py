@@ -4,7 +4,8 @@ Passes, the tracer and the tensor reader never branch on ``model_type``; they re
 (what a family stores and how its block is wired) and a :class:`~ovshard.frontend.block.Block` (the
 numbers of one checkpoint's block), both read once from its config.json into a
 :class:`~ovshard.frontend.description.ModelDescription`. Adding a family is a table entry here, the config
-keys it wires, and tests; see docs/families.md, "Adding a family".
+keys it wires, and tests; see docs/families.md, "Adding a family". What a checkpoint of a family stores,
+layer by layer (a mixture-of-experts model's dense layers included), is :mod:`ovshard.frontend.tensors`.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ DYNAMIC_ROPE_TYPES = ("dynamic",)
 # mixture-of-experts families the table does not hold, refused by name with what each would need
 UNSUPPORTED_MOE = {
     "deepseek_v2": "multi-head latent attention (MLA: low-rank compressed K/V) and grouped top-k routing",
-    "deepseek_v3": "multi-head latent attention (MLA: low-rank compressed K/V), sigmoid routing with a score "
-                   "correction bias and shared experts",
+    "deepseek_v3": "multi-head latent attention (MLA: low-rank compressed K/V with a decoupled rotary part, its "
+                   "own cache layout and yarn's attention scale); its routing and shared experts are glm4_moe's",
     "phimoe": "sparsemixer routing (a different top-2 selection than softmax top-k)",
     "olmoe": "q/k norms over the whole projection (not per head) with its MoE block",
     "llama4": "interleaved chunked/no-rope attention layers and a shared expert with sigmoid routing",
@@ -42,6 +43,11 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"
 # "from_max_window_layers": layers from max_window_layers on, when use_sliding_window (Qwen2/3);
 # "periodic": all but every window_period-th layer (Gemma 2: 2; Gemma 3: sliding_window_pattern, 6).
 WINDOW_RULES = ("none", "all", "from_max_window_layers", "periodic")
+# Which layers of a mixture-of-experts model hold a dense MLP (of intermediate_size) instead of the experts, as
+# transformers decides: "none": every layer is sparse; "sparse_step" (Qwen MoE): layer i is dense when listed in
+# mlp_only_layers or when (i + 1) is not a multiple of decoder_sparse_step; "first_k" (GLM-4.5, DeepSeek): the
+# layers below first_k_dense_replace are dense.
+DENSE_RULES = ("none", "sparse_step", "first_k")
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,7 @@ class ArchSpec:
     expert_size_key: str = "intermediate_size"  # the config key of one expert's intermediate size
     # the config key saying whether the top-k routing weights are renormalized to sum to 1; None: always
     norm_topk_key: str | None = None
+    norm_topk_default: bool = False  # its value where config.json omits it (transformers' default for the family)
     # a shared expert every token runs (Qwen2-MoE): a gated MLP's prefix over {i}, its sigmoid gate's [1, hidden]
     # weight prefix, and the config key of its intermediate size
     shared_expert: str | None = None
@@ -107,6 +114,17 @@ class ArchSpec:
     router_bias: bool = False  # the router has a bias
     topk_softmax: bool = False  # softmax over the top-k logits (gpt-oss), not top-k of a softmax over all
     sinks: str | None = None  # a learned attention-sink logit per head, a tensor over {i} (gpt-oss)
+    dense_rule: str = "none"  # which layers of a MoE model are dense: see DENSE_RULES
+    # GLM-4.5 / DeepSeek-V3 routing: sigmoid scores, a per-expert bias (this tensor over {i}) added to them for the
+    # choice only, top-k within the best topk_group of n_group groups, weights scaled by routed_scaling_factor
+    sigmoid_routing: bool = False
+    router_correction: str | None = None
+    # the shared expert's intermediate size is this config key times one expert's (GLM: n_shared_experts); None:
+    # shared_expert_size_key holds it
+    shared_expert_count_key: str | None = None
+    qk_norm_key: str | None = None  # a config key that switches the q/k norms on (GLM: use_qk_norm); None: always
+    # the config key of the multi-token-prediction layers a checkpoint stores after the last (never read)
+    mtp_layers_key: str | None = None
 
     @property
     def moe(self) -> bool:
@@ -166,6 +184,7 @@ def _names(prefix: str = "model.", *, gemma: bool = False, qk_norm: bool = False
 
 _SLIDING = frozenset({"sliding_window", "layer_types"})
 _QWEN_SLIDING = _SLIDING | {"use_sliding_window", "max_window_layers"}
+_QWEN_MOE = _QWEN_SLIDING | {"mlp_only_layers", "decoder_sparse_step"}
 _GEMMA = _SLIDING | {"query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
                      "hidden_activation", "sliding_window_pattern", "_sliding_window_pattern"}
 
@@ -198,9 +217,9 @@ QWEN3_MOE = replace(QWEN3, family="qwen3_moe", model_types=("qwen3_moe",),
                     expert_up="model.layers.{i}.mlp.experts.{e}.up_proj",
                     expert_down="model.layers.{i}.mlp.experts.{e}.down_proj",
                     experts_keys=("num_experts", "num_local_experts"), expert_size_key="moe_intermediate_size",
-                    norm_topk_key="norm_topk_prob")
+                    norm_topk_key="norm_topk_prob", dense_rule="sparse_step", wires=_QWEN_MOE)
 QWEN2_MOE = replace(QWEN3_MOE, family="qwen2_moe", model_types=("qwen2_moe",), q_norm=None, k_norm=None,
-                    qkv_bias=True, o_bias=False, wires=_QWEN_SLIDING,
+                    qkv_bias=True, o_bias=False, wires=_QWEN_MOE,
                     shared_expert="model.layers.{i}.mlp.shared_expert",
                     shared_expert_gate="model.layers.{i}.mlp.shared_expert_gate")
 GPT_OSS = ArchSpec(
@@ -216,7 +235,21 @@ MIXTRAL = replace(MISTRAL, family="mixtral", model_types=("mixtral",),
                   expert_down="model.layers.{i}.block_sparse_moe.experts.{e}.w2",
                   experts_keys=("num_local_experts",), expert_size_key="intermediate_size")
 
-FAMILIES = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3_TEXT, GEMMA3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, GPT_OSS)
+GLM4_MOE = ArchSpec(
+    family="glm4_moe", model_types=("glm4_moe",), **_names(qk_norm=True), o_bias=False, qk_norm_key="use_qk_norm",
+    router="model.layers.{i}.mlp.gate", router_correction="model.layers.{i}.mlp.gate.e_score_correction_bias",
+    expert_gate="model.layers.{i}.mlp.experts.{e}.gate_proj", expert_up="model.layers.{i}.mlp.experts.{e}.up_proj",
+    expert_down="model.layers.{i}.mlp.experts.{e}.down_proj", experts_keys=("n_routed_experts", "num_local_experts"),
+    expert_size_key="moe_intermediate_size", norm_topk_key="norm_topk_prob", norm_topk_default=True,
+    shared_expert="model.layers.{i}.mlp.shared_experts", shared_expert_count_key="n_shared_experts",
+    sigmoid_routing=True, dense_rule="first_k", mtp_layers_key="num_nextn_predict_layers",
+    wires=frozenset({"partial_rotary_factor", "use_qk_norm", "first_k_dense_replace", "n_group", "topk_group",
+                     "routed_scaling_factor", "n_shared_experts"}),
+)
+MOE_TYPES = ("glm4_moe", "gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe")  # named in the refusal of other MoE types
+
+FAMILIES = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3_TEXT, GEMMA3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, GPT_OSS,
+            GLM4_MOE)
 ARCHITECTURES: dict[str, ArchSpec] = {t: spec for spec in FAMILIES for t in spec.model_types}
 
 
@@ -231,8 +264,7 @@ def arch_for(config: dict[str, Any]) -> ArchSpec:
             needs = UNSUPPORTED_MOE.get(model_type, "its routing and expert layout described as a family")
             raise UnsupportedArchitectureError(
                 f"config.json has model_type={model_type!r}, a mixture-of-experts (MoE) model ovshard does not "
-                f"compile yet: it would need {needs}. Supported: {supported} (MoE: gpt_oss, mixtral, qwen2_moe, "
-                "qwen3_moe)."
+                f"compile yet: it would need {needs}. Supported: {supported} (MoE: {', '.join(MOE_TYPES)})."
             )
         raise UnsupportedArchitectureError(
             f"config.json has model_type={model_type!r}; ovshard supports: {supported}. A new family needs an "
@@ -240,6 +272,14 @@ def arch_for(config: dict[str, Any]) -> ArchSpec:
             "and a family test in tests/compiler/test_families.py; see docs/families.md, 'Adding a family'."
         )
     return spec
+
+
+def unread_prefixes(spec: ArchSpec, config: dict[str, Any], layers: int) -> tuple[str, ...]:
+    """Tensor name prefixes the language model never reads: other towers, and multi-token-prediction layers
+    (``spec.mtp_layers_key``: GLM-4.5 stores one after its last layer, which transformers drops too)."""
+    extra = int(config.get(spec.mtp_layers_key) or 0) if spec.mtp_layers_key else 0
+    layer = spec.input_norm.split("{i}")[0]  # "model.layers."
+    return spec.ignored_prefixes + tuple(f"{layer}{i}." for i in range(layers, layers + extra))
 
 
 def language_config(spec: ArchSpec, config: dict[str, Any]) -> dict[str, Any]:
@@ -316,6 +356,7 @@ def read_dims(spec: ArchSpec, config: dict[str, Any]) -> ModelDims:
             o_bias=attention_bias if spec.o_bias is None else spec.o_bias,
             attention_softcap=_optional_float(config.get("attn_logit_softcapping")),
             attention_sinks=spec.sinks is not None,
+            qk_norm=spec.q_norm is not None and (spec.qk_norm_key is None or bool(config.get(spec.qk_norm_key))),
             **_expert_dims(spec, config),
         )
     except KeyError as e:
@@ -329,7 +370,7 @@ def read_dims(spec: ArchSpec, config: dict[str, Any]) -> ModelDims:
     return dims
 
 
-def _expert_dims(spec: ArchSpec, config: dict[str, Any]) -> dict[str, int]:
+def _expert_dims(spec: ArchSpec, config: dict[str, Any]) -> dict[str, Any]:
     """num_experts, experts_per_token and expert_size of a MoE family's config (nothing for a dense one)."""
     if not spec.moe:
         return {}
@@ -339,109 +380,30 @@ def _expert_dims(spec: ArchSpec, config: dict[str, Any]) -> dict[str, int]:
     experts, per_token = int(count), int(config["num_experts_per_tok"])
     if not 0 < per_token <= experts:
         raise CheckpointError(f"num_experts_per_tok={per_token} must be between 1 and the {experts} experts")
-    shared = int(config[spec.shared_expert_size_key]) if spec.shared_expert else 0
-    return {"num_experts": experts, "experts_per_token": per_token, "expert_size": int(config[spec.expert_size_key]),
-            "shared_expert_size": shared, "expert_projections": 2 if spec.stacked_experts else 3}
+    size = int(config[spec.expert_size_key])
+    shared = 0
+    if spec.shared_expert and spec.shared_expert_count_key:
+        shared = size * int(config.get(spec.shared_expert_count_key) or 0)
+    elif spec.shared_expert:
+        shared = int(config[spec.shared_expert_size_key])
+    return {"num_experts": experts, "experts_per_token": per_token, "expert_size": size,
+            "shared_expert_size": shared, "expert_projections": 2 if spec.stacked_experts else 3,
+            "dense_layers": dense_layers(spec, config, int(config["num_hidden_layers"]))}
+
+
+def dense_layers(spec: ArchSpec, config: dict[str, Any], layers: int) -> tuple[int, ...]:
+    """The layers of a MoE model whose MLP is dense, by the family's rule (DENSE_RULES), as transformers builds them."""
+    if spec.dense_rule == "first_k":
+        return tuple(range(min(int(config.get("first_k_dense_replace") or 0), layers)))
+    if spec.dense_rule == "sparse_step":
+        listed = config.get("mlp_only_layers") or []
+        step = int(config.get("decoder_sparse_step") or 1)
+        if not isinstance(listed, list) or step < 1:
+            raise CheckpointError(f"config.json has mlp_only_layers={listed!r}, decoder_sparse_step={step!r}; "
+                                  "expected a list of layer indices and a step of 1 or more")
+        return tuple(i for i in range(layers) if i in listed or (i + 1) % step)
+    return ()
 
 
 def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
-
-
-def linear_shapes(dims: ModelDims) -> dict[str, tuple[int, int]]:
-    """A decoder layer's seven projections as the stage module holds them (fused ones split): key -> (out, in)."""
-    q_out, kv_out = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
-    hidden, inter = dims.hidden_size, dims.intermediate_size
-    attention = {"q": (q_out, hidden), "k": (kv_out, hidden), "v": (kv_out, hidden), "o": (hidden, q_out)}
-    if dims.moe:  # every expert's matrix stacked: [experts * out, in]; the router stays float (not listed)
-        experts, size = dims.num_experts, dims.expert_size
-        if ARCHITECTURES[dims.model_type].stacked_experts:  # gpt-oss: gate and up in one matrix, interleaved
-            return {**attention, "experts_gate_up": (experts * 2 * size, hidden),
-                    "experts_down": (experts * hidden, size)}
-        shared = dims.shared_expert_size
-        shared_linears = {"shared_gate": (shared, hidden), "shared_up": (shared, hidden),
-                          "shared_down": (hidden, shared)} if shared else {}
-        return {**attention, "experts_gate": (experts * size, hidden), "experts_up": (experts * size, hidden),
-                "experts_down": (experts * hidden, size), **shared_linears}
-    return {**attention, "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
-
-
-def layer_tensors(spec: ArchSpec, dims: ModelDims, i: int) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of layer ``i``'s tensors, as Hugging Face stores them."""
-    q_out = dims.num_heads * dims.head_dim
-    kv_out = dims.num_kv_heads * dims.head_dim
-    qkv_bias, o_bias, mlp_bias = dims.attention_bias, dims.o_bias, dims.mlp_bias
-    linear: dict[str, tuple[int, int, bool]] = {}
-    if spec.qkv_proj:
-        linear[spec.qkv_proj] = (q_out + 2 * kv_out, dims.hidden_size, qkv_bias)
-    else:
-        linear[spec.q_proj] = (q_out, dims.hidden_size, qkv_bias)
-        linear[spec.k_proj] = (kv_out, dims.hidden_size, qkv_bias)
-        linear[spec.v_proj] = (kv_out, dims.hidden_size, qkv_bias)
-    linear[spec.o_proj] = (dims.hidden_size, q_out, o_bias)
-    if spec.moe:
-        linear.update(_expert_linears(spec, dims))
-    elif spec.gate_up_proj:
-        linear[spec.gate_up_proj] = (2 * dims.intermediate_size, dims.hidden_size, mlp_bias)
-    else:
-        linear[spec.gate_proj] = (dims.intermediate_size, dims.hidden_size, mlp_bias)
-        linear[spec.up_proj] = (dims.intermediate_size, dims.hidden_size, mlp_bias)
-    if not spec.moe:
-        linear[spec.down_proj] = (dims.hidden_size, dims.intermediate_size, mlp_bias)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for template in spec.norm_templates():
-        per_head = template in (spec.q_norm, spec.k_norm)
-        shapes[template.format(i=i)] = (dims.head_dim,) if per_head else (dims.hidden_size,)
-    for prefix, (out_f, in_f, bias) in linear.items():
-        shapes[prefix.format(i=i) + ".weight"] = (out_f, in_f)
-        if bias:
-            shapes[prefix.format(i=i) + ".bias"] = (out_f,)
-    shapes.update(_stacked_expert_tensors(spec, dims, i))
-    return shapes
-
-
-def _stacked_expert_tensors(spec: ArchSpec, dims: ModelDims, i: int) -> dict[str, tuple[int, ...]]:
-    """gpt-oss's 3-D expert tensors and its attention sinks (nothing for other families)."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    if spec.stacked_experts:
-        experts, hidden, size, prefix = dims.num_experts, dims.hidden_size, dims.expert_size, spec.stacked_experts
-        prefix = prefix.format(i=i)
-        shapes |= {f"{prefix}.gate_up_proj": (experts, hidden, 2 * size),
-                   f"{prefix}.gate_up_proj_bias": (experts, 2 * size),
-                   f"{prefix}.down_proj": (experts, size, hidden), f"{prefix}.down_proj_bias": (experts, hidden)}
-    if spec.sinks:
-        shapes[spec.sinks.format(i=i)] = (dims.num_heads,)
-    return shapes
-
-
-def _expert_linears(spec: ArchSpec, dims: ModelDims) -> dict[str, tuple[int, int, bool]]:
-    """The router, every expert's gate, up and down projection and a shared expert with its gate (templates over
-    {i}; no biases)."""
-    assert spec.router
-    hidden, size = dims.hidden_size, dims.expert_size
-    linear = {spec.router: (dims.num_experts, hidden, spec.router_bias)}
-    if spec.stacked_experts:
-        return linear
-    assert spec.expert_gate and spec.expert_up and spec.expert_down
-    for e in range(dims.num_experts):
-        linear[spec.expert_gate.replace("{e}", str(e))] = (size, hidden, False)
-        linear[spec.expert_up.replace("{e}", str(e))] = (size, hidden, False)
-        linear[spec.expert_down.replace("{e}", str(e))] = (hidden, size, False)
-    if spec.shared_expert and spec.shared_expert_gate:
-        shared = dims.shared_expert_size
-        linear[spec.shared_expert + ".gate_proj"] = (shared, hidden, False)
-        linear[spec.shared_expert + ".up_proj"] = (shared, hidden, False)
-        linear[spec.shared_expert + ".down_proj"] = (hidden, shared, False)
-        linear[spec.shared_expert_gate] = (1, hidden, False)
-    return linear
-
-
-def model_tensors(spec: ArchSpec, dims: ModelDims) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of this family and these dimensions holds, in file order."""
-    shapes: dict[str, tuple[int, ...]] = {spec.embed: (dims.vocab_size, dims.hidden_size)}
-    for i in range(dims.num_layers):
-        shapes.update(layer_tensors(spec, dims, i))
-    shapes[spec.final_norm] = (dims.hidden_size,)
-    if not dims.tie_word_embeddings:
-        shapes[spec.lm_head] = (dims.vocab_size, dims.hidden_size)
-    return shapes

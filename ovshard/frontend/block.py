@@ -44,9 +44,15 @@ UNWIRED: dict[str, tuple[Any, ...]] = {
     "residual_multiplier": (None, 1.0),
     "attention_multiplier": (None,),
     "logit_scale": (None, 1.0),
-    # Qwen MoE: layers listed here (or off the sparse step) would hold a dense MLP instead of experts
+    # MoE models whose listed (or leading, or off-step) layers hold a dense MLP instead of experts
     "mlp_only_layers": (None, []),
     "decoder_sparse_step": (None, 1),
+    "first_k_dense_replace": (None, 0),
+    # sigmoid routing's groups, weight scale and shared experts (GLM-4.5, DeepSeek-V3)
+    "n_group": (None, 1),
+    "topk_group": (None, 1),
+    "routed_scaling_factor": (None, 1.0),
+    "n_shared_experts": (None, 0),
     "qkv_bias": (None, True),  # Qwen2-MoE's switch for q, k, v biases: ovshard's qwen2_moe is always biased
 }
 ALWAYS_REFUSED: dict[str, tuple[Any, ...]] = {  # no family implements these
@@ -80,6 +86,14 @@ class Block:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
     attention_sinks: bool = False  # a learned logit per head joins each attention softmax (no SDPA op form)
+    shared_expert_gated: bool = False  # the shared expert's output is scaled by sigmoid(x . w) (Qwen2-MoE)
+    # GLM-4.5's routing: sigmoid scores; the experts' score-correction bias added for the choice only; the top k
+    # chosen within the groups_per_token best of expert_groups groups (a group scored by its two best); the
+    # chosen experts' plain sigmoid scores (renormalized when norm_topk) times routed_scaling
+    sigmoid_routing: bool = False
+    expert_groups: int = 1
+    groups_per_token: int = 1
+    routed_scaling: float = 1.0
 
     def mask_kind(self, layer: int) -> str:
         return self.layer_types[layer]
@@ -170,7 +184,7 @@ def read_block(spec: ArchSpec, config: dict[str, Any], dims: ModelDims) -> Block
     final_softcap = config.get("final_logit_softcapping")
     return Block(
         norm_offset=spec.norm_offset,
-        qk_norm=spec.q_norm is not None,
+        qk_norm=spec.q_norm is not None and dims.qk_norm,
         sandwich_norms=spec.sandwich_norms,
         embed_scale=math.sqrt(dims.hidden_size) if spec.embed_scale else None,
         activation=activation(spec, config),
@@ -182,12 +196,31 @@ def read_block(spec: ArchSpec, config: dict[str, Any], dims: ModelDims) -> Block
         layer_types=layer_types,
         rope_keys=rope_keys,
         norm_topk=spec.moe and not spec.topk_softmax and (spec.norm_topk_key is None
-                                                          or bool(config.get(spec.norm_topk_key, False))),
+                                                          or bool(config.get(spec.norm_topk_key, spec.norm_topk_default))),
         topk_softmax=spec.topk_softmax,
         swiglu_limit=float(config["swiglu_limit"]) if "swiglu_limit" in spec.wires else None,
         swiglu_alpha=float(config.get("swiglu_alpha", 1.0)),
         attention_sinks=dims.attention_sinks,
+        shared_expert_gated=spec.shared_expert_gate is not None and dims.shared_expert_size > 0,
+        **_sigmoid_routing(spec, config, dims),
     )
+
+
+def _sigmoid_routing(spec: ArchSpec, config: dict[str, Any], dims: ModelDims) -> dict[str, Any]:
+    """GLM-4.5's routing fields of :class:`Block` (nothing for other families), its groups checked."""
+    if not spec.sigmoid_routing:
+        return {}
+    groups, chosen = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
+    if groups < 1 or dims.num_experts % groups or not 1 <= chosen <= groups:
+        raise UnsupportedArchitectureError(
+            f"config.json has n_group={groups}, topk_group={chosen} for {dims.num_experts} experts; expected "
+            "n_group dividing the expert count and 1 <= topk_group <= n_group")
+    if chosen * (dims.num_experts // groups) < dims.experts_per_token:
+        raise UnsupportedArchitectureError(
+            f"config.json's topk_group={chosen} groups of {dims.num_experts // groups} experts hold fewer than "
+            f"num_experts_per_tok={dims.experts_per_token}")
+    return {"sigmoid_routing": True, "expert_groups": groups, "groups_per_token": chosen,
+            "routed_scaling": float(config.get("routed_scaling_factor") or 1.0)}
 
 
 def _per_type_rope(config: dict[str, Any]) -> bool:

@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 from ovshard.bundle.dims import ModelDims
 from ovshard.errors import CheckpointError
-from ovshard.frontend.arch import ArchSpec, model_tensors
+from ovshard.frontend.arch import ArchSpec
 from ovshard.frontend.block import Block
 from ovshard.frontend.description import ModelDescription, describe
+from ovshard.frontend.tensors import model_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -317,7 +318,7 @@ class Checkpoint:
                 )
         allowed = set(expected) | ({spec.lm_head} if dims.tie_word_embeddings else set())
         extra = [n for n in self._entries if n not in allowed and not n.endswith(IGNORED_SUFFIXES)
-                 and not n.startswith(spec.ignored_prefixes)]
+                 and not n.startswith(self.description.unread_prefixes)]
         if extra:
             raise CheckpointError(
                 f"{self.path} holds {len(extra)} tensors a {dims.model_type} model does not use, e.g. "

@@ -16,7 +16,7 @@ from typing import Any
 
 from ovshard.bundle.dims import ModelDims
 from ovshard.errors import UnsupportedArchitectureError
-from ovshard.frontend.arch import ArchSpec, arch_for, language_config, read_dims
+from ovshard.frontend.arch import ArchSpec, arch_for, language_config, read_dims, unread_prefixes
 from ovshard.frontend.block import Block, RopeTable, read_block, read_rope
 
 TokenIds = int | tuple[int, ...] | None
@@ -33,6 +33,9 @@ class ModelDescription:
     bos_token_id: TokenIds  # config.json's; generation_config.json, where present, takes precedence
     eos_token_id: TokenIds
     pad_token_id: TokenIds
+    # tensor name prefixes a checkpoint may hold that the language model never reads: other towers (vision) and
+    # multi-token-prediction layers stored after the last
+    unread_prefixes: tuple[str, ...]
     # The language model's config as read, handed whole to transformers' rope init functions (which take a
     # transformers config object); nothing in ovshard reads its keys.
     language_config: Mapping[str, Any] = field(compare=False, repr=False)
@@ -52,6 +55,7 @@ def describe(config: Mapping[str, Any]) -> ModelDescription:
         bos_token_id=_token_ids(config.get("bos_token_id")),
         eos_token_id=_token_ids(config.get("eos_token_id")),
         pad_token_id=_token_ids(config.get("pad_token_id")),
+        unread_prefixes=unread_prefixes(spec, text, dims.num_layers),
         language_config=MappingProxyType(copy.deepcopy(text)),
     )
 

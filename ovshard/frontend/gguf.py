@@ -28,7 +28,6 @@ import numpy as np
 
 from ovshard.bundle import staging
 from ovshard.errors import CheckpointError
-from ovshard.frontend.arch import model_tensors
 from ovshard.frontend.checkpoint import Checkpoint
 from ovshard.frontend.description import describe
 from ovshard.frontend.gguf_config import family_of, generation_config, rebuild_config
@@ -41,6 +40,7 @@ from ovshard.frontend.gguf_layout import (
     refuse_unread_expert_layouts,
 )
 from ovshard.frontend.gguf_reader import open_reader
+from ovshard.frontend.tensors import model_tensors
 
 if TYPE_CHECKING:
     import torch

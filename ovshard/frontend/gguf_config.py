@@ -79,7 +79,21 @@ EXPERT_VARIANTS: dict[str, GGUFFamily] = {
 }
 
 
+# GGUF architectures of families ovshard compiles from safetensors but not from GGUF, with what reading them needs
+NOT_READ = {
+    "glm4moe": ("glm4_moe", "llama.cpp's GLM-4.5 layout mapped back: its leading dense blocks "
+                "(leading_dense_block_count), the routing bias exp_probs_b, the shared expert ffn_*_shexp, grouped "
+                "sigmoid routing from expert_gating_func/expert_weights_scale/expert_weights_norm, the partial rotary "
+                "from rope.dimension_count, and the next-token-prediction block it appends (nextn_predict_layers)"),
+}
+
+
 def family_of(path: Path, arch: str, meta: dict[str, Any]) -> GGUFFamily:
+    if arch in NOT_READ:
+        model_type, needs = NOT_READ[arch]
+        raise UnsupportedArchitectureError(
+            f"{path} is a GGUF of architecture {arch!r}, which ovshard does not read yet: it would need {needs}. "
+            f"Compile the model's safetensors checkpoint (model_type {model_type}) instead.")
     if arch not in FAMILIES:
         raise UnsupportedArchitectureError(
             f"{path} is a GGUF of architecture {arch!r}; ovshard reads GGUF architectures "

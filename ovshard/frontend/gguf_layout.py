@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ovshard.errors import CheckpointError
-from ovshard.frontend.arch import ArchSpec, model_tensors
+from ovshard.frontend.arch import ArchSpec
 from ovshard.frontend.gguf_config import GGUFFamily
+from ovshard.frontend.tensors import model_tensors
 
 if TYPE_CHECKING:
     from gguf import GGUFReader

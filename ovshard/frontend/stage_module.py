@@ -157,6 +157,43 @@ def _clamped_swiglu_experts(tiled: torch.Tensor, layer: Weights, blk: Block) -> 
     return down + layer.experts_down_bias[:, None]
 
 
+def route(logits: torch.Tensor, layer: Weights, d: ModelDims, blk: Block) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k experts of each token [tokens, k] and their weights, from the router's logits [tokens, experts]:
+    top k of a softmax over all (renormalized when ``blk.norm_topk``), a softmax over the top-k logits
+    (``blk.topk_softmax``), or sigmoid routing (``blk.sigmoid_routing``)."""
+    if blk.sigmoid_routing:
+        return _sigmoid_route(logits, layer, d, blk)
+    if blk.topk_softmax:
+        top_logits, top_index = torch.topk(logits, d.experts_per_token, dim=-1)  # [tokens, k]
+        top_weights = F.softmax(top_logits, dim=-1, dtype=torch.float32)
+    else:
+        top_weights, top_index = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), d.experts_per_token,
+                                            dim=-1)
+    if blk.norm_topk:
+        top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+    return top_weights, top_index
+
+
+def _sigmoid_route(logits: torch.Tensor, layer: Weights, d: ModelDims, blk: Block) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM-4.5's router (transformers' Glm4MoeTopkRouter): experts chosen by sigmoid score plus the correction bias,
+    within the best ``groups_per_token`` groups (a group scored by the sum of its two best); weighted by their
+    plain sigmoid scores, renormalized (``norm_topk``) and scaled by ``routed_scaling``."""
+    scores = torch.sigmoid(logits)  # [tokens, experts]
+    choice = scores + layer.router_correction
+    if blk.groups_per_token < blk.expert_groups:  # with every group kept, the mask changes nothing
+        groups, size = blk.expert_groups, d.num_experts // blk.expert_groups
+        group_scores = choice.view(-1, groups, size).topk(2, dim=-1)[0].sum(dim=-1)  # [tokens, groups]
+        group_index = torch.topk(group_scores, blk.groups_per_token, dim=-1)[1]
+        kept = torch.zeros_like(group_scores).scatter(1, group_index, torch.ones_like(group_scores))
+        kept = kept[:, :, None].expand(-1, groups, size).reshape(-1, d.num_experts) > 0
+        choice = torch.where(kept, choice, torch.tensor(float("-inf"), dtype=choice.dtype))
+    top_index = torch.topk(choice, d.experts_per_token, dim=-1)[1]  # [tokens, k]
+    top_weights = scores.gather(1, top_index)
+    if blk.norm_topk:
+        top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return top_weights * blk.routed_scaling, top_index
+
+
 def experts_mlp(m: torch.Tensor, layer: Weights, d: ModelDims, blk: Block) -> torch.Tensor:
     """A mixture of experts, written in the "tiled" form the CPU plugin reads only the routed experts of.
 
@@ -168,20 +205,13 @@ def experts_mlp(m: torch.Tensor, layer: Weights, d: ModelDims, blk: Block) -> to
     -> Reshape -> Unsqueeze; Multiply, ReduceSum) and turns the MatMuls into GatherMatmul ops that read the
     top-k experts' weights only: the dense math here is what the graph means, not what the plugin runs.
     A shared expert (``d.shared_expert_size``), which every token runs, is added after, scaled by the
-    sigmoid of its own one-output gate.
+    sigmoid of its own one-output gate where it has one (Qwen2-MoE; GLM-4.5's is not scaled).
     """
     b, t, hidden = m.shape
     experts = d.num_experts
     flat = m.reshape(-1, hidden)  # [tokens, hidden]
     logits = F.linear(flat, layer.router_weight, layer.router_bias)  # [tokens, experts]
-    if blk.topk_softmax:
-        top_logits, top_index = torch.topk(logits, d.experts_per_token, dim=-1)  # [tokens, k]
-        top_weights = F.softmax(top_logits, dim=-1, dtype=torch.float32)
-    else:
-        top_weights, top_index = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), d.experts_per_token,
-                                            dim=-1)
-    if blk.norm_topk:
-        top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+    top_weights, top_index = route(logits, layer, d, blk)
     routing = torch.zeros_like(logits).scatter(1, top_index, top_weights)  # [tokens, experts]
     tiled = flat.repeat(experts, 1).view(experts, -1, hidden)  # [experts, tokens, hidden]
     if blk.swiglu_limit is not None:
@@ -194,13 +224,17 @@ def experts_mlp(m: torch.Tensor, layer: Weights, d: ModelDims, blk: Block) -> to
     routed = (out * weights).sum(dim=0)  # [batch, seq, hidden]
     if not d.shared_expert_size:
         return routed
-    return routed + torch.sigmoid(F.linear(m, layer.shared_router_weight)) * gated_mlp(m, layer, blk, "shared_")
+    shared = gated_mlp(m, layer, blk, "shared_")
+    if blk.shared_expert_gated:
+        shared = torch.sigmoid(F.linear(m, layer.shared_router_weight)) * shared
+    return routed + shared
 
 
 def decoder_layer(d: ModelDims, blk: Block, layer: Weights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  mask: torch.Tensor, past_k: torch.Tensor,
-                  past_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One pre-norm decoder layer: h [batch, seq, hidden] -> (h, keys, values [batch, kv_heads, past + seq, d])."""
+                  mask: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
+                  sparse: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One pre-norm decoder layer: h [batch, seq, hidden] -> (h, keys, values [batch, kv_heads, past + seq, d]);
+    its MLP the experts when ``sparse`` (``ModelDims.sparse``), else dense."""
     b, t, _ = h.shape
     eps, offset = d.rms_norm_eps, blk.norm_offset
     x = rms_norm(h, layer.attn_norm, eps, offset)
@@ -222,7 +256,7 @@ def decoder_layer(d: ModelDims, blk: Block, layer: Weights, h: torch.Tensor, cos
         out = rms_norm(out, layer.attn_out_norm, eps, offset)
     h = h + out
     m = rms_norm(h, layer.mlp_norm, eps, offset)
-    out = experts_mlp(m, layer, d, blk) if d.moe else gated_mlp(m, layer, blk)
+    out = experts_mlp(m, layer, d, blk) if sparse else gated_mlp(m, layer, blk)
     if blk.sandwich_norms:
         out = rms_norm(out, layer.mlp_out_norm, eps, offset)
     return h + out, k, v
@@ -273,7 +307,7 @@ class Context:
         for n, (i, layer) in enumerate(zip(self.layers, weights, strict=True)):
             cos, sin = ropes[self.blk.rope_keys[i]]
             h, k, v = decoder_layer(d, self.blk, layer, h, cos, sin, masks[self.blk.mask_kind(i)],
-                                    past[2 * n], past[2 * n + 1])
+                                    past[2 * n], past[2 * n + 1], d.sparse(i))
             presents += [k, v]
         return h, presents
 

@@ -65,7 +65,8 @@ def _norms(ckpt: Checkpoint, i: int, stage: StageSpec) -> dict[str, torch.Tensor
                   "mlp_out_norm": spec.post_feedforward_norm}
     else:
         roles["mlp_norm"] = spec.post_attention_norm
-    roles |= {"q_norm": spec.q_norm, "k_norm": spec.k_norm}
+    if ckpt.block.qk_norm:
+        roles |= {"q_norm": spec.q_norm, "k_norm": spec.k_norm}
     return {role: _load(ckpt, template.format(i=i), stage) for role, template in roles.items() if template}
 
 
@@ -107,11 +108,12 @@ def _experts(ckpt: Checkpoint, i: int, stage: StageSpec) -> dict[str, tuple[torc
         "router": (_load(ckpt, router + ".weight", stage), router_bias),
         "experts_gate": (stacked(spec.expert_gate), None), "experts_up": (stacked(spec.expert_up), None),
         "experts_down": (stacked(spec.expert_down), None)}
-    if spec.shared_expert and spec.shared_expert_gate:
+    if spec.shared_expert and ckpt.dims.shared_expert_size:
         shared = spec.shared_expert.format(i=i)
         for key in ("gate", "up", "down"):
             found[f"shared_{key}"] = (_load(ckpt, f"{shared}.{key}_proj.weight", stage), None)
-        found["shared_router"] = (_load(ckpt, spec.shared_expert_gate.format(i=i) + ".weight", stage), None)
+        if spec.shared_expert_gate:
+            found["shared_router"] = (_load(ckpt, spec.shared_expert_gate.format(i=i) + ".weight", stage), None)
     return found
 
 
@@ -131,7 +133,8 @@ def load_layer(ckpt: Checkpoint, i: int, stage: StageSpec) -> Weights:
         for key, template in (("q", spec.q_proj), ("k", spec.k_proj), ("v", spec.v_proj)):
             linears[key] = linear(template, dims.attention_bias)
     linears["o"] = linear(spec.o_proj, dims.o_bias)
-    if spec.moe:
+    sparse = dims.sparse(i)
+    if sparse:
         linears.update(_experts(ckpt, i, stage))
     elif spec.gate_up_proj:
         parts = _split(*linear(spec.gate_up_proj, dims.mlp_bias), [dims.intermediate_size] * 2)
@@ -139,9 +142,11 @@ def load_layer(ckpt: Checkpoint, i: int, stage: StageSpec) -> Weights:
     else:
         linears["gate"] = linear(spec.gate_proj, dims.mlp_bias)
         linears["up"] = linear(spec.up_proj, dims.mlp_bias)
-    if not spec.moe:
+    if not sparse:
         linears["down"] = linear(spec.down_proj, dims.mlp_bias)
     extra = {"sinks": _load(ckpt, spec.sinks.format(i=i), stage)} if spec.sinks else {}
+    if sparse and spec.router_correction:
+        extra["router_correction"] = _load(ckpt, spec.router_correction.format(i=i), stage)
     return layer_weights({**_norms(ckpt, i, stage), **extra}, linears)
 
 

@@ -15,7 +15,8 @@ import math
 
 from ovshard.bundle.dims import ModelDims
 from ovshard.bundle.weights import WeightFormat
-from ovshard.frontend.arch import ArchSpec, layer_tensors, linear_shapes, model_tensors
+from ovshard.frontend.arch import ArchSpec
+from ovshard.frontend.tensors import layer_tensors, linear_shapes, model_tensors
 from ovshard.plan.partition import Block, ModelCosts
 from ovshard.plan.precision import all_int4_bytes, embedding_bytes
 
@@ -44,7 +45,7 @@ def _layer_bytes(spec: ArchSpec, dims: ModelDims, fmt: WeightFormat, i: int) -> 
     if not fmt.is_int4:
         return int(small + matrices * bytes_per_weight(fmt))
     int4 = bytes_per_weight(fmt)
-    linears = linear_shapes(dims)
+    linears = linear_shapes(dims, i)
     if fmt.int8_weights:
         kept = sum(math.prod(linears[k.split(".")[1]]) for k in fmt.int8_weights if int(k.split(".")[0]) == i)
         return int(small + matrices * int4 + kept * (1.0 - int4))
@@ -54,9 +55,10 @@ def _layer_bytes(spec: ArchSpec, dims: ModelDims, fmt: WeightFormat, i: int) -> 
 
 
 def _layer_block(spec: ArchSpec, dims: ModelDims, fmt: WeightFormat, i: int, kv: int) -> Block:
-    """Layer ``i``: its memory counts every expert; a decode step reads only the routed ones (top-k of all)."""
+    """Layer ``i``: its memory counts every expert; a decode step reads only the routed ones (top-k of all). A
+    dense layer of a MoE model is read whole."""
     weight_bytes = _layer_bytes(spec, dims, fmt, i)
-    if not dims.moe:
+    if not dims.sparse(i):
         return Block(f"layer.{i}", "layer", i, weight_bytes, kv)
     elements = sum(math.prod(s) for s in layer_tensors(spec, dims, i).values())
     experts = 3 * dims.num_experts * dims.expert_size * dims.hidden_size

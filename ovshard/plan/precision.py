@@ -24,7 +24,7 @@ import numpy as np
 from ovshard.bundle.dims import ModelDims
 from ovshard.bundle.stage import StageSpec
 from ovshard.bundle.weights import WeightFormat
-from ovshard.frontend.arch import linear_shapes
+from ovshard.frontend.tensors import linear_shapes
 
 if TYPE_CHECKING:
     from ovshard.frontend.checkpoint import Checkpoint
@@ -91,8 +91,8 @@ def all_int4_bytes(dims: ModelDims, fmt: WeightFormat = BASE) -> float:
     """Bytes of the model's matrices with every decoder weight in ``fmt``'s INT4 and the embedding and lm_head
     in INT8, as a bundle of two or more stages stores them (a tied embedding in the first and the last stage)."""
     ends = 2 * embedding_bytes(dims, fmt)
-    layer = sum(int4_bytes(fmt, o, i) for o, i in linear_shapes(dims).values())
-    return ends + dims.num_layers * layer
+    return ends + sum(int4_bytes(fmt, o, i) for layer in range(dims.num_layers)
+                      for o, i in linear_shapes(dims, layer).values())
 
 
 def candidates(ckpt: Checkpoint, fmt: WeightFormat) -> list[Candidate]:
@@ -100,11 +100,10 @@ def candidates(ckpt: Checkpoint, fmt: WeightFormat) -> list[Candidate]:
     from ovshard.frontend.trace import load_layer
 
     dims, found = ckpt.dims, []
-    shapes = linear_shapes(dims)
     whole = StageSpec(0, 1, 0, dims.num_layers)
     for i in range(dims.num_layers):
         layer = load_layer(ckpt, i, whole)
-        for key, (out_f, in_f) in shapes.items():
+        for key, (out_f, in_f) in linear_shapes(dims, i).items():
             if fmt.group_for(in_f) is None:
                 continue  # NNCF stores it in INT8 anyway
             weight = getattr(layer, f"{key}_weight").numpy().reshape(out_f, in_f)  # experts: [experts * out, in]

@@ -88,6 +88,12 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                 "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}},
+    "glm4_moe": {**_common("Glm4MoeForCausalLM", "glm4_moe"), "attention_bias": True, "first_k_dense_replace": 1,
+                 "head_dim": 16, "moe_intermediate_size": 32, "n_group": 1, "n_routed_experts": 8,
+                 "n_shared_experts": 1, "norm_topk_prob": True, "num_experts_per_tok": 2,
+                 "num_nextn_predict_layers": 0, "output_router_logits": False, "routed_scaling_factor": 1.0,
+                 "topk_group": 1, "use_qk_norm": False,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
     "mixtral": {**_common("MixtralForCausalLM", "mixtral"), "head_dim": 16, "num_experts_per_tok": 2,
                 "num_local_experts": 4, "output_router_logits": False, "router_aux_loss_coef": 0.001,
                 "router_jitter_noise": 0.0, "sliding_window": None},
@@ -256,6 +262,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         head_dim=128, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
         max_position_embeddings=32768, rms_norm_eps=1e-5, router_aux_loss_coef=0.02, initializer_range=0.02,
         dtype=BF16, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "glm-4.5-air": family_config(  # 128 routed experts of 1408 + 1 shared, 8 routed a token, layer 0 dense:
+        # 106B parameters, 12B active; the release's multi-token-prediction layer (46) is not written (never read)
+        "glm4_moe", hidden_size=4096, num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8,
+        head_dim=128, intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=128, n_shared_experts=1,
+        num_experts_per_tok=8, first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+        norm_topk_prob=True, use_qk_norm=False, attention_bias=True, vocab_size=151552,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, num_nextn_predict_layers=1, bos_token_id=None,
+        eos_token_id=[151329, 151336, 151338], pad_token_id=151329, initializer_range=0.02, dtype=BF16,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
     ),
     "gpt-oss-20b": family_config(  # 32 experts of 2880, 4 routed a token: 20.9B parameters (stored here in bf16;
         # the release stores its experts in MXFP4, which ovshard refuses until dequantized)

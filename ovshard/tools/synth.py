@@ -35,9 +35,10 @@ import numpy as np
 from ovshard.bundle.dims import ModelDims
 from ovshard.bundle.plan import format_bytes
 from ovshard.errors import CheckpointError, OvshardError, PlanError
-from ovshard.frontend.arch import ARCHITECTURES, ArchSpec, model_tensors
+from ovshard.frontend.arch import ARCHITECTURES, ArchSpec
 from ovshard.frontend.checkpoint import CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from ovshard.frontend.description import ModelDescription, describe
+from ovshard.frontend.tensors import model_tensors, norm_templates
 from ovshard.plan.partition import parse_budgets
 from ovshard.tools.shapes import SHAPES, family_config, llama_config, preset, resize_layer_types
 
@@ -89,7 +90,7 @@ def tensor_chunks(name: str, numel: int, *, std: float, mean: float = 0.0, seed:
 
 def _norm_names(spec: ArchSpec, dims: ModelDims) -> set[str]:
     """Every RMSNorm scale of the checkpoint: the final norm and each layer's (q/k norms included)."""
-    return {spec.final_norm} | {t.format(i=i) for i in range(dims.num_layers) for t in spec.norm_templates()}
+    return {spec.final_norm} | {t.format(i=i) for i in range(dims.num_layers) for t in norm_templates(spec, dims)}
 
 
 def _plan_shards(sizes: dict[str, int], max_shard_bytes: int | None) -> list[list[str]]:

@@ -21,7 +21,7 @@ import openvino as ov
 
 from ovshard.bundle.manifest import Manifest, read_manifest, verify_files
 from ovshard.errors import ConfigError
-from ovshard.verify.fusion import explicit_attention_layers, runtime_fusion
+from ovshard.verify.fusion import explicit_attention_layers, moe_layers, runtime_fusion
 from ovshard.verify.rows import Row
 
 
@@ -101,7 +101,7 @@ def runtime_rows(bundle: Path, m: Manifest, device: str, core: ov.Core) -> list[
         compiled = core.compile_model(str(bundle / entry.model_xml), device)
         layers = entry.layers[1] - entry.layers[0]
         fusion = runtime_fusion(compiled, entry.index, layers, explicit_attention_layers(m, layers),
-                                layers if m.architecture.moe else 0, m.architecture.expert_projections)
+                                moe_layers(m, entry.layers), m.architecture.expert_projections)
         rows.append(Row(entry.index, "KV-fused SDPA (beam_idx + 2 MemoryInput)", str(fusion.expected_fused),
                         str(fusion.fused_sdpa), _verdict(fusion.fused_sdpa == fusion.expected_fused)))
         if fusion.moe_layers:

@@ -77,6 +77,11 @@ def explicit_attention_layers(manifest, layers: int) -> int:
     return layers if arch.attention_softcap is not None or arch.attention_sinks else 0
 
 
+def moe_layers(manifest, layers: tuple[int, int]) -> int:
+    """How many of the layers [start, end) hold a mixture of experts (a MoE model's dense layers do not)."""
+    return sum(manifest.architecture.sparse(i) for i in range(*layers))
+
+
 def runtime_fusion(compiled: ov.CompiledModel, stage: int, layers: int, explicit_layers: int = 0,
                    moe_layers: int = 0, expert_projections: int = 0) -> FusionReport:
     ops = compiled.get_runtime_model().get_ordered_ops()
@@ -95,7 +100,6 @@ def check_cpu_fusion(bundle: Path, manifest, core: ov.Core | None = None) -> lis
     for entry in manifest.stages:
         compiled = core.compile_model(str(Path(bundle) / entry.model_xml), "CPU")
         layers = entry.layers[1] - entry.layers[0]
-        moe_layers = layers if manifest.architecture.moe else 0
         reports.append(runtime_fusion(compiled, entry.index, layers, explicit_attention_layers(manifest, layers),
-                                      moe_layers, manifest.architecture.expert_projections))
+                                      moe_layers(manifest, entry.layers), manifest.architecture.expert_projections))
     return reports

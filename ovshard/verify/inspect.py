@@ -33,7 +33,8 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def summary(bundle: Path, m: Manifest) -> str:
-    """Stage table, pass log with timings, and the I/O of each stage."""
+    """Stage table, the partition plan's bytes (weights, KV cache per token, memory), pass log with timings, and the
+    I/O of each stage."""
     size = {e.index: sum((bundle / f).stat().st_size for f in e.sha256) for e in m.stages}
     stages = [["stage", "layers", "model", "size", "states"]] + [
         [str(e.index), f"[{e.layers[0]}, {e.layers[1]})", e.model_xml, f"{size[e.index] / 2**20:.1f} MiB",
@@ -54,8 +55,9 @@ def summary(bundle: Path, m: Manifest) -> str:
     head = (f"bundle {bundle}  ({m.source.model_type}, {m.architecture.num_layers} layers, "
             f"{m.num_stages} stages, {m.plan.strategy} plan{_part_note(m)})\nweights: {weights}\ntokenizer: {tok}\n"
             f"source: {m.source.path} ({m.source.frontend} front end)\nfingerprint: {m.source.fingerprint}")
-    return "\n\n".join([head, _table(stages), "pass log (pipeline order per stage):\n" + _table(log),
-                        "\n".join(io)])
+    plan = f"partition plan ({m.plan.strategy}; memory at {m.plan.context_tokens} tokens of context):\n"
+    return "\n\n".join([head, _table(stages), plan + m.plan.format_table(),
+                        "pass log (pipeline order per stage):\n" + _table(log), "\n".join(io)])
 
 
 def _part_note(m: Manifest) -> str:

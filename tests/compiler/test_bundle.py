@@ -13,8 +13,8 @@ from conftest import compile_fp32, run_greedy
 from ovshard.bundle import names
 from ovshard.bundle.manifest import read_manifest, verify_files
 from ovshard.bundle.stage import StageSpec
-from ovshard.frontend.arch import layer_tensors
 from ovshard.frontend.checkpoint import open_checkpoint
+from ovshard.frontend.tensors import layer_tensors
 from ovshard.frontend.trace import trace_stage
 from ovshard.tools.synth import llama_config, write_checkpoint
 

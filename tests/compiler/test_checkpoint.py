@@ -14,8 +14,8 @@ from conftest import STORIES
 from safetensors import safe_open
 
 from ovshard.errors import CheckpointError, UnsupportedArchitectureError
-from ovshard.frontend.arch import model_tensors
 from ovshard.frontend.checkpoint import INDEX_FILE, SINGLE_FILE, open_checkpoint
+from ovshard.frontend.tensors import model_tensors
 from ovshard.tools.synth import preset, write_checkpoint
 
 needs_stories = pytest.mark.skipif(not STORIES.is_dir(), reason=f"{STORIES} is not present")

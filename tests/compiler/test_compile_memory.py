@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from ovshard.frontend.arch import layer_tensors
 from ovshard.frontend.description import describe
+from ovshard.frontend.tensors import layer_tensors
 from ovshard.tools.synth import llama_config, write_checkpoint
 
 sys.path.insert(0, str(REPO / "bench"))

@@ -22,7 +22,7 @@ from conftest import REPO, STORIES
 from ovshard.bundle.manifest import read_manifest, read_part_manifest
 from ovshard.bundle.weights import DEFAULT_DATA_AWARE, WeightFormat
 from ovshard.compile import CompileConfig, compile_bundle
-from ovshard.frontend.arch import linear_shapes
+from ovshard.frontend.tensors import linear_shapes
 from ovshard.runtime.client.inprocess import LocalPipeline
 from ovshard.runtime.engine.stage import EXACT_HINTS
 from ovshard.tools.shapes import preset
@@ -101,7 +101,7 @@ def test_per_weight_formats_do_not_depend_on_the_stage_count(int4_bundles: dict[
     assert chosen and all(read_manifest(b).weights.int8_weights == chosen for b in int4_bundles.values())
     # 35 decoder weights (stored alone or row-stacked by FuseProjectionsPass, so counted in elements): the 5 downs
     # (172 inputs, no INT4 group fits) and the chosen ones INT8, the rest INT4 (int4_sym: i4)
-    sizes = {key: rows * cols for key, (rows, cols) in linear_shapes(manifest.architecture).items()}
+    sizes = {key: rows * cols for key, (rows, cols) in linear_shapes(manifest.architecture, 0).items()}
     elements: Counter = Counter()
     for (_, kind, shape, _), count in one.items():
         if shape[0] != vocab:

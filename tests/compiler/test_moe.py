@@ -1,8 +1,9 @@
 """Mixtures of experts beyond exactness (tests/compiler/test_families.py proves the fp32 rows against HF): the
 default INT4 compile keeps the router f32 and each expert INT4 while the CPU plugin still reads only the routed
-experts; the planner counts a layer's memory by all its experts and its step by the routed ones; a cut of
-the Qwen3-30B-A3B preset (its 128 experts, top 8) compiles from ``ovshard synth``; and speculative decoding
-over stage worker processes runs an MoE bundle unchanged."""
+experts; the planner counts a layer's memory by all its experts and its step by the routed ones; dense layers
+among sparse ones are the layers transformers builds dense, and every count follows them; a cut of the
+Qwen3-30B-A3B preset (its 128 experts, top 8) compiles from ``ovshard synth``; and speculative decoding over
+stage worker processes runs an MoE bundle unchanged."""
 
 from __future__ import annotations
 
@@ -12,15 +13,22 @@ from pathlib import Path
 
 import openvino as ov
 import pytest
+import torch
 from conftest import compile_fp32
 from families import FAMILIES, write_random_checkpoint
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from ovshard.bundle.manifest import read_manifest
+from ovshard.bundle.plan import format_bytes
 from ovshard.bundle.weights import WeightFormat
 from ovshard.cli import main
 from ovshard.compile import CompileConfig, compile_bundle
+from ovshard.errors import CheckpointError
+from ovshard.frontend.checkpoint import open_checkpoint
 from ovshard.frontend.description import describe
+from ovshard.frontend.tensors import linear_shapes
 from ovshard.plan.costs import bytes_per_weight, model_costs
+from ovshard.plan.precision import candidates
 from ovshard.runtime.client.head import Head
 from ovshard.runtime.client.inprocess import LocalPipeline
 from ovshard.runtime.client.launch import local_workers
@@ -28,10 +36,11 @@ from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.decoding.speculative import make_speculation
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.engine.stage import EXACT_HINTS
-from ovshard.tools.shapes import preset
+from ovshard.tools.shapes import family_config, preset
 from ovshard.tools.synth import with_layers
 from ovshard.verify.checks import runtime_rows
 from ovshard.verify.fusion import check_cpu_fusion
+from ovshard.verify.inspect import summary
 
 
 def _weight_types(xml: Path) -> dict[str, tuple[str, list[int]]]:
@@ -64,6 +73,90 @@ def test_int4_compile_keeps_the_router_f32_and_gathers_int4_experts(tmp_path: Pa
         kind, shape = weights[f"0.{key}_weight"]
         if f"0.{key}" not in int8_kept:
             assert kind in ("i4", "u4") and shape[0] == 8 and len(shape) == 4, (key, kind, shape)  # [E, out, groups, g]
+
+
+DENSE_LAYOUTS = {  # config keys that make some layers of a 6-layer MoE model dense
+    "mlp_only_layers": ("qwen3_moe", {"mlp_only_layers": [1, 3]}),
+    "decoder_sparse_step": ("qwen3_moe", {"decoder_sparse_step": 3}),
+    "both": ("qwen3_moe", {"mlp_only_layers": [5], "decoder_sparse_step": 2}),
+    "first_k_dense_replace": ("glm4_moe", {"first_k_dense_replace": 2}),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(DENSE_LAYOUTS))
+def test_dense_layers_are_the_ones_transformers_builds_dense(layout: str) -> None:
+    """The layers ovshard reads as dense are those whose transformers module has no experts, for each rule."""
+    model_type, overrides = DENSE_LAYOUTS[layout]
+    config = family_config(model_type, num_hidden_layers=6, **overrides)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    dense = tuple(i for i, layer in enumerate(model.model.layers) if not hasattr(layer.mlp, "experts"))
+    assert dense and len(dense) < 6
+    assert describe(config).dims.dense_layers == dense
+
+
+def test_glm_config_keys_left_out_take_transformers_defaults() -> None:
+    """A GLM-4.5 config.json without norm_topk_prob renormalizes (Glm4MoeConfig's default), as transformers does."""
+    config = family_config("glm4_moe", norm_topk_prob=False)
+    assert not describe(config).block.norm_topk
+    del config["norm_topk_prob"]
+    assert describe(config).block.norm_topk and AutoConfig.for_model(**config).norm_topk_prob
+
+
+def test_a_dense_layer_counts_its_mlp_and_a_sparse_one_its_experts() -> None:
+    """GLM-4.5-Air: layer 0 holds and reads a dense MLP of 10944; the others hold 128 experts + 1 shared and read 8
+    + 1; the INT4 plan's unit (all-INT4 bytes) sums the same per-layer projections."""
+    model = describe(preset("glm-4.5-air"))
+    d, fmt = model.dims, WeightFormat("int4_asym", 128, ratio=1.0, budget=1.0)
+    assert d.dense_layers == (0,) and d.shared_expert_size == 1408 and d.sparse(1) and not d.sparse(0)
+    layers = [b for b in model_costs(model.arch, d, fmt).blocks if b.kind == "layer"]
+    per_weight = bytes_per_weight(fmt)
+    attention = d.hidden_size * d.head_dim * (2 * d.num_heads + 2 * d.num_kv_heads)
+    dense, expert = 3 * d.hidden_size * d.intermediate_size, 3 * d.hidden_size * d.expert_size
+    router = d.num_experts * d.hidden_size
+    assert layers[0].weight_bytes == pytest.approx((attention + dense) * per_weight, rel=0.02)
+    assert layers[0].read_bytes is None  # all of it
+    assert layers[1].weight_bytes == pytest.approx((attention + router + 129 * expert) * per_weight, rel=0.02)
+    assert layers[1].read_bytes == pytest.approx((attention + router + 9 * expert) * per_weight, rel=0.02)
+    assert {key for key in linear_shapes(d, 0)} == {"q", "k", "v", "o", "gate", "up", "down"}
+    assert {"experts_gate", "shared_down"} <= set(linear_shapes(d, 45))
+
+
+def test_int4_glm4_moe_gathers_only_its_sparse_layers_and_plans_int8_per_layer_kind(tmp_path: Path) -> None:
+    """Default INT4 of a GLM-4.5-block model (layer 0 dense) in 2 stages: GatherMatmuls for the sparse layers only,
+    every stage's KV fused, the router f32; the INT8 choice scores each layer's own projections."""
+    checkpoint = write_random_checkpoint(FAMILIES["glm4_moe"], tmp_path / "ckpt")
+    manifest = compile_bundle(CompileConfig(checkpoint, tmp_path / "b", stages=2))
+    dims = manifest.architecture
+    assert dims.dense_layers == (0,)
+    reports = check_cpu_fusion(tmp_path / "b", manifest)
+    found = [(r.stage, r.layers, r.moe_layers, r.gather_matmuls, r.fused_sdpa) for r in reports]
+    assert all(r.ok for r in reports) and sum(r.moe_layers for r in reports) == 2, found
+    assert [r.gather_matmuls for r in reports] == [3 * r.moe_layers for r in reports], found
+    weights = _weight_types(tmp_path / "b" / manifest.stages[0].model_xml)
+    assert not any(k.startswith("0.experts") for k in weights) and "0.down_weight" in weights
+    assert weights["1.router_weight"] == ("f32", [8, 64])
+    valid = {f"{i}.{key}" for i in range(dims.num_layers) for key in linear_shapes(dims, i)}
+    assert set(manifest.weights.int8_weights) <= valid
+    scored = {c.key for c in candidates(open_checkpoint(checkpoint), manifest.weights)}
+    assert {"0.down", "1.experts_gate", "2.shared_up"} <= scored and "0.experts_gate" not in scored
+    shown = summary(tmp_path / "b", manifest)  # `ovshard inspect`: the plan's bytes, from the per-layer cost model
+    assert all(format_bytes(planned.weight_bytes) in shown for planned in manifest.plan.stages), shown
+
+
+def test_multi_token_prediction_layers_stored_after_the_last_are_left_unread(tmp_path: Path) -> None:
+    """A GLM-4.5 checkpoint holds its multi-token-prediction layer after the last, as released
+    (num_nextn_predict_layers 1): the check passes it by; a tensor of any layer past that is still refused."""
+    from safetensors.torch import load_file, save_file
+
+    checkpoint = write_random_checkpoint(FAMILIES["glm4_moe"], tmp_path / "ckpt")
+    file = checkpoint / "model.safetensors"
+    state = load_file(file)
+    save_file({**state, "model.layers.3.eh_proj.weight": torch.zeros(64, 128)}, file, metadata={"format": "pt"})
+    open_checkpoint(checkpoint).validate_tensors()
+    save_file({**state, "model.layers.4.eh_proj.weight": torch.zeros(64, 128)}, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="model.layers.4.eh_proj.weight"):
+        open_checkpoint(checkpoint).validate_tensors()
 
 
 def test_placement_counts_all_experts_in_memory_and_the_routed_ones_in_a_step() -> None:

@@ -102,11 +102,14 @@ def _batch_totals(url: str) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-def test_an_moe_bundle_serves_concurrent_requests_batched_each_as_alone(stories: Path, tmp_path: Path) -> None:
-    """A 2-stage fp32 Qwen3-MoE bundle behind `ovshard api` over stage worker processes: the first answer is what
-    `ovshard run --local` prints, four clients at once each get their solo answer, and the batcher put several
-    sequences in one inference (the paged path runs the expert layers unchanged)."""
-    checkpoint = moe_with_tokenizer(stories, tmp_path / "moe")
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "glm4_moe"])
+def test_an_moe_bundle_serves_concurrent_requests_batched_each_as_alone(stories: Path, tmp_path: Path,
+                                                                        model_type: str) -> None:
+    """A 2-stage fp32 MoE bundle (Qwen3-MoE; GLM-4.5's block with a dense first layer and grouped sigmoid routing)
+    behind `ovshard api` over stage worker processes: the first answer is what `ovshard run --local` prints, four
+    clients at once each get their solo answer, and the batcher put several sequences in one inference (the paged
+    path runs the expert layers unchanged)."""
+    checkpoint = moe_with_tokenizer(stories, tmp_path / "moe", model_type)
     bundle = compile_fp32(checkpoint, tmp_path / "moe-bundle", stages=2)
     prompts = [PROMPT, "The cat", "Lily saw", "One day"]
     with api(bundle, "--streams", "4") as server:

@@ -1,0 +1,124 @@
+"""What a checkpoint of a family stores, layer by layer: tensor names and shapes, and the projections each layer
+holds as the stage module reads them.
+
+Every count of a layer (the checkpoint check, the planner's memory and step bytes, the INT8 precision plan,
+``ovshard synth``, the streamed compile's layer cache) goes through :func:`layer_tensors` or
+:func:`linear_shapes`, which follow the layer's kind: a mixture-of-experts model's dense layers
+(``ModelDims.dense_layers``) hold a gated MLP of ``intermediate_size``, its other layers the experts.
+"""
+
+from __future__ import annotations
+
+from ovshard.bundle.dims import ModelDims
+from ovshard.frontend.arch import ArchSpec
+
+
+def linear_shapes(dims: ModelDims, layer: int) -> dict[str, tuple[int, int]]:
+    """Layer ``layer``'s projections as the stage module holds them (fused ones split): key -> (out, in)."""
+    q_out, kv_out = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
+    hidden, inter = dims.hidden_size, dims.intermediate_size
+    attention = {"q": (q_out, hidden), "k": (kv_out, hidden), "v": (kv_out, hidden), "o": (hidden, q_out)}
+    if not dims.sparse(layer):
+        return {**attention, "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    # every expert's matrix stacked: [experts * out, in]; the router stays float (not listed)
+    experts, size = dims.num_experts, dims.expert_size
+    if dims.expert_projections == 2:  # gpt-oss: gate and up in one matrix, interleaved
+        return {**attention, "experts_gate_up": (experts * 2 * size, hidden), "experts_down": (experts * hidden, size)}
+    shared = dims.shared_expert_size
+    shared_linears = {"shared_gate": (shared, hidden), "shared_up": (shared, hidden),
+                      "shared_down": (hidden, shared)} if shared else {}
+    return {**attention, "experts_gate": (experts * size, hidden), "experts_up": (experts * size, hidden),
+            "experts_down": (experts * hidden, size), **shared_linears}
+
+
+def norm_templates(spec: ArchSpec, dims: ModelDims) -> tuple[str, ...]:
+    """Every per-layer RMSNorm scale tensor of this checkpoint (templates over ``{i}``): the family's, less q/k
+    norms a checkpoint leaves out (``dims.qk_norm``)."""
+    left_out = () if dims.qk_norm else tuple(t + ("" if t.endswith(".weight") else ".weight")
+                                             for t in (spec.q_norm, spec.k_norm) if t)
+    return tuple(t for t in spec.norm_templates() if t not in left_out)
+
+
+def layer_tensors(spec: ArchSpec, dims: ModelDims, i: int) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of layer ``i``'s tensors, as Hugging Face stores them."""
+    q_out = dims.num_heads * dims.head_dim
+    kv_out = dims.num_kv_heads * dims.head_dim
+    qkv_bias, o_bias, mlp_bias = dims.attention_bias, dims.o_bias, dims.mlp_bias
+    linear: dict[str, tuple[int, int, bool]] = {}
+    if spec.qkv_proj:
+        linear[spec.qkv_proj] = (q_out + 2 * kv_out, dims.hidden_size, qkv_bias)
+    else:
+        linear[spec.q_proj] = (q_out, dims.hidden_size, qkv_bias)
+        linear[spec.k_proj] = (kv_out, dims.hidden_size, qkv_bias)
+        linear[spec.v_proj] = (kv_out, dims.hidden_size, qkv_bias)
+    linear[spec.o_proj] = (dims.hidden_size, q_out, o_bias)
+    sparse = dims.sparse(i)
+    if sparse:
+        linear.update(_expert_linears(spec, dims))
+    elif spec.gate_up_proj:
+        linear[spec.gate_up_proj] = (2 * dims.intermediate_size, dims.hidden_size, mlp_bias)
+    else:
+        linear[spec.gate_proj] = (dims.intermediate_size, dims.hidden_size, mlp_bias)
+        linear[spec.up_proj] = (dims.intermediate_size, dims.hidden_size, mlp_bias)
+    if not sparse:
+        linear[spec.down_proj] = (dims.hidden_size, dims.intermediate_size, mlp_bias)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for template in norm_templates(spec, dims):
+        per_head = template in (spec.q_norm, spec.k_norm)
+        shapes[template.format(i=i)] = (dims.head_dim,) if per_head else (dims.hidden_size,)
+    for prefix, (out_f, in_f, bias) in linear.items():
+        shapes[prefix.format(i=i) + ".weight"] = (out_f, in_f)
+        if bias:
+            shapes[prefix.format(i=i) + ".bias"] = (out_f,)
+    if sparse and spec.router_correction:
+        shapes[spec.router_correction.format(i=i)] = (dims.num_experts,)
+    shapes.update(_stacked_expert_tensors(spec, dims, i, sparse))
+    return shapes
+
+
+def _stacked_expert_tensors(spec: ArchSpec, dims: ModelDims, i: int, sparse: bool) -> dict[str, tuple[int, ...]]:
+    """gpt-oss's 3-D expert tensors and its attention sinks (nothing for other families)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    if spec.stacked_experts and sparse:
+        experts, hidden, size, prefix = dims.num_experts, dims.hidden_size, dims.expert_size, spec.stacked_experts
+        prefix = prefix.format(i=i)
+        shapes |= {f"{prefix}.gate_up_proj": (experts, hidden, 2 * size),
+                   f"{prefix}.gate_up_proj_bias": (experts, 2 * size),
+                   f"{prefix}.down_proj": (experts, size, hidden), f"{prefix}.down_proj_bias": (experts, hidden)}
+    if spec.sinks:
+        shapes[spec.sinks.format(i=i)] = (dims.num_heads,)
+    return shapes
+
+
+def _expert_linears(spec: ArchSpec, dims: ModelDims) -> dict[str, tuple[int, int, bool]]:
+    """The router, every expert's gate, up and down projection and a shared expert with its gate, where the
+    family has one (templates over {i}; no biases)."""
+    assert spec.router
+    hidden, size = dims.hidden_size, dims.expert_size
+    linear = {spec.router: (dims.num_experts, hidden, spec.router_bias)}
+    if spec.stacked_experts:
+        return linear
+    assert spec.expert_gate and spec.expert_up and spec.expert_down
+    for e in range(dims.num_experts):
+        linear[spec.expert_gate.replace("{e}", str(e))] = (size, hidden, False)
+        linear[spec.expert_up.replace("{e}", str(e))] = (size, hidden, False)
+        linear[spec.expert_down.replace("{e}", str(e))] = (hidden, size, False)
+    if spec.shared_expert and dims.shared_expert_size:
+        shared = dims.shared_expert_size
+        linear[spec.shared_expert + ".gate_proj"] = (shared, hidden, False)
+        linear[spec.shared_expert + ".up_proj"] = (shared, hidden, False)
+        linear[spec.shared_expert + ".down_proj"] = (hidden, shared, False)
+        if spec.shared_expert_gate:
+            linear[spec.shared_expert_gate] = (1, hidden, False)
+    return linear
+
+
+def model_tensors(spec: ArchSpec, dims: ModelDims) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this family and these dimensions holds, in file order."""
+    shapes: dict[str, tuple[int, ...]] = {spec.embed: (dims.vocab_size, dims.hidden_size)}
+    for i in range(dims.num_layers):
+        shapes.update(layer_tensors(spec, dims, i))
+    shapes[spec.final_norm] = (dims.hidden_size,)
+    if not dims.tie_word_embeddings:
+        shapes[spec.lm_head] = (dims.vocab_size, dims.hidden_size)
+    return shapes
