@@ -29,9 +29,10 @@ from typing import Any
 from ovshard.bundle.manifest import Manifest
 from ovshard.errors import OvshardError
 from ovshard.runtime.client.head import Head
-from ovshard.runtime.client.scheduler import Busy, Request, Scheduler
+from ovshard.runtime.client.scheduler import Busy, Scheduler
 from ovshard.runtime.client.text import Text, TextStream
 from ovshard.runtime.engine.sampler import SamplingConfig
+from ovshard.runtime.scheduling.requests import Request
 from ovshard.runtime.serve.metrics import Metrics
 from ovshard.runtime.serve.openai_types import Answer, ApiError, Params, parse_messages, parse_params
 from ovshard.runtime.serve.pipeline_view import PipelineView

@@ -1,4 +1,4 @@
-"""The stage scheduler (runtime/engine/batching.py): budgets, chunked prefill, prefix reuse, preemption, rewinds.
+"""The stage scheduler (runtime/scheduling/tick_planner.py): budgets, chunked prefill, prefix reuse, preemption, rewinds.
 
 Pure bookkeeping, no OpenVINO, no sockets. ``Stage`` stands in for a paged stage: it writes each row's token id
 into the (block, slot) its plan names and predicts the next token from the ids it reads back, so a block
@@ -15,8 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ovshard.errors import ConfigError
-from ovshard.runtime.engine.batching import BatchConfig, BatchError, Sampled, StageScheduler, TickPlan
-from ovshard.runtime.engine.blocks import BlockManager, blocks_for
+from ovshard.runtime.engine.paged import blocks_for
+from ovshard.runtime.scheduling.block_tables import BlockManager
+from ovshard.runtime.scheduling.tick_planner import BatchConfig, BatchError, Sampled, TickPlan, TickPlanner
 
 BS = 4  # positions a block in these tests
 VOCAB = 5
@@ -81,7 +82,7 @@ class Head:
     """Drives a scheduler as the head would: ``depth`` plans in flight, greedy sampling, ``new`` tokens a sequence,
     drafts from ``propose(ids)`` (None: no speculation)."""
 
-    def __init__(self, sched: StageScheduler, new: dict[Hashable, int], depth: int = 1,
+    def __init__(self, sched: TickPlanner, new: dict[Hashable, int], depth: int = 1,
                  propose: Callable[[list[int]], Sequence[int]] | None = None) -> None:
         self.sched, self.new, self.depth, self.propose = sched, new, depth, propose
         self.stage = Stage()
@@ -138,8 +139,8 @@ class Head:
 
 
 def scheduler(num_blocks: int = 64, budget: int = 16, max_seqs: int = 4, chunk: int | None = None,
-              prefix_cache: bool = True, defer: bool = True) -> StageScheduler:
-    return StageScheduler(BlockManager(num_blocks, BS, prefix_cache=prefix_cache),
+              prefix_cache: bool = True, defer: bool = True) -> TickPlanner:
+    return TickPlanner(BlockManager(num_blocks, BS, prefix_cache=prefix_cache),
                           BatchConfig(budget, max_seqs, chunk, defer))
 
 

@@ -1,6 +1,6 @@
-"""The stage scheduler of continuous batching: which sequences' rows go into each inference of a paged stage.
+"""The tick planner of continuous batching: which sequences' rows go into each inference of a paged stage.
 
-Pure bookkeeping over a blocks.BlockManager (no OpenVINO, no sockets). A sequence is the token ids known so far
+Pure bookkeeping over a block_tables.BlockManager (no OpenVINO, no sockets). A sequence is the token ids known so far
 (prompt, sampled tokens, then the head's K draft tokens) and two counters::
 
     computed <= scheduled <= len(ids)    computed: positions whose KV is committed (BlockManager.computed)
@@ -42,7 +42,9 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
-from ovshard.runtime.engine.batch_types import (
+from ovshard.runtime.engine.paged import blocks_for
+from ovshard.runtime.scheduling.block_tables import BlockKey, BlockManager, Granted, prefix_keys
+from ovshard.runtime.scheduling.plan_types import (
     BatchConfig,
     BatchError,
     BatchStats,
@@ -52,10 +54,9 @@ from ovshard.runtime.engine.batch_types import (
     TickPlan,
     Work,
 )
-from ovshard.runtime.engine.blocks import BlockKey, BlockManager, Granted, blocks_for, prefix_keys
 
-# the scheduler's API: StageScheduler here, the values it takes and gives defined in batch_types.py
-__all__ = ["BatchConfig", "BatchError", "BatchStats", "PlannedRows", "Sampled", "SeqView", "StageScheduler",
+# the scheduler's API: TickPlanner here, the values it takes and gives defined in batch_types.py
+__all__ = ["BatchConfig", "BatchError", "BatchStats", "PlannedRows", "Sampled", "SeqView", "TickPlanner",
            "TickPlan", "Work"]
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class _Tick:
     dropped: list[Hashable] = field(default_factory=list)
 
 
-class StageScheduler:
+class TickPlanner:
     """Sequences, their block tables in ``blocks``, and the plan of each tick (the module docstring)."""
 
     def __init__(self, blocks: BlockManager, config: BatchConfig | None = None) -> None:
