@@ -248,6 +248,8 @@ class Engine:
         results: dict[Hashable, Sampled] = {}
         finished: list[Run] = []
         for run, new, n in zip(runs, accept_rows(runs, verified, scores, self.vocab_size), verified, strict=True):
+            if not run.emitted:  # its first answer: the prompt positions its admission found computed
+                run.request.stats.cached_tokens = self.planner.view(run.seq).cached
             run.request.move(Phase.DECODING)
             sampled = run.take(new, n, done.timings)
             if sampled.finished:

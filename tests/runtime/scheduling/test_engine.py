@@ -306,6 +306,18 @@ def test_a_request_cancelled_while_decoding_stops_at_the_next_tick_boundary() ->
     engine.close()
 
 
+def test_a_repeated_prompt_reports_the_tokens_the_prefix_cache_held() -> None:
+    """A prompt run again finds its full blocks computed: its stats.cached_tokens counts their positions."""
+    engine = engine_over(ScriptedLink())
+    prompt = list(range(2, 11))  # 9 ids: 2 full blocks of 4 before the last one
+    first = run(engine, prompt, 3)
+    first.result(30)
+    second = run(engine, prompt, 3)
+    assert second.result(30) == solo(prompt, 3)
+    assert (first.stats.cached_tokens, second.stats.cached_tokens) == (0, 8)
+    engine.close()
+
+
 def test_a_paced_request_runs_a_step_only_once_its_reader_read_every_token() -> None:
     """A paced request (Head.generate's) stays one step behind its reader: unread tokens hold its next row."""
     link = ScriptedLink()
