@@ -113,7 +113,7 @@ class Engine:
         self.runs: dict[int, Run] = {}  # by request index, in submission order
         self.by_seq: dict[int, Run] = {}
         self.ends: dict[int, Callable[[Request], None]] = {}
-        self.seqs = itertools.count()
+        self.parts = itertools.count()
         self.links = itertools.count()
         self.broken: StageFailure | None = None
         self._attach(link)
@@ -206,7 +206,7 @@ class Engine:
 
     def _add(self, run: Run) -> None:
         """``run`` as a new sequence of the planner, holding its whole history and its drafts."""
-        run.seq = next(self.seqs)
+        run.seq = next(self.parts)
         run.parked = None
         try:
             self.planner.add(run.seq, run.ids, len(run.drafts))
@@ -235,16 +235,16 @@ class Engine:
         plan = self.flight.popleft().plan
         answers = self.answers.pop(done.seq, {})
         refused = {r.stream: r.message for r in done.refused}
-        for rows in plan.seqs:
-            if rows.want and rows.seq in self.by_seq and rows.seq not in refused and rows.seq not in answers:
-                refused[int(rows.seq)] = "the last stage sent no scores for it"
+        for part in plan.parts:
+            if part.want and part.seq in self.by_seq and part.seq not in refused and part.seq not in answers:
+                refused[int(part.seq)] = "the last stage sent no scores for it"
         again = [(seq, self.by_seq.pop(seq)) for seq in refused if seq in self.by_seq]
         for _, run in again:
             self.planner.cancel(run.seq)  # none of its rows may commit: it starts again
-        answered = [(rows, self.by_seq[rows.seq]) for rows in plan.seqs if rows.want and rows.seq in self.by_seq]
+        answered = [(part, self.by_seq[part.seq]) for part in plan.parts if part.want and part.seq in self.by_seq]
         runs = [run for _, run in answered]
-        scores = [_scores(answers[rows.seq], done.timings) for rows, _ in answered]  # type: ignore[index]
-        verified = [rows.drafts for rows, _ in answered]
+        scores = [_scores(answers[part.seq], done.timings) for part, _ in answered]  # type: ignore[index]
+        verified = [part.drafts for part, _ in answered]
         results: dict[Hashable, Sampled] = {}
         finished: list[Run] = []
         for run, new, n in zip(runs, accept_rows(runs, verified, scores, self.vocab_size), verified, strict=True):
@@ -277,15 +277,15 @@ class Engine:
                 if run is not None:
                     self._end(run, OvshardError(f"request {run.request.index} outgrew the KV pool of every stage "
                                                 f"({self.planner.blocks.num_blocks} blocks)"))
-            if not plan.seqs:
+            if not plan.parts:
                 return
             wants = {}
-            for rows in plan.seqs:
-                run = self.by_seq[rows.seq]  # type: ignore[index]
+            for part in plan.parts:
+                run = self.by_seq[part.seq]  # type: ignore[index]
                 if run.request.phase is not Phase.DECODING:
                     run.request.move(Phase.PREFILLING)
-                if rows.want:
-                    wants[rows.seq] = run.want(rows.want)
+                if part.want:
+                    wants[part.seq] = run.want(part.want)
             message = tick_message(plan, wants, self.planner.blocks.block_size)
             self.flight.append(_Flight(plan, time.perf_counter()))
             self.answers[plan.tick] = {}

@@ -70,19 +70,19 @@ class PlannedRows:
 
 @dataclass(frozen=True)
 class TickPlan:
-    """One inference: ``seqs`` (rows concatenated in order); ``copies`` (src, dst) blocks to copy in every cache
+    """One inference: ``parts``, one a sequence (their rows concatenated in order); ``copies`` (src, dst) blocks to copy in every cache
     before it; ``preempted`` sequences (KV dropped, recomputed later); ``dropped`` ones, longer than the pool:
     finish them. A plan without rows is not in flight: send nothing, read its preempted and dropped lists."""
 
     tick: int
-    seqs: tuple[PlannedRows, ...]
+    parts: tuple[PlannedRows, ...]
     copies: tuple[tuple[int, int], ...] = ()
     preempted: tuple[Hashable, ...] = ()
     dropped: tuple[Hashable, ...] = ()
 
     @property
     def rows(self) -> int:
-        return sum(rows.count for rows in self.seqs)
+        return sum(part.count for part in self.parts)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ def tick_message(plan: TickPlan, wants: Mapping[Hashable, str], block_size: int)
     rows: list[p.BatchRow] = []
     tables: list[int] = []
     ids: list[int] = []
-    for planned in plan.seqs:
+    for planned in plan.parts:
         table = planned.blocks[:-(-planned.end // block_size)]
         want = wants[planned.seq] if planned.want else ""
         rows.append(p.BatchRow(int(planned.seq), planned.position, planned.count, want, len(table)))  # type: ignore[call-overload]
