@@ -149,7 +149,12 @@ class Engine:
     # ----- the loop's thread -----
     def _loop(self) -> None:
         while True:
-            wait = None if not self.flight else max(0.0, self.flight[0].sent + self.timeout - time.perf_counter())
+            if self.broken is not None and self.runs:
+                wait: float | None = 0.0  # recover before anything else
+            elif self.flight:
+                wait = max(0.0, self.flight[0].sent + self.timeout - time.perf_counter())
+            else:
+                wait = None
             try:
                 event = self.inbox.get(timeout=wait)
             except queue.Empty:

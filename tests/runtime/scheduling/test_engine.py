@@ -248,6 +248,25 @@ def test_a_failed_tick_replays_every_request_on_a_new_chain_with_the_uninterrupt
     engine.close()
 
 
+def test_a_send_that_fails_replays_every_request_without_waiting_for_another_event() -> None:
+    """Stage 0's connection refuses a tick as it is sent: the loop reconnects at once and every request still
+    finishes with its solo tokens."""
+    link, host = ScriptedLink(), ScriptedHost()
+    sent = link.send_tick
+
+    def refuse_third(batch: p.Batch) -> None:
+        if len(link.sent) == 2:
+            link.sent.append(batch)
+            raise StageFailure("stage 0 at 127.0.0.1:1: send failed: broken pipe", recoverable=True)
+        sent(batch)
+
+    link.send_tick = refuse_third  # type: ignore[method-assign]
+    engine = engine_over(link, host)
+    request = run(engine, [4, 4], 8)
+    assert request.result(30) == solo([4, 4], 8) and host.reconnects == 1 and request.stats.replays == 1
+    engine.close()
+
+
 def test_a_refused_row_starts_that_request_again_on_the_same_chain() -> None:
     """A stage refuses one row: that request replays on the same chain (no reconnect), the other is untouched."""
     link, host = ScriptedLink(), ScriptedHost()
