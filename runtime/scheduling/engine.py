@@ -113,7 +113,7 @@ class Engine:
         self.runs: dict[int, Run] = {}  # by request index, in submission order
         self.by_seq: dict[int, Run] = {}
         self.ends: dict[int, Callable[[Request], None]] = {}
-        self.parts = itertools.count()
+        self.seq_ids = itertools.count()  # a new sequence id for every (re)start
         self.links = itertools.count()
         self.broken: StageFailure | None = None
         self._attach(link)
@@ -211,7 +211,7 @@ class Engine:
 
     def _add(self, run: Run) -> None:
         """``run`` as a new sequence of the planner, holding its whole history and its drafts."""
-        run.seq = next(self.parts)
+        run.seq = next(self.seq_ids)
         run.parked = None
         try:
             self.planner.add(run.seq, run.ids, len(run.drafts))
