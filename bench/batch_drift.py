@@ -26,8 +26,7 @@ sys.path.insert(0, str(HERE))
 from report import write_rows  # noqa: E402  (bench/ is not a package)
 
 from ovshard.bundle.manifest import read_manifest  # noqa: E402
-from ovshard.runtime.engine.blocks import blocks_for  # noqa: E402
-from ovshard.runtime.engine.paged import PagedRows, PagedStage, compile_paged  # noqa: E402
+from ovshard.runtime.engine.paged import PagedRows, PagedStage, blocks_for, compile_paged  # noqa: E402
 from ovshard.runtime.engine.stage import EXACT_HINTS  # noqa: E402
 
 

@@ -27,9 +27,9 @@ sys.path.insert(0, str(HERE))
 from report import write_rows  # noqa: E402  (bench/ is not a package)
 
 from ovshard.bundle.manifest import Manifest, read_manifest  # noqa: E402
-from ovshard.runtime.engine.blocks import BlockManager, NoBlocks  # noqa: E402
 from ovshard.runtime.engine.paged import PagedRows, PagedStage, compile_paged  # noqa: E402
 from ovshard.runtime.engine.stage import EXACT_HINTS, Stage  # noqa: E402
+from ovshard.runtime.scheduling.block_tables import BlockManager, NoBlocks  # noqa: E402
 
 STORIES = HERE.parent.parent / "shared" / "models" / "stories260K"
 CONTEXT = 64

@@ -14,10 +14,10 @@ from scenarios_base import Bench, ModelSpec, median, progress, scenario
 from scenarios_streams import _aggregate, _prompts
 
 from ovshard.bundle.manifest import read_manifest
-from ovshard.runtime.client.batcher import batch_config
 from ovshard.runtime.client.head import Head
 from ovshard.runtime.client.launch import local_workers
 from ovshard.runtime.engine.sampler import SamplingConfig
+from ovshard.runtime.scheduling.ticks import batch_config
 
 STREAMS = (1, 2, 8, 16)
 THREADS_PER_STAGE = 1  # one core per stage stands in for one machine per stage
@@ -47,7 +47,7 @@ def batching(bench: Bench) -> dict[str, Any]:
                         got = _aggregate(heads[kv], _prompts(model.name, model.prompt, n), tokens, n, None)
                         samples[f"{kv} {n}"].append(got)
                         progress(f"p: {model.name} {kv} {n} streams: {got['tokens_per_s']:.1f} tok/s")
-            stats = heads["paged"].chain.batcher.stats if heads["paged"].chain.batcher else None
+            stats = heads["paged"].engine.stats if heads["paged"].engine else None
 
         def ratio(a: str, b: str, samples: dict[str, list[dict[str, float]]] = samples) -> float:
             return round(median([x["tokens_per_s"] / y["tokens_per_s"]
@@ -121,11 +121,11 @@ def prefix_reuse(bench: Bench) -> dict[str, Any]:
                     progress(f"q: {model.name} history of {len(turn)}: first token {ttft['unseen'][-1]:.3f} s, "
                              f"seen {ttft['seen'][-1]:.3f} s")
                 ratio = round(median([s / u for s, u in zip(ttft["seen"], ttft["unseen"], strict=True)]), 3)
-                batcher = head.chain.batcher
-                before = batcher.stats.blocks if batcher else None
+                engine = head.engine
+                before = engine.stats.blocks if engine else None
                 system = _text(vocab, size // 2, salt=99)
                 _aggregate(head, [[*system, 3 + i, 4 + i] for i in range(8)], 4, 8, None)
-                after = batcher.stats.blocks if batcher else None
+                after = engine.stats.blocks if engine else None
                 hits = (after.hit_tokens - before.hit_tokens) if after and before else 0
             finally:
                 head.close()

@@ -9,6 +9,15 @@ class OvshardError(Exception):
     """Base of every error ovshard raises on purpose; the CLI prints these without a traceback."""
 
 
+class StageFailure(OvshardError):
+    """A stage reported an error for a step or a tick, or its connection failed; ``recoverable``: reconnect (or
+    start the sequence again) and replay."""
+
+    def __init__(self, message: str, recoverable: bool) -> None:
+        super().__init__(message)
+        self.recoverable = recoverable
+
+
 class ConfigError(OvshardError, ValueError):
     """A setting (a command-line option or the config field it fills) is outside the values it accepts.
 

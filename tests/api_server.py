@@ -82,6 +82,6 @@ def until(check: Callable[[dict[str, float]], bool], url: str, timeout: float = 
 
 
 def idle(seen: dict[str, float]) -> bool:
-    """Nothing running, waiting or holding KV blocks, at the API and in the batcher."""
+    """Nothing running, waiting or holding KV blocks, at the API and in the engine."""
     return (seen["ovshard_active_streams"], seen["ovshard_queue_depth"], seen["ovshard_kv_blocks{state=used}"],
             seen["ovshard_batch_sequences{state=running}"], seen["ovshard_batch_sequences{state=waiting}"]) == (0,) * 5

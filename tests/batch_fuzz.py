@@ -30,7 +30,7 @@ import numpy as np
 from ovshard.bundle.manifest import bundle_fingerprint, read_manifest
 from ovshard.runtime.client.head import Head
 from ovshard.runtime.client.launch import WorkerProcess, serve_command
-from ovshard.runtime.engine.blocks import blocks_for
+from ovshard.runtime.engine.paged import blocks_for
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.wire import protocol as p
 from ovshard.runtime.wire.framing import encode, read_message

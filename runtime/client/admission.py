@@ -9,12 +9,12 @@ overtaken and none starves; a request that leaves the queue (its client went awa
     need = ceil(min(prompt + max_tokens, max_positions) / block_size)
 
 and starts once the reservations of the requests running plus its need fit the blocks every stage granted the
-head (``Pool.blocks``), while fewer than ``Pool.max_seqs`` run (the batcher's sequences at once). One request
-always starts when none runs, even one larger than the pool (the batcher then preempts, or fails it with an
+head (``Pool.blocks``), while fewer than ``Pool.max_seqs`` run (the planner's sequences at once). One request
+always starts when none runs, even one larger than the pool (the engine's planner then preempts, or fails it with an
 error saying so; never an out-of-memory crash). Stateful stages grant no pool (``pool=None``):
 STATEFUL_STREAMS run at once there.
 
-**A fixed count** (``streams=N``, ``--streams``): at most N run, whatever their size; the batcher makes the
+**A fixed count** (``streams=N``, ``--streams``): at most N run, whatever their size; the planner makes the
 surplus wait for blocks, or preempts.
 
 **The queue**: at most ``queue`` requests wait (None: no limit); one more is :class:`Refused` with
@@ -35,7 +35,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from ovshard.errors import OvshardError
-from ovshard.runtime.engine.blocks import blocks_for
+from ovshard.runtime.engine.paged import blocks_for
 
 __all__ = ["DEFAULT_QUEUE", "STATEFUL_STREAMS", "WINDOW_S", "Admission", "Pool", "Refused"]
 
@@ -49,7 +49,7 @@ WINDOW_S = 30.0  # the span the drain rate of Retry-After is measured over
 @dataclass(frozen=True)
 class Pool:
     """What one head may hold on its stages: ``blocks`` KV blocks of ``block_size`` positions (the fewest any
-    stage granted), ``max_seqs`` sequences at once (the batcher's), ``max_positions`` of the bundle."""
+    stage granted), ``max_seqs`` sequences at once (the planner's), ``max_positions`` of the bundle."""
 
     blocks: int
     block_size: int

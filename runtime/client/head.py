@@ -1,17 +1,17 @@
-"""The head: drives one or more streams through a chain of stage workers and samples tokens.
+"""The head: a chain of connections to every stage worker, and what runs requests over it.
 
 It connects to every stage under one fresh session (128 random bits), from the last stage back, and
-tells each stage where the next one listens, then for every step sends the new tokens to stage 0 and
-waits for the last stage's Result. An Open is acknowledged by every stage before the stream's first Step.
+tells each stage where the next one listens.
 
-Paged stages (the workers' default): every stream's steps go through the chain's :class:`Batcher`
-(client/batcher.py), one Batch a tick for all of them, and :class:`PagedTarget` is a stream's decode target.
-Stateful stages: each stream has its own InferRequest (KV cache) at every stage (:class:`StreamTarget`). Any
-number of threads may run streams at once: a reader thread per connection hands each Result to the step
-waiting for its ``seq`` (or to the Batcher).
+Paged stages (the workers' default): the head's :class:`Engine` (scheduling/engine.py), one loop for the
+chain, runs every request: it plans a tick of rows of all of them, sends it to stage 0 as one Batch and reads
+the last stage's answers, which the chain's reader threads hand it. :meth:`Head.generate` submits one request
+and yields its tokens. Stateful stages (``--kv stateful``, or families whose paged form is refused): each stream
+has its own InferRequest (KV cache) at every stage and its own decode loop (:class:`StreamTarget`, driven by
+decoding/decode.py); a reader thread per connection hands each Result to the step waiting for its ``seq``.
 
-Faults: when a stage goes away (connection lost, or a stage reports it lost the stream or its link),
-:class:`StreamTarget` reconnects the whole chain under a new session (retrying with backoff for
+Faults: when a stage goes away (connection lost, or a stage reports it lost the stream or its link), the
+engine replays every request (scheduling/engine.py says how) and :class:`StreamTarget` reconnects the whole chain under a new session (retrying with backoff for
 ``retry_s``), reopens its stream and replays the stream's visible tokens as one prefill, then repeats
 the step. The replayed cache holds the same tokens at the same positions, so a greedy stream finishes
 with the tokens of an uninterrupted run.
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import secrets
 import ssl
 import threading
@@ -38,17 +37,19 @@ from pathlib import Path
 import numpy as np
 
 from ovshard.bundle.manifest import Manifest, bundle_fingerprint, read_manifest
-from ovshard.errors import OvshardError
-from ovshard.runtime.client.batcher import Batcher, BatchFailure, batch_config
+from ovshard.errors import OvshardError, StageFailure
+from ovshard.runtime.client.chain import Chain
 from ovshard.runtime.decoding import decode
 from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.decoding.speculative import Speculation
-from ovshard.runtime.engine.batching import BatchConfig, BatchStats
-from ovshard.runtime.engine.blocks import BlockManager
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.engine.scores import Scores
+from ovshard.runtime.scheduling.engine import Engine, Link
+from ovshard.runtime.scheduling.plan_types import BatchConfig, BatchStats
+from ovshard.runtime.scheduling.requests import Request
+from ovshard.runtime.scheduling.ticks import batch_config
 from ovshard.runtime.wire import protocol as p
-from ovshard.runtime.wire.transport import Connection, StageUnreachable, connect
+from ovshard.runtime.wire.transport import StageUnreachable, connect
 
 log = logging.getLogger(__name__)
 
@@ -56,22 +57,13 @@ RETRY_S = 30.0
 _BACKOFF_S = (0.1, 2.0)
 
 
-class StageFailure(OvshardError):
-    """A stage reported an error, or its connection failed; ``recoverable``: reconnect and replay."""
-
-    def __init__(self, message: str, recoverable: bool) -> None:
-        super().__init__(message)
-        self.recoverable = recoverable
-
-
-Reply = p.Result | p.OpenOk | p.Pong | StageFailure  # what a waiting step or open is handed
 # Tokens a prefill Step carries at most; 0: the whole prompt in one Step. Measured (bench/chunked_prefill.py,
 # the real Gemma 3 270M, 2 stages, 2,048 tokens): chunks of 128-512 take 4.4x longer to the first token
 # than one step, pipelining included: OpenVINO 2026.4's CPU attention over a cache with several new tokens
 # (4.6 s for 8 chunks of 256 against 0.8 s for one step of 2,048) and the compressed matmuls, which unpack
 # their weights on every call (2.0 s against 0.7 s). So chunking is off by default.
 PREFILL_CHUNK = 0
-# The scheduler of a chain of paged stages (client/batcher.py): up to 32 sequences hold KV blocks at once, and
+# The planner of a chain of paged stages (scheduling/): up to 32 sequences hold KV blocks at once, and
 # a prompt is prefilled in chunks of at most 512 tokens, pipelined over the stages
 BATCHING = batch_config(max_seqs=32, max_chunk=512)
 
@@ -115,135 +107,6 @@ def _with_chunk(batching: BatchConfig | None, chunk: int | None, manifest: Manif
     return replace(batching, max_chunk=chunk, token_budget=max(batching.token_budget, chunk))
 
 
-class Chain:
-    """One session's connections to every stage, and the routing of their answers."""
-
-    def __init__(self, addresses: list[str], fingerprint: str, timeout: float, tls: ssl.SSLContext | None,
-                 batching: BatchConfig | None = None, kv_blocks: int = 0) -> None:
-        self.addresses, self.timeout = addresses, timeout
-        self.session = secrets.token_hex(16)
-        self.conns: list[Connection] = []
-        kv = None if batching is None else kv_blocks  # 0: paged stages grant their default share
-        try:
-            for i in reversed(range(len(addresses))):
-                nxt = addresses[i + 1] if i + 1 < len(addresses) else None
-                self.conns.insert(0, connect(addresses[i], i, fingerprint, "head", self.session, nxt, tls=tls,
-                                             kv_blocks=kv))
-            self.batcher = None if batching is None else self._batcher(batching)
-        except OvshardError:
-            self.close()
-            raise
-        self.lock = threading.Lock()  # guards waiting and broken
-        self.waiting: dict[tuple[str, int], tuple[int, queue.Queue[Reply]]] = {}  # (what, seq|stream) -> ...
-        self.broken: StageFailure | None = None
-        for i, conn in enumerate(self.conns):
-            threading.Thread(target=self._read, args=(i, conn), daemon=True).start()
-
-    def _batcher(self, config: BatchConfig) -> Batcher | None:
-        """A Batcher when every stage runs paged with one block size, over the fewest blocks any granted."""
-        welcomes = [c.welcome for c in self.conns]
-        sizes = {w.block_size if w else 0 for w in welcomes}
-        if sizes == {0}:
-            return None
-        if len(sizes) != 1:
-            raise OvshardError(f"the stages disagree on their KV cache (block sizes {sorted(sizes)}, 0 = stateful): "
-                               "start every worker with the same --kv (paged or stateful)")
-        blocks, size = min(w.kv_blocks for w in welcomes if w), sizes.pop()
-        log.info("every stage runs paged KV: %d blocks of %d positions for this session", blocks, size)
-        return Batcher(self._send_batch, BlockManager(blocks, size), config,
-                       depth=len(self.conns), timeout=self.timeout)
-
-    def _send_batch(self, msg: p.Batch) -> None:
-        try:
-            self.conns[0].send(msg)
-        except OSError as e:
-            raise StageFailure(f"stage 0 at {self.addresses[0]}: send failed: {e}", True) from e
-
-    def _targets(self, msg: p.Message) -> list[queue.Queue[Reply]]:
-        if isinstance(msg, p.Result):
-            found = self.waiting.get(("step", msg.seq))
-        elif isinstance(msg, p.OpenOk):
-            found = self.waiting.get(("open", msg.stream))
-        elif isinstance(msg, p.Pong):
-            found = self.waiting.get(("ping", msg.nonce))
-        elif isinstance(msg, p.Error):
-            found = self.waiting.get(("step", msg.seq)) if msg.seq is not None else None
-            if found is None:
-                return [q for stream, q in self.waiting.values() if msg.stream in (None, stream)]
-        else:
-            return []
-        return [found[1]] if found else []
-
-    def _read(self, stage: int, conn: Connection) -> None:
-        """Route each answer to whoever waits for it; a failed connection fails everyone waiting."""
-        where = f"stage {stage} at {self.addresses[stage]}"
-        try:
-            while True:
-                msg = conn.receive()
-                if self.batcher is not None and self.batcher.takes(msg):
-                    continue
-                answer: Reply = msg  # type: ignore[assignment]
-                if isinstance(msg, p.Error):
-                    answer = StageFailure(f"{where} reported {msg.code}: {msg.message}",
-                                          msg.code in p.RECOVERABLE_CODES)
-                with self.lock:
-                    targets = self._targets(msg)
-                for target in targets:
-                    target.put(answer)
-        except (p.ConnectionClosed, p.ProtocolError, OSError) as e:
-            with self.lock:
-                self.broken = StageFailure(f"{where} closed the connection: {e}", recoverable=True)
-                for _, target in self.waiting.values():
-                    target.put(self.broken)
-            if self.batcher is not None:
-                self.batcher.fail(BatchFailure(str(self.broken), recoverable=True))
-
-    def ask(self, key: tuple[str, int], stream: int, sends: list[tuple[int, p.Message]],
-            answers: int, timeout: float | None = None) -> list[p.Result | p.OpenOk | p.Pong]:
-        """Send each (stage, message), then wait for ``answers`` answers to ``key`` (``timeout`` each)."""
-        return self.ask_each([key], stream, sends, answers, timeout)[0]
-
-    def ask_each(self, keys: list[tuple[str, int]], stream: int, sends: list[tuple[int, p.Message]],
-                 answers: int = 1, timeout: float | None = None) -> list[list[p.Result | p.OpenOk | p.Pong]]:
-        """Send every message at once, then wait for ``answers`` answers to each key in turn: the chunks of a
-        pipelined prefill are all in flight while the first ones are still being answered."""
-        boxes: list[queue.Queue[Reply]] = [queue.Queue() for _ in keys]
-        with self.lock:
-            if self.broken is not None:
-                raise self.broken
-            self.waiting.update({key: (stream, box) for key, box in zip(keys, boxes, strict=True)})
-        try:
-            for stage, msg in sends:
-                try:
-                    self.conns[stage].send(msg)
-                except OSError as e:
-                    raise StageFailure(f"stage {stage} at {self.addresses[stage]}: send failed: {e}", True) from e
-            got: list[list[p.Result | p.OpenOk | p.Pong]] = []
-            for key, box in zip(keys, boxes, strict=True):
-                got.append([])
-                for _ in range(answers):
-                    try:
-                        answer = box.get(timeout=timeout or self.timeout)
-                    except queue.Empty:
-                        raise OvshardError(f"no answer to {key[0]} {key[1]} of stream {stream} within "
-                                           f"{self.timeout:.0f} s (stages {', '.join(self.addresses)})") from None
-                    if isinstance(answer, StageFailure):
-                        raise answer
-                    got[-1].append(answer)
-            return got
-        finally:
-            with self.lock:
-                for key in keys:
-                    self.waiting.pop(key, None)
-
-    def close(self) -> None:
-        batcher: Batcher | None = getattr(self, "batcher", None)  # None too when a connect failed
-        if batcher is not None:
-            batcher.close()
-        for conn in self.conns:
-            conn.close()
-
-
 class Head:
     """A chain to every stage of one bundle, reconnected on demand; per-stream bookkeeping.
 
@@ -270,7 +133,7 @@ class Head:
             raise OvshardError(f"--kv-blocks {kv_blocks}: expected the KV blocks to ask each stage for (0: the "
                                "stage's default share)")
         self.batching, self.kv_blocks = _with_chunk(batching, prefill_chunk, self.manifest), kv_blocks
-        self.chain = Chain(addresses, self.fingerprint, timeout, tls, self.batching, kv_blocks)
+        self.chain = Chain(addresses, self.fingerprint, timeout, tls, self.batching is not None, kv_blocks)
         self.reconnects = 0
         self._reconnect_lock = threading.Lock()
         self._moves = threading.Condition()  # guards held, down, fresh_until, retargets, replayed_tokens
@@ -283,8 +146,15 @@ class Head:
         self.streams = itertools.count()
         self.seq = itertools.count()
         self.prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk  # stateful stages
+        self.requests = itertools.count()  # numbers Head.generate's requests
+        self.engine: Engine | None = None  # the loop over paged stages (None: stateful stages, a stream each)
+        if self.batching is not None and self.chain.blocks is not None:
+            self.engine = Engine(self, self.chain, self.batching, self.manifest.runtime_hints.max_positions,
+                                 self.manifest.architecture.vocab_size, retry_s, timeout)
 
     def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
         self.chain.close()
 
     def hold(self) -> None:
@@ -334,7 +204,7 @@ class Head:
             if self.down is not None:
                 raise OvshardError(self.down)
 
-    def reconnect(self, stale: Chain, deadline: float, cause: OvshardError) -> Chain:
+    def reconnect(self, stale: Link, deadline: float, cause: OvshardError) -> Chain:
         """A new chain in place of ``stale`` (once, however many streams ask), retrying until ``deadline``."""
         with self._reconnect_lock:
             if self.chain is not stale:
@@ -344,8 +214,8 @@ class Head:
             while True:
                 self._await_move()
                 try:
-                    self.chain = Chain(self.addresses, self.fingerprint, self.timeout, self.tls, self.batching,
-                                       self.kv_blocks)
+                    self.chain = Chain(self.addresses, self.fingerprint, self.timeout, self.tls,
+                                       self.batching is not None, self.kv_blocks)
                     self.reconnects += 1
                     log.warning("reconnected to every stage after: %s", cause)
                     return self.chain
@@ -358,9 +228,8 @@ class Head:
                     pause = min(2 * pause, _BACKOFF_S[1])
 
     def batch_stats(self) -> BatchStats | None:
-        """The batcher's counters over paged stages (None: stateful stages, no batching)."""
-        batcher = self.chain.batcher
-        return None if batcher is None else batcher.stats
+        """The engine's planner counters over paged stages (None: stateful stages, no batching)."""
+        return None if self.engine is None else self.engine.stats
 
     def health(self, timeout: float = 2.0) -> list[dict[str, object]]:
         """Each stage's state: "up" with its round-trip ms (a Ping), or "down" with the reason."""
@@ -420,12 +289,23 @@ class Head:
 
     def generate(self, prompt: list[int], config: SamplingConfig, stats: Stats | None = None,
                  speculation: Speculation | None = None) -> Generator[int, None, None]:
-        """Yield sampled tokens one by one until an eos id or max_tokens, on a stream of its own."""
-        target: StreamTarget | PagedTarget = PagedTarget(self) if self.chain.batcher else StreamTarget(self)
+        """Yield sampled tokens one by one until an eos id or max_tokens: over paged stages one request of the
+        engine, paced by this generator's reader; over stateful stages a decode loop on a stream of its own."""
+        if self.engine is None:
+            target = StreamTarget(self)
+            try:
+                yield from decode.generate(target, prompt, config, stats, speculation)
+            finally:
+                target.close()
+            return
+        request = Request(next(self.requests), list(prompt), config, stats if stats is not None else Stats(),
+                          paced=True)
+        self.engine.submit(request, speculation)
         try:
-            yield from decode.generate(target, prompt, config, stats, speculation)
+            yield from request.tokens()
         finally:
-            target.close()
+            if not request.done:
+                request.cancel()
 
 
 class StreamTarget:
@@ -489,59 +369,3 @@ class StreamTarget:
 
     def close(self) -> None:
         self.head.close_stream(self.stream, self.chain)
-
-
-class PagedTarget:
-    """One stream of a Head over paged stages, batched with every other stream (client/batcher.py). A failed
-    tick or a refused row starts the stream again as a new sequence holding its whole history (on a new chain
-    when the old one broke): a greedy stream finishes with the tokens of an uninterrupted run."""
-
-    def __init__(self, head: Head) -> None:
-        self.head, self.chain = head, head.chain
-        self.max_positions = head.manifest.runtime_hints.max_positions
-        self.vocab_size = head.manifest.architecture.vocab_size
-        self.visible: list[int] = []  # the tokens whose KV every stage holds, in position order
-        self.replays = 0
-        self.cached_tokens = 0  # prompt tokens the first step found in the prefix cache
-        self.stream, self.fresh = next(head.streams), True
-
-    def step(self, tokens: list[int], position: int, want: str, rewind: int, compact: bool) -> Scores:
-        del compact  # a paged cache holds no hidden positions
-        if rewind:
-            del self.visible[len(self.visible) - rewind:]
-        if position != len(self.visible):
-            raise OvshardError(f"stream {self.stream}: step at position {position}, but {len(self.visible)} "
-                               "tokens are cached")
-        deadline: float | None = None
-        feed = tokens
-        while True:
-            batcher = self.chain.batcher
-            if batcher is None:
-                raise OvshardError("the stages restarted with a stateful KV cache; restart the head")
-            try:
-                scores = batcher.step(self.stream, feed, want, rewind, self.fresh)
-                break
-            except (BatchFailure, StageFailure) as e:
-                if not e.recoverable:
-                    raise
-                deadline = deadline or time.monotonic() + self.head.retry_s
-                if self.head.expired(deadline):
-                    raise OvshardError(f"{e}; gave up after {self.head.retry_s:.0f} s (--retry-s)") from e
-                log.warning("stream %d: %s; starting it again with its %d tokens", self.stream, e,
-                            len(self.visible) + len(tokens))
-                batcher.leave(self.stream)
-                if batcher.broken is not None:
-                    time.sleep(_BACKOFF_S[0])
-                    self.chain = self.head.reconnect(self.chain, deadline, e)
-                self.stream, self.fresh, self.replays = next(self.head.streams), True, self.replays + 1
-                feed, rewind = self.visible + tokens, 0
-                self.head.count_replay(len(self.visible))
-        if self.fresh and not self.visible:
-            self.cached_tokens = batcher.cached(self.stream)
-        self.fresh = False
-        self.visible += tokens
-        return scores
-
-    def close(self) -> None:
-        if self.chain.batcher is not None:
-            self.chain.batcher.leave(self.stream)

@@ -25,8 +25,7 @@ from ovshard.errors import BundleError, PagedUnsupportedError
 from ovshard.runtime.decoding import decode
 from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.decoding.speculative import Speculation
-from ovshard.runtime.engine.blocks import blocks_for
-from ovshard.runtime.engine.paged import BLOCK_SIZE, PagedRows, PagedStage, compile_paged
+from ovshard.runtime.engine.paged import BLOCK_SIZE, PagedRows, PagedStage, blocks_for, compile_paged
 from ovshard.runtime.engine.plugin import describe_plugin_config
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.engine.scores import Scores

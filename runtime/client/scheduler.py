@@ -1,93 +1,30 @@
-"""Many requests over one head: the API a server front end calls.
+"""Many requests over one head: the submission API a server front end calls.
 
 ``Scheduler(head)`` runs as many requests at once as the KV blocks the stages granted the head hold
 (client/admission.py: each request reserves its prompt plus its max_tokens), ``Scheduler(head, streams=N)``
-at most N; the rest wait in submission order. ``submit(prompt, config)`` returns a :class:`Request` at once;
-when it may start, a thread of its own runs it on a stream of its own. Tokens arrive on the Request as they
-are sampled (``tokens()`` iterates them), so an HTTP server can stream them to its client. ``cancel()`` ends
-a running request after its current step (its stream is closed and its KV blocks freed on every stage) and
-takes a waiting one out of the queue at once.
+at most N; the rest wait in submission order. ``submit(prompt, config)`` returns a
+:class:`~ovshard.runtime.scheduling.requests.Request` at once; when admission lets it start, it goes to the
+head's engine (scheduling/engine.py), whose one loop runs every request over paged stages (on stateful stages,
+a thread of its own runs its decode loop). Tokens arrive on the Request as they are sampled (``tokens()``
+iterates them), so an HTTP server can stream them to its client. ``cancel()`` ends a running request at the
+engine's next tick boundary (its KV blocks freed at once) and takes a waiting one out of the queue at once.
 
-Fairness: no waiting request is overtaken; a stream has one step in flight at a time and every stage serves
-steps in arrival order, so running requests take turns at each stage and a long one never holds up a short one.
+Fairness: no waiting request is overtaken; the engine plans the oldest sequences first and splits them into
+equal groups over the ticks in flight, so running requests take turns and a long one never holds up a short one.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Generator
 
 from ovshard.errors import OvshardError
 from ovshard.runtime.client.admission import Admission, Pool, Refused
 from ovshard.runtime.client.head import Head
-from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.decoding.speculative import Speculation
 from ovshard.runtime.engine.sampler import SamplingConfig
-
-_DONE = object()
-
-
-@dataclass
-class Request:
-    """One submitted generation: its tokens as they come, its stats, and its error if it failed (the
-    tokens generated before the failure stay in ``partial``)."""
-
-    index: int
-    prompt: list[int]
-    config: SamplingConfig
-    stats: Stats = field(default_factory=Stats)
-    submitted: float = field(default_factory=time.perf_counter)
-    finished: float | None = None
-    error: Exception | None = None
-    listener: Callable[[int | None], None] | None = None  # called with each token, then None at the end
-    cancelled: bool = False  # set by cancel(): a running request stops after its current step
-    started: float | None = None  # when it started running
-    _leave: Callable[[Request], None] | None = None  # the scheduler's: a cancelled request leaves its queue
-    _tokens: list[int] = field(default_factory=list)
-    _feed: queue.Queue = field(default_factory=queue.Queue)
-    _done: threading.Event = field(default_factory=threading.Event)
-
-    def cancel(self) -> None:
-        """Stop generating (the client went away): a running request after its current step (its stream is
-        closed on every stage), a waiting one at once."""
-        self.cancelled = True
-        if self._leave is not None:
-            self._leave(self)
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def tokens(self) -> Iterator[int]:
-        """The generated tokens as they are sampled; raises the request's error, if any, at the end."""
-        while (item := self._feed.get()) is not _DONE:
-            yield item
-        if self.error is not None:
-            raise self.error
-
-    @property
-    def partial(self) -> list[int]:
-        """The tokens generated so far (all of them once finished, also when it failed)."""
-        return list(self._tokens)
-
-    @property
-    def finish_reason(self) -> str:
-        """"stop" (an eos id), "length" (max_tokens or a full context), "error", "cancelled", or "" while
-        running."""
-        if self.error is not None:
-            return "error"
-        return "cancelled" if self.cancelled and not self.stats.finish_reason else self.stats.finish_reason
-
-    def result(self, timeout: float | None = None) -> list[int]:
-        """Wait for the whole generation."""
-        if not self._done.wait(timeout):
-            raise OvshardError(f"request {self.index} did not finish within {timeout} s")
-        if self.error is not None:
-            raise self.error
-        return list(self._tokens)
+from ovshard.runtime.scheduling.requests import Request
 
 
 class Busy(OvshardError):
@@ -103,7 +40,7 @@ class Scheduler:
 
     ``streams``: at most this many at once (None: as many as the KV blocks the stages granted the head hold;
     client/admission.py); ``max_queue``: requests that may wait (None: no limit), beyond it ``submit`` raises
-    :class:`Busy`. Each running request has a thread of its own, which ends with it.
+    :class:`Busy`. Over stateful stages each running request has a thread of its own, which ends with it.
     """
 
     def __init__(self, head: Head, streams: int | None = None, speculation: Speculation | None = None,
@@ -126,11 +63,11 @@ class Scheduler:
 
     def pool(self) -> Pool | None:
         """The KV blocks the head holds on its stages now (None: stateful stages, no pool)."""
-        batcher = self.head.chain.batcher
-        if batcher is None:
+        engine = self.head.engine
+        if engine is None:
             return None
-        blocks = batcher.scheduler.blocks
-        return Pool(blocks.num_blocks, blocks.block_size, batcher.scheduler.config.max_seqs,
+        blocks = engine.blocks
+        return Pool(blocks.num_blocks, blocks.block_size, engine.config.max_seqs,
                     self.head.manifest.runtime_hints.max_positions)
 
     def submit(self, prompt: list[int], config: SamplingConfig,
@@ -145,7 +82,7 @@ class Scheduler:
                            f"holds; try again in {verdict.retry_after} s", verdict.retry_after)
             self.submitted += 1
             self.requests[request.index] = request
-            request._leave = self._withdraw
+            request.on_cancel.append(self._withdraw)
             starting = [self.requests[i] for i in verdict]
         self._launch(starting)
         return request
@@ -157,9 +94,18 @@ class Scheduler:
                 self.idle.wait()
 
     def _launch(self, requests: list[Request]) -> None:
-        """A thread for each request that starts now."""
+        """Each request that starts now to the head's engine (over stateful stages: to a thread of its own)."""
         for request in requests:
-            threading.Thread(target=self._serve, args=(request,), name=f"request-{request.index}", daemon=True).start()
+            request.started = time.perf_counter()
+            if self.head.engine is not None:
+                self.head.engine.submit(request, self.speculation, self._finished)
+            else:
+                threading.Thread(target=self._serve, args=(request,), name=f"request-{request.index}",
+                                 daemon=True).start()
+
+    def _finished(self, request: Request) -> None:
+        """The engine ended ``request``: its place goes to the next ones."""
+        self._retire(request, self.admission.finish)
 
     def _withdraw(self, request: Request) -> None:
         """``request`` was cancelled: if it still waits, it leaves the queue and ends now (a running one ends
@@ -176,12 +122,11 @@ class Scheduler:
             del self.requests[request.index]
             starting = [self.requests[i] for i in started]
             self.idle.notify_all()
-        _end(request)
+        request.end()
         self._launch(starting)
 
     def _serve(self, request: Request) -> None:
         """The thread of one running request: its generation, then its place handed on."""
-        request.started = time.perf_counter()
         try:
             if not request.cancelled:
                 self._run(request)
@@ -197,10 +142,7 @@ class Scheduler:
                                                                 self.speculation)
         try:
             for token in tokens:
-                request._tokens.append(token)
-                request._feed.put(token)
-                if request.listener is not None:
-                    request.listener(token)
+                request.deliver(token)
                 if request.cancelled:
                     break
         finally:
@@ -213,11 +155,3 @@ class Scheduler:
             request._done.wait()
         return requests
 
-
-def _end(request: Request) -> None:
-    """Mark ``request`` finished and tell whoever reads it."""
-    request.finished = time.perf_counter()
-    request._feed.put(_DONE)
-    request._done.set()
-    if request.listener is not None:
-        request.listener(None)

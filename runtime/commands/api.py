@@ -17,7 +17,7 @@ from ovshard.runtime.client.head import Head
 from ovshard.runtime.client.scheduler import Scheduler
 from ovshard.runtime.client.text import Text
 from ovshard.runtime.commands.options import add_http, add_pipeline, add_security, pipeline_head
-from ovshard.runtime.serve.api import Engine, serve_api
+from ovshard.runtime.serve.api import ApiService, serve_api
 from ovshard.runtime.wire.address import parse_address
 from ovshard.runtime.wire.tls import is_loopback
 
@@ -56,12 +56,12 @@ def run(args: Any, watch: Callable[[Head], Callable[[], None]] | None = None) ->
         session = Scheduler(head, args.streams, max_queue=args.queue)
         stack.callback(session.close)
         text = Text(args.bundle, manifest, chat=manifest.chat is not None and manifest.tokenizer is not None)
-        engine = Engine(args.bundle, manifest, head, session, text,
+        service = ApiService(args.bundle, manifest, head, session, text,
                         model=args.model or Path(args.bundle).resolve().name, default_max_tokens=args.max_tokens)
 
         def announce(address: str) -> None:
             print(json.dumps({"event": "listening", "api": address}), flush=True)
-            log.info("OpenAI-compatible API on http://%s/v1 (model %r)", address, engine.model)
+            log.info("OpenAI-compatible API on http://%s/v1 (model %r)", address, service.model)
 
-        serve_api(engine, host, port, announce, api_key)
+        serve_api(service, host, port, announce, api_key)
     return 0

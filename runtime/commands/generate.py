@@ -17,7 +17,7 @@ from ovshard.bundle.manifest import read_manifest
 from ovshard.errors import OvshardError
 from ovshard.runtime.client.head import Head
 from ovshard.runtime.client.inprocess import LocalPipeline
-from ovshard.runtime.client.scheduler import Request, Scheduler
+from ovshard.runtime.client.scheduler import Scheduler
 from ovshard.runtime.client.text import Text, TextStream, encode_prompts
 from ovshard.runtime.commands.options import (
     EXACT_HELP,
@@ -31,6 +31,7 @@ from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.decoding.speculative import Speculation
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.node.config import model_cache, stage_config
+from ovshard.runtime.scheduling.requests import Request
 
 log = logging.getLogger(__name__)
 

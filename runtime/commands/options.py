@@ -92,7 +92,7 @@ def add_http(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=None, metavar="N",
                    help="requests generated at once (default: by memory, as many as the KV blocks the stages "
                    "granted this head hold, each reserving its prompt plus its max_tokens, at most "
-                   f"{BATCHING.max_seqs}, the batcher's sequences at once; {STATEFUL_STREAMS} over stateful "
+                   f"{BATCHING.max_seqs}, the planner's sequences at once; {STATEFUL_STREAMS} over stateful "
                    "stages, which have no pool); N: at most N, whatever their size")
     p.add_argument("--queue", type=int, default=DEFAULT_QUEUE, metavar="N",
                    help="requests that may wait, in arrival order, for a place; beyond it 429 with Retry-After "

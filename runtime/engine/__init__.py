@@ -1,1 +1,1 @@
-"""Running a compiled stage in OpenVINO: stateful and paged stages, KV blocks, the stage scheduler, plugin settings, sampling."""
+"""Running a compiled stage in OpenVINO: stateful and paged stages, plugin settings, sampling."""

@@ -56,7 +56,7 @@ from ovshard.errors import BundleError, PagedUnsupportedError
 from ovshard.runtime.engine.logit_rows import lm_head
 from ovshard.runtime.engine.plugin import plugin_config
 
-__all__ = ["CacheSpec", "PagedRows", "PagedStage", "compile_paged", "gather_logit_rows",
+__all__ = ["CacheSpec", "PagedRows", "PagedStage", "blocks_for", "compile_paged", "gather_logit_rows",
            "paged_inputs", "to_paged"]
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,11 @@ BLOCK_SIZE = 32  # positions a block of the CPU plugin's paged caches holds (it 
 _ROWS = 1  # of a cache's shape per block [kv_heads, rows, cols]: a value cache's rows are its positions
 _MASK_INPUT = 3  # of ScaledDotProductAttention (q, k, v, mask, scale)
 _SLIDING_WINDOW_INPUT = 10  # of PagedAttentionExtension (q, k, v, caches, past_lens, begins, blocks, ..., scale, window)
+
+
+def blocks_for(length: int, block_size: int) -> int:
+    """Blocks that hold ``length`` positions: ceil(length / block_size)."""
+    return -(-length // block_size)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """A paged stage's share of continuous batching: the KV block pool it grants to sessions, and one Batch run.
 
-The head owns every block table (it runs the scheduler, engine/batching.py) and names blocks 0..n-1 of the
+The head owns every block table (it runs the scheduler, scheduling/tick_planner.py) and names blocks 0..n-1 of the
 n its session was granted; the stage maps them to its own pool, so a head can read and write its own blocks
 only. Each row of a Batch is checked alone: a row the stage cannot run is refused (a ``Refusal`` travels on
 with the batch) and the others run, in one inference.
@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ovshard.bundle.dims import ModelDims
-from ovshard.runtime.engine.blocks import blocks_for
-from ovshard.runtime.engine.paged import PagedRows, PagedStage
+from ovshard.runtime.engine.paged import PagedRows, PagedStage, blocks_for
 from ovshard.runtime.engine.scores import Scores
 from ovshard.runtime.node.heads import RequestError
 from ovshard.runtime.wire import protocol as p

@@ -29,9 +29,10 @@ from typing import Any
 from ovshard.bundle.manifest import Manifest
 from ovshard.errors import OvshardError
 from ovshard.runtime.client.head import Head
-from ovshard.runtime.client.scheduler import Busy, Request, Scheduler
+from ovshard.runtime.client.scheduler import Busy, Scheduler
 from ovshard.runtime.client.text import Text, TextStream
 from ovshard.runtime.engine.sampler import SamplingConfig
+from ovshard.runtime.scheduling.requests import Request
 from ovshard.runtime.serve.metrics import Metrics
 from ovshard.runtime.serve.openai_types import Answer, ApiError, Params, parse_messages, parse_params
 from ovshard.runtime.serve.pipeline_view import PipelineView
@@ -39,7 +40,7 @@ from ovshard.runtime.serve.pipeline_view import PipelineView
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class ApiService:
     """What the routes need, without HTTP: prompts to ids, a request's run with stop strings, its text."""
 
     def __init__(self, bundle: Path, manifest: Manifest, head: Head, session: Scheduler, text: Text,
@@ -120,15 +121,15 @@ class Run:
     strings and the end's usage happen where the events are read (:meth:`absorb`, on the event loop), so a
     stream's decode loop asks for its next step at once and its group's next tick is not held back."""
 
-    def __init__(self, engine: Engine, ids: list[int], params: Params, events: Events,
+    def __init__(self, service: ApiService, ids: list[int], params: Params, events: Events,
                  stop_ids: tuple[int, ...]) -> None:
-        self.engine, self.ids, self.params, self.events = engine, ids, params, events
+        self.service, self.ids, self.params, self.events = service, ids, params, events
         self.request: Request | None = None
-        self.stream = TextStream(engine.text, ids, turn=False, stop_ids=stop_ids, stop_strings=params.stop)
+        self.stream = TextStream(service.text, ids, turn=False, stop_ids=stop_ids, stop_strings=params.stop)
         self.received = time.perf_counter()
         self.last: float | None = None
         self.completion_tokens = 0
-        self.steps_seen = 0  # decode steps handed to the engine's PipelineView
+        self.steps_seen = 0  # decode steps handed to the service's PipelineView
 
     def on_token(self, token: int | None) -> None:
         """Called by the slot thread with each token, then None at the end."""
@@ -136,11 +137,11 @@ class Run:
             self.events.put("end")
             return
         now = time.perf_counter()
-        metrics = self.engine.metrics
+        metrics = self.service.metrics
         (metrics.ttft.observe(now - self.received) if self.last is None else metrics.itl.observe(now - self.last))
         self.last = now
         if self.request is not None:
-            self.steps_seen = self.engine.view.record(self.request.stats, self.steps_seen)
+            self.steps_seen = self.service.view.record(self.request.stats, self.steps_seen)
         self.events.put("token", token)
 
     def absorb(self, kind: str, value: Any) -> list[tuple[str, Any]]:
@@ -159,9 +160,9 @@ class Run:
         assert request is not None
         piece = self.stream.finish()
         out: list[tuple[str, Any]] = [("text", piece)] if piece else []
-        self.engine.metrics.observe(request.stats)
-        self.engine.view.record(request.stats, self.steps_seen)
-        self.engine.view.finished(request.stats)
+        self.service.metrics.observe(request.stats)
+        self.service.view.record(request.stats, self.steps_seen)
+        self.service.view.finished(request.stats)
         usage = Answer.usage(len(self.ids), self.completion_tokens, request.stats.cached_tokens)
         if request.error is not None:
             return [*out, ("error", ApiError(503, f"the pipeline failed: {request.error}", kind="server_error",
@@ -180,10 +181,10 @@ async def _body(request: Any) -> dict:
     return body
 
 
-def _check_model(engine: Engine, body: dict) -> None:
+def _check_model(service: ApiService, body: dict) -> None:
     model = body.get("model")
-    if model is not None and model != engine.model:
-        raise ApiError(404, f"model {model!r} does not exist; this server serves {engine.model!r} (GET /v1/models)",
+    if model is not None and model != service.model:
+        raise ApiError(404, f"model {model!r} does not exist; this server serves {service.model!r} (GET /v1/models)",
                        param="model", code="model_not_found")
 
 
@@ -286,8 +287,8 @@ class _Authorize:
         await JSONResponse(error.body(), status_code=401)(scope, receive, send)
 
 
-def make_app(engine: Engine, api_key: str | None = None) -> Any:
-    """The Starlette application serving ``engine``; with ``api_key``, every request but /health and the page
+def make_app(service: ApiService, api_key: str | None = None) -> Any:
+    """The Starlette application serving ``service``; with ``api_key``, every request but /health and the page
     needs ``Authorization: Bearer <api_key>`` (what OpenAI clients send; the page asks for the key)."""
     from starlette.applications import Starlette
     from starlette.middleware import Middleware
@@ -296,30 +297,30 @@ def make_app(engine: Engine, api_key: str | None = None) -> Any:
     from starlette.routing import Route
 
     def failed(endpoint: str, error: ApiError) -> JSONResponse:
-        engine.metrics.requests.labels(endpoint, str(error.status)).inc()
+        service.metrics.requests.labels(endpoint, str(error.status)).inc()
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
     async def generate(http: HttpRequest, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
         try:
             body = await _body(http)
-            _check_model(engine, body)
-            params = parse_params(body, engine.default_max_tokens)
+            _check_model(service, body)
+            params = parse_params(body, service.default_max_tokens)
             if chat:
                 messages = parse_messages(body)
-                ids = await asyncio.to_thread(engine.encode_chat, messages)
+                ids = await asyncio.to_thread(service.encode_chat, messages)
             else:
-                ids = await asyncio.to_thread(engine.prompt_ids, body.get("prompt"))
-            run = engine.start(ids, params, Events(asyncio.get_running_loop()), chat)
-            answer = Answer(engine.model, chat)
+                ids = await asyncio.to_thread(service.prompt_ids, body.get("prompt"))
+            run = service.start(ids, params, Events(asyncio.get_running_loop()), chat)
+            answer = Answer(service.model, chat)
             if params.stream:
-                engine.metrics.requests.labels(endpoint, "200").inc()
+                service.metrics.requests.labels(endpoint, "200").inc()
                 return StreamingResponse(_stream(run, answer), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
             result = await _whole(run, answer, http)
         except ApiError as e:
             return failed(endpoint, e)
-        engine.metrics.requests.labels(endpoint, "200").inc()
+        service.metrics.requests.labels(endpoint, "200").inc()
         return JSONResponse(result)
 
     async def chat(http: HttpRequest) -> Response:
@@ -329,21 +330,21 @@ def make_app(engine: Engine, api_key: str | None = None) -> Any:
         return await generate(http, False)
 
     async def models(http: HttpRequest) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": engine.model, "object": "model", "created": 0,
+        return JSONResponse({"object": "list", "data": [{"id": service.model, "object": "model", "created": 0,
                                                          "owned_by": "ovshard"}]})
 
     async def health(http: HttpRequest) -> Response:
-        stages = await asyncio.to_thread(engine.head.health)
+        stages = await asyncio.to_thread(service.head.health)
         up = all(s["state"] == "up" for s in stages)
         return JSONResponse({"status": "ok" if up else "degraded", "stages": stages}, status_code=200 if up else 503)
 
     async def metrics(http: HttpRequest) -> Response:
-        data, content_type = engine.metrics.render()
+        data, content_type = service.metrics.render()
         return Response(data, media_type=content_type)
 
     async def pipeline(http: HttpRequest) -> Response:
-        return JSONResponse(engine.view.snapshot(engine.model, engine.session.active, engine.session.waiting,
-                                                 engine.head.batch_stats()))
+        return JSONResponse(service.view.snapshot(service.model, service.session.active, service.session.waiting,
+                                                 service.head.batch_stats()))
 
     page = (Path(__file__).parent / "web" / "index.html").read_bytes()
 
@@ -357,7 +358,7 @@ def make_app(engine: Engine, api_key: str | None = None) -> Any:
                      middleware=[Middleware(_Authorize, key=api_key)] if api_key is not None else [])
 
 
-def serve_api(engine: Engine, host: str, port: int, announce: Any = None, api_key: str | None = None) -> None:
+def serve_api(service: ApiService, host: str, port: int, announce: Any = None, api_key: str | None = None) -> None:
     """Serve until interrupted; ``announce(address)`` is called once the socket listens (port 0: a free one)."""
     import socket
 
@@ -370,7 +371,7 @@ def serve_api(engine: Engine, host: str, port: int, announce: Any = None, api_ke
     address = "{}:{}".format(*sock.getsockname()[:2])
     if announce is not None:
         announce(address)
-    server = uvicorn.Server(uvicorn.Config(make_app(engine, api_key), log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(make_app(service, api_key), log_level="warning", lifespan="off"))
     server.run(sockets=[sock])
 
 

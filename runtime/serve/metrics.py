@@ -11,7 +11,7 @@
     ovshard_queue_depth                            requests waiting to start
     ovshard_active_streams                         requests running
 
-and, over paged stages (continuous batching; client/batcher.py, counted since the head's last (re)connect):
+and, over paged stages (continuous batching; scheduling/engine.py, counted since the head's last (re)connect):
 
     ovshard_batch_ticks_total                      inferences (ticks) sent through the pipeline
     ovshard_batch_rows_total                       token rows over those ticks (tokens per tick = rows / ticks)
@@ -19,7 +19,7 @@ and, over paged stages (continuous batching; client/batcher.py, counted since th
     ovshard_batch_last_rows / _last_sequences      the latest tick's rows and sequences
     ovshard_kv_blocks{state}                       KV blocks: used (held by a sequence), cached (a prefix
                                                    kept for reuse), free
-    ovshard_batch_sequences{state}                 sequences the batcher holds: running (KV blocks held),
+    ovshard_batch_sequences{state}                 sequences the engine's planner holds: running (KV blocks held),
                                                    waiting (for blocks, or preempted)
     ovshard_prefix_lookup_tokens_total             prompt tokens looked up in the prefix cache
     ovshard_prefix_hit_tokens_total                of those, found computed (hit rate = hit / lookup)
@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from ovshard.runtime.decoding.decode import Stats
-from ovshard.runtime.engine.batching import BatchStats
+from ovshard.runtime.scheduling.tick_planner import BatchStats
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -48,7 +48,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 
 
 class _BatchCollector:
-    """The batcher's counters, read when /metrics is scraped."""
+    """The engine's counters, read when /metrics is scraped."""
 
     def __init__(self, batching: Callable[[], BatchStats | None]) -> None:
         self.batching = batching
@@ -74,7 +74,7 @@ class _BatchCollector:
         for state, value in (("used", stats.blocks.used), ("cached", stats.blocks.cached), ("free", stats.blocks.free)):
             blocks.add_metric([state], value)
         yield blocks
-        seqs = GaugeMetricFamily("ovshard_batch_sequences", "Sequences the batcher holds by state", labels=["state"])
+        seqs = GaugeMetricFamily("ovshard_batch_sequences", "Sequences the engine's planner holds by state", labels=["state"])
         seqs.add_metric(["running"], stats.running)
         seqs.add_metric(["waiting"], stats.waiting)
         yield seqs

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ovshard.bundle.manifest import Manifest
 from ovshard.runtime.decoding.decode import Stats
-from ovshard.runtime.engine.batching import BatchStats
+from ovshard.runtime.scheduling.tick_planner import BatchStats
 
 
 @dataclass(frozen=True)

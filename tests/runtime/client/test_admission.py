@@ -45,7 +45,7 @@ def test_a_request_reserves_at_most_a_full_context() -> None:
 
 
 def test_one_request_runs_alone_even_when_larger_than_the_pool() -> None:
-    """With nothing running a request starts whatever its size (the batcher handles a pool too small)."""
+    """With nothing running a request starts whatever its size (the planner handles a pool too small)."""
     small = Pool(blocks=2, block_size=32, max_seqs=32, max_positions=512)
     a = Admission(queue=None)
     assert started(a.offer(0, 400, small, 0.0)) == [0]
@@ -160,7 +160,7 @@ class FakeHead:
     """A head whose streams each yield a token whenever the test sets ``tick``; stateful (no pool)."""
 
     def __init__(self) -> None:
-        self.chain = SimpleNamespace(batcher=None)
+        self.engine = None  # stateful: a thread a request
         self.manifest = SimpleNamespace(runtime_hints=SimpleNamespace(max_positions=512))
         self.tick = threading.Semaphore(0)
         self.open = 0

@@ -12,13 +12,13 @@ from conftest import compile_fp32, generate_concurrently
 
 from ovshard.bundle.manifest import read_manifest
 from ovshard.errors import OvshardError
-from ovshard.runtime.client.batcher import batch_config
 from ovshard.runtime.client.head import Head
 from ovshard.runtime.client.launch import WorkerProcess, local_workers, serve_command
 from ovshard.runtime.client.scheduler import Scheduler
 from ovshard.runtime.decoding.speculative import make_speculation
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.engine.stage import EXACT_HINTS
+from ovshard.runtime.scheduling.ticks import batch_config
 
 # Eight prompts of different lengths (one longer than a chunk), and different output lengths
 JOBS = (([1, 403, 407, 261, 378], 40), ([1, 365, 261, 466, 14, 92, 388, 17, 261], 25), ([1, 92, 388], 60),
@@ -54,13 +54,13 @@ def test_eight_batched_streams_each_give_their_solo_tokens(bundles: dict[int, Pa
     with local_workers(bundles[stages], exact=True, threads=1) as addresses:
         head = Head(bundles[stages], addresses, batching=batch_config(max_seqs=8, max_chunk=16))
         try:
-            batcher = head.chain.batcher
-            assert batcher is not None
+            engine = head.engine
+            assert engine is not None
             sizes: list[int] = []
-            send = batcher.send
-            batcher.send = lambda msg: (sizes.append(len(msg.rows)), send(msg))[1]  # the real send, counted
+            send = engine.send
+            engine.send = lambda msg: (sizes.append(len(msg.rows)), send(msg))[1]  # the real send, counted
             assert run_all(head) == solo
-            stats = batcher.stats
+            stats = engine.stats
             assert stats.seqs > stats.ticks and stats.blocks.used == 0  # ticks of several, every block returned
             assert max(sizes) <= -(-len(JOBS) // stages), sizes
             spec = make_speculation("prompt-lookup", "auto", read_manifest(bundles[stages]))
@@ -79,7 +79,7 @@ def test_requests_over_stream_slots_batch_and_a_repeated_prompt_hits_the_prefix_
         try:
             requests = [session.submit(prompt, SamplingConfig(max_tokens=n)) for prompt, n in JOBS * 2]
             assert [r.result(timeout=300) for r in requests] == solo * 2
-            blocks = head.chain.batcher.stats.blocks
+            blocks = head.engine.stats.blocks
             assert blocks.hit_tokens >= 32  # the 41-token prompt's first block, at least, came from the cache
         finally:
             session.close()
@@ -98,7 +98,7 @@ def test_a_stage_killed_under_eight_streams_replays_them_all(bundles: dict[int, 
         results: list = []
         runner = threading.Thread(target=lambda: results.append(run_all(head)))
         runner.start()
-        while head.chain.batcher is None or head.chain.batcher.stats.ticks < 20:  # well under way
+        while head.engine is None or head.engine.stats.ticks < 20:  # well under way
             threading.Event().wait(0.05)
         procs[1].process.kill()
         procs[1].process.wait()
@@ -114,12 +114,12 @@ def test_a_stage_killed_under_eight_streams_replays_them_all(bundles: dict[int, 
 
 def test_stateful_workers_serve_streams_and_a_mixed_chain_is_a_clear_error(bundles: dict[int, Path],
                                                                           solo: list) -> None:
-    """Workers started with --kv stateful serve each stream on its own cache (no batcher) with the same
+    """Workers started with --kv stateful serve each stream on its own cache (no engine) with the same
     tokens; a chain of one paged and one stateful stage is refused with what to do."""
     with local_workers(bundles[2], exact=True, kv="stateful") as addresses:
         head = Head(bundles[2], addresses)
         try:
-            assert head.chain.batcher is None
+            assert head.engine is None
             assert run_all(head, jobs=JOBS[:4]) == solo[:4]
         finally:
             head.close()
@@ -177,7 +177,7 @@ def test_prefill_chunk_sets_the_rows_of_a_prompt_a_tick(bundles: dict[int, Path]
             head = Head(bundles[2], addresses, prefill_chunk=chunk)
             try:
                 assert list(head.generate(prompt, SamplingConfig(max_tokens=n))) == solo[5]
-                assert head.chain.batcher.stats.ticks == ticks + n - 1  # the prompt's ticks, then a step a token
+                assert head.engine.stats.ticks == ticks + n - 1  # the prompt's ticks, then a step a token
             finally:
                 head.close()
 
@@ -197,7 +197,7 @@ def test_a_full_kv_pool_preempts_and_every_stream_still_gets_its_solo_tokens(bun
         head = Head(bundles[2], [w.wait_listening(120) for w in procs])
         try:
             assert run_all(head, jobs=jobs) == alone
-            stats = head.chain.batcher.stats
+            stats = head.engine.stats
             assert stats.blocks.used == 0 and stats.preemptions > 0
         finally:
             head.close()

@@ -1,7 +1,7 @@
 """Paged stages (runtime/engine/paged.py): a bundle stage converted to paged attention when loaded.
 
 The real stories260K model as a 2-stage fp32 bundle, compiled with exact f32 hints. Block tables come from one
-BlockManager per stage (runtime/engine/blocks.py), given the same calls as a head would give every stage; the
+BlockManager per stage (runtime/scheduling/block_tables.py), given the same calls as a head would give every stage; the
 stateful path (``run_greedy``) is the reference for tokens and logits.
 """
 
@@ -17,9 +17,9 @@ from conftest import compile_fp32, run_greedy
 
 from ovshard.bundle.manifest import read_manifest
 from ovshard.errors import BundleError, PagedUnsupportedError
-from ovshard.runtime.engine.blocks import BlockManager, Granted
 from ovshard.runtime.engine.paged import PagedRows, PagedStage, compile_paged
 from ovshard.runtime.engine.stage import EXACT_HINTS
+from ovshard.runtime.scheduling.block_tables import BlockManager, Granted
 
 NUM_BLOCKS = 24
 TOL = 1e-4

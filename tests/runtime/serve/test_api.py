@@ -93,7 +93,7 @@ def test_four_concurrent_requests_each_equal_their_solo_answer(server: Api) -> N
 
 
 def _batch_totals(url: str) -> tuple[float, float]:
-    """/metrics' batcher counters: (ticks, sequence rows) since the head connected."""
+    """/metrics' engine counters: (ticks, sequence rows) since the head connected."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
@@ -107,7 +107,7 @@ def test_an_moe_bundle_serves_concurrent_requests_batched_each_as_alone(stories:
                                                                         model_type: str) -> None:
     """A 2-stage fp32 MoE bundle (Qwen3-MoE; GLM-4.5's block with a dense first layer and grouped sigmoid routing)
     behind `ovshard api` over stage worker processes: the first answer is what `ovshard run --local` prints, four
-    clients at once each get their solo answer, and the batcher put several sequences in one inference (the paged
+    clients at once each get their solo answer, and the engine put several sequences in one inference (the paged
     path runs the expert layers unchanged)."""
     checkpoint = moe_with_tokenizer(stories, tmp_path / "moe", model_type)
     bundle = compile_fp32(checkpoint, tmp_path / "moe-bundle", stages=2)
@@ -152,7 +152,7 @@ def test_curl_sees_server_sent_event_framing(server: Api) -> None:
 
 def test_metrics_and_health(server: Api) -> None:
     """/metrics parses as Prometheus text with requests, tokens, latencies, stage and hop times, and the
-    batcher's ticks, rows, KV blocks, prefix lookups and preemptions; /health reports every stage up."""
+    engine's ticks, rows, KV blocks, prefix lookups and preemptions; /health reports every stage up."""
     from prometheus_client.parser import text_string_to_metric_families
 
     server.client.completions.create(model="stories", prompt=PROMPT, max_tokens=10, temperature=0)

@@ -51,6 +51,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from ovshard.errors import ConfigError, OvshardError
+from ovshard.runtime.engine.paged import blocks_for
 
 __all__ = ["BlockKey", "BlockManager", "BlockStats", "BlockTableError", "Granted", "NoBlocks", "blocks_for",
            "prefix_keys"]
@@ -64,11 +65,6 @@ _KEY_BYTES = 16
 class BlockTableError(OvshardError):
     """A block manager call outside its contract (an unknown or repeated sequence, a length it does not have):
     a bug in the caller, reported before anything changes."""
-
-
-def blocks_for(length: int, block_size: int) -> int:
-    """Blocks that hold ``length`` positions: ceil(length / block_size)."""
-    return -(-length // block_size)
 
 
 def prefix_keys(ids: Sequence[int], block_size: int, parent: BlockKey = b"") -> list[BlockKey]:

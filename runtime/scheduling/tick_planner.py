@@ -1,6 +1,6 @@
-"""The stage scheduler of continuous batching: which sequences' rows go into each inference of a paged stage.
+"""The tick planner of continuous batching: which sequences' rows go into each inference of a paged stage.
 
-Pure bookkeeping over a blocks.BlockManager (no OpenVINO, no sockets). A sequence is the token ids known so far
+Pure bookkeeping over a block_tables.BlockManager (no OpenVINO, no sockets). A sequence is the token ids known so far
 (prompt, sampled tokens, then the head's K draft tokens) and two counters::
 
     computed <= scheduled <= len(ids)    computed: positions whose KV is committed (BlockManager.computed)
@@ -42,7 +42,9 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
-from ovshard.runtime.engine.batch_types import (
+from ovshard.runtime.engine.paged import blocks_for
+from ovshard.runtime.scheduling.block_tables import BlockKey, BlockManager, Granted, prefix_keys
+from ovshard.runtime.scheduling.plan_types import (
     BatchConfig,
     BatchError,
     BatchStats,
@@ -52,10 +54,9 @@ from ovshard.runtime.engine.batch_types import (
     TickPlan,
     Work,
 )
-from ovshard.runtime.engine.blocks import BlockKey, BlockManager, Granted, blocks_for, prefix_keys
 
-# the scheduler's API: StageScheduler here, the values it takes and gives defined in batch_types.py
-__all__ = ["BatchConfig", "BatchError", "BatchStats", "PlannedRows", "Sampled", "SeqView", "StageScheduler",
+# the scheduler's API: TickPlanner here, the values it takes and gives defined in batch_types.py
+__all__ = ["BatchConfig", "BatchError", "BatchStats", "PlannedRows", "Sampled", "SeqView", "TickPlanner",
            "TickPlan", "Work"]
 
 log = logging.getLogger(__name__)
@@ -98,13 +99,13 @@ class _Seq:
 class _Tick:
     budget: int
     seats: int  # sequences it may still take
-    rows: list[PlannedRows] = field(default_factory=list)
+    parts: list[PlannedRows] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Hashable] = field(default_factory=list)
     dropped: list[Hashable] = field(default_factory=list)
 
 
-class StageScheduler:
+class TickPlanner:
     """Sequences, their block tables in ``blocks``, and the plan of each tick (the module docstring)."""
 
     def __init__(self, blocks: BlockManager, config: BatchConfig | None = None) -> None:
@@ -172,40 +173,40 @@ class StageScheduler:
         self._decode_step(tick)
         self._prefill_step(tick)
         self._admit_step(tick)
-        plan = TickPlan(self._next_tick, tuple(tick.rows), tuple(tick.copies), tuple(tick.preempted),
+        plan = TickPlan(self._next_tick, tuple(tick.parts), tuple(tick.copies), tuple(tick.preempted),
                         tuple(tick.dropped))
-        if plan.seqs:
+        if plan.parts:
             self._flight.append(plan.tick)
             self._next_tick += 1
-            self._last_rows, self._last_seqs = plan.rows, len(plan.seqs)
-            self._rows, self._seq_rows = self._rows + plan.rows, self._seq_rows + len(plan.seqs)
+            self._last_rows, self._last_seqs = plan.rows, len(plan.parts)
+            self._rows, self._seq_rows = self._rows + plan.rows, self._seq_rows + len(plan.parts)
         return plan
 
     def finish_tick(self, plan: TickPlan, results: Mapping[Hashable, Sampled]) -> tuple[SeqView, ...]:
         """The oldest plan in flight ran: ``results`` holds a Sampled for sequences it wanted logits of; one
         left out waits for :meth:`resume` (its sampler runs elsewhere, e.g. a stream's own thread).
         Returns the sequences that finished, as they ended."""
-        if not plan.seqs:
+        if not plan.parts:
             return ()
         self._check_results(plan, results)
         self._flight.popleft()
         done = []
-        for rows in plan.seqs:
-            s = self._seqs.get(rows.seq)
+        for part in plan.parts:
+            s = self._seqs.get(part.seq)
             if s is None:
                 continue  # cancelled or dropped while its rows were in flight
-            live = s.admitted and s.admission == rows.admission
-            if not rows.want:
+            live = s.admitted and s.admission == part.admission
+            if not part.want:
                 if live:
-                    self.blocks.commit(s.id, rows.end)
+                    self.blocks.commit(s.id, part.end)
                 continue
-            if rows.seq not in results:
+            if part.seq not in results:
                 if live:  # the fed rows before the drafts hold KV of kept ids whatever the sampler decides
-                    self.blocks.commit(s.id, rows.end - rows.drafts)
-                s.last = rows
+                    self.blocks.commit(s.id, part.end - part.drafts)
+                s.last = part
                 continue
-            sampled = results[rows.seq]
-            self._accept(s, rows, sampled, live)
+            sampled = results[part.seq]
+            self._accept(s, part, sampled, live)
             if sampled.finished:
                 done.append(self.view(s.id))
                 self._remove(s)
@@ -214,14 +215,14 @@ class StageScheduler:
     def resume(self, seq: Hashable, sampled: Sampled) -> None:
         """What the head sampled from ``seq``'s rows of a finished tick left out of ``finish_tick``'s results."""
         s = self._get(seq)
-        rows = s.last
-        if rows is None or not s.awaiting:
+        part = s.last
+        if part is None or not s.awaiting:
             raise BatchError(f"sequence {seq!r} awaits no result: resume it once after finish_tick left it out")
-        if not 0 <= sampled.accepted <= rows.drafts or sampled.token < 0 or any(d < 0 for d in sampled.drafts):
-            raise BatchError(f"sequence {seq!r} verified {rows.drafts} drafts; expected 0..{rows.drafts} accepted "
+        if not 0 <= sampled.accepted <= part.drafts or sampled.token < 0 or any(d < 0 for d in sampled.drafts):
+            raise BatchError(f"sequence {seq!r} verified {part.drafts} drafts; expected 0..{part.drafts} accepted "
                              f"and token ids >= 0, found {sampled}")
         s.last = None
-        self._accept(s, rows, sampled, s.admitted and s.admission == rows.admission)
+        self._accept(s, part, sampled, s.admitted and s.admission == part.admission)
         if sampled.finished:
             self._remove(s)
 
@@ -307,7 +308,7 @@ class StageScheduler:
     def _place(self, s: _Seq, n: int, tick: _Tick) -> None:
         start, end = s.scheduled, s.scheduled + n
         want = s.tail if end == len(s.ids) else 0
-        tick.rows.append(PlannedRows(s.id, start, tuple(s.ids[start:end]), self.blocks.blocks(s.id), want,
+        tick.parts.append(PlannedRows(s.id, start, tuple(s.ids[start:end]), self.blocks.blocks(s.id), want,
                                      s.admission))
         s.scheduled, s.awaiting = end, want > 0
         tick.budget -= n
@@ -333,13 +334,13 @@ class StageScheduler:
                     return True
         return False
 
-    def _accept(self, s: _Seq, rows: PlannedRows, sampled: Sampled, live: bool) -> None:
+    def _accept(self, s: _Seq, part: PlannedRows, sampled: Sampled, live: bool) -> None:
         """Keep the verified rows, forget the rejected drafts, append the head's tokens. With K drafts in the
         rows' last K ids and a accepted, positions [0, end - K + a) hold KV of kept ids: the rest is rewound
         by truncating the block table (exact: attention reads past_lens positions only)."""
-        valid = rows.end - (rows.drafts - sampled.accepted)
+        valid = part.end - (part.drafts - sampled.accepted)
         if live:
-            if valid < rows.end:
+            if valid < part.end:
                 self.blocks.truncate(s.id, valid)
             self.blocks.commit(s.id, valid)
             s.scheduled = valid
@@ -351,7 +352,7 @@ class StageScheduler:
         if not self._flight or self._flight[0] != plan.tick:
             raise BatchError(f"plans finish in the order they were made: expected tick {(self._flight or [None])[0]}, "
                              f"got tick {plan.tick}; finish the oldest plan in flight first")
-        wanted = {rows.seq: rows for rows in plan.seqs if rows.want}
+        wanted = {part.seq: part for part in plan.parts if part.want}
         extra = [seq for seq in results if seq not in wanted]
         if extra:
             raise BatchError(f"tick {plan.tick} wanted logits of {sorted(map(repr, wanted))}; results hold "

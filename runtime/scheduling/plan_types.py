@@ -1,9 +1,9 @@
-"""What the stage scheduler (batching.py) takes and gives: its limits, the rows of a tick, what the head sampled.
+"""What the tick planner (tick_planner.py) takes and gives: its limits, the rows of a tick, what the head sampled.
 
 Frozen values only, no bookkeeping: :class:`BatchConfig` (the budgets), :class:`PlannedRows` and
 :class:`TickPlan` (one inference), :class:`Sampled` (the head's answer for one sequence), :class:`SeqView`
 and :class:`BatchStats` (what callers and /metrics read). The counters and the three steps of a tick are
-described in :mod:`ovshard.runtime.engine.batching`.
+described in :mod:`ovshard.runtime.scheduling.tick_planner`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ovshard.errors import ConfigError, OvshardError
-from ovshard.runtime.engine.blocks import BlockStats
+from ovshard.runtime.scheduling.block_tables import BlockStats
 
 Work = Literal["prefill", "decode", "verify", "none"]
 
@@ -70,19 +70,19 @@ class PlannedRows:
 
 @dataclass(frozen=True)
 class TickPlan:
-    """One inference: ``seqs`` (rows concatenated in order); ``copies`` (src, dst) blocks to copy in every cache
+    """One inference: ``parts``, one a sequence (their rows concatenated in order); ``copies`` (src, dst) blocks to copy in every cache
     before it; ``preempted`` sequences (KV dropped, recomputed later); ``dropped`` ones, longer than the pool:
     finish them. A plan without rows is not in flight: send nothing, read its preempted and dropped lists."""
 
     tick: int
-    seqs: tuple[PlannedRows, ...]
+    parts: tuple[PlannedRows, ...]
     copies: tuple[tuple[int, int], ...] = ()
     preempted: tuple[Hashable, ...] = ()
     dropped: tuple[Hashable, ...] = ()
 
     @property
     def rows(self) -> int:
-        return sum(rows.count for rows in self.seqs)
+        return sum(part.count for part in self.parts)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The KV block manager (runtime/engine/blocks.py): block tables, the prefix cache, copy-on-write, rewinds.
+"""The KV block manager (runtime/scheduling/block_tables.py): block tables, the prefix cache, copy-on-write, rewinds.
 
 Pure bookkeeping, no OpenVINO. The property test drives random calls against a shadow of what a stage would
 have written into each block slot, so a block shared wrongly (written by one sequence while another reads it)
@@ -12,12 +12,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from ovshard.runtime.engine.blocks import (
+from ovshard.runtime.engine.paged import blocks_for
+from ovshard.runtime.scheduling.block_tables import (
     BlockManager,
     BlockTableError,
     Granted,
     NoBlocks,
-    blocks_for,
     prefix_keys,
 )
 

@@ -1,4 +1,4 @@
-"""The stage scheduler (runtime/engine/batching.py): budgets, chunked prefill, prefix reuse, preemption, rewinds.
+"""The stage scheduler (runtime/scheduling/tick_planner.py): budgets, chunked prefill, prefix reuse, preemption, rewinds.
 
 Pure bookkeeping, no OpenVINO, no sockets. ``Stage`` stands in for a paged stage: it writes each row's token id
 into the (block, slot) its plan names and predicts the next token from the ids it reads back, so a block
@@ -15,8 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ovshard.errors import ConfigError
-from ovshard.runtime.engine.batching import BatchConfig, BatchError, Sampled, StageScheduler, TickPlan
-from ovshard.runtime.engine.blocks import BlockManager, blocks_for
+from ovshard.runtime.engine.paged import blocks_for
+from ovshard.runtime.scheduling.block_tables import BlockManager
+from ovshard.runtime.scheduling.tick_planner import BatchConfig, BatchError, Sampled, TickPlan, TickPlanner
 
 BS = 4  # positions a block in these tests
 VOCAB = 5
@@ -53,16 +54,16 @@ class Stage:
             for slot in range(BS):
                 if (src, slot) in self.slots:
                     self.slots[dst, slot] = self.slots[src, slot]
-        tables = [rows.blocks[:blocks_for(rows.end, BS)] for rows in plan.seqs]
-        for rows, table in zip(plan.seqs, tables, strict=True):
+        tables = [rows.blocks[:blocks_for(rows.end, BS)] for rows in plan.parts]
+        for rows, table in zip(plan.parts, tables, strict=True):
             assert len(table) == blocks_for(rows.end, BS), "the block table does not cover the rows"
             written = set(table[rows.position // BS:])
-            for other, other_table in zip(plan.seqs, tables, strict=True):
+            for other, other_table in zip(plan.parts, tables, strict=True):
                 assert other is rows or not written & set(other_table), "a block written while another reads it"
             for p, token in enumerate(rows.ids, start=rows.position):
                 self.slots[table[p // BS], p % BS] = token
         out = {}
-        for rows, table in zip(plan.seqs, tables, strict=True):
+        for rows, table in zip(plan.parts, tables, strict=True):
             context = [self.slots[table[p // BS], p % BS] for p in range(rows.end)]
             out[rows.seq] = [model(context[:p + 1]) for p in range(rows.end - rows.want, rows.end)]
         return out
@@ -81,7 +82,7 @@ class Head:
     """Drives a scheduler as the head would: ``depth`` plans in flight, greedy sampling, ``new`` tokens a sequence,
     drafts from ``propose(ids)`` (None: no speculation)."""
 
-    def __init__(self, sched: StageScheduler, new: dict[Hashable, int], depth: int = 1,
+    def __init__(self, sched: TickPlanner, new: dict[Hashable, int], depth: int = 1,
                  propose: Callable[[list[int]], Sequence[int]] | None = None) -> None:
         self.sched, self.new, self.depth, self.propose = sched, new, depth, propose
         self.stage = Stage()
@@ -97,7 +98,7 @@ class Head:
     def plan(self) -> TickPlan:
         plan = self.sched.plan_tick()
         self.sched.blocks.check()
-        if plan.seqs:
+        if plan.parts:
             self.flight.append((plan, self.stage.run(plan)))
             self.plans.append(plan)
         return plan
@@ -105,7 +106,7 @@ class Head:
     def finish(self) -> None:
         plan, predicted = self.flight.pop(0)
         results = {}
-        for rows in plan.seqs:
+        for rows in plan.parts:
             if rows.want and rows.seq in self.sched:
                 accepted, token = verify(rows.ids, rows.drafts, predicted[rows.seq])
                 known = [*self.sched.view(rows.seq).ids[:rows.end - rows.drafts + accepted], token]
@@ -118,7 +119,7 @@ class Head:
 
     def step(self) -> TickPlan:
         plan = self.plan()
-        if self.flight and (len(self.flight) >= self.depth or not plan.seqs):
+        if self.flight and (len(self.flight) >= self.depth or not plan.parts):
             self.finish()
         return plan
 
@@ -133,13 +134,13 @@ class Head:
                 return
             in_flight = bool(self.flight)
             plan = self.step()
-            assert plan.seqs or in_flight or plan.preempted or plan.dropped, "nothing runs and nothing is in flight"
+            assert plan.parts or in_flight or plan.preempted or plan.dropped, "nothing runs and nothing is in flight"
         raise AssertionError(f"sequences still unfinished after {limit} ticks")
 
 
 def scheduler(num_blocks: int = 64, budget: int = 16, max_seqs: int = 4, chunk: int | None = None,
-              prefix_cache: bool = True, defer: bool = True) -> StageScheduler:
-    return StageScheduler(BlockManager(num_blocks, BS, prefix_cache=prefix_cache),
+              prefix_cache: bool = True, defer: bool = True) -> TickPlanner:
+    return TickPlanner(BlockManager(num_blocks, BS, prefix_cache=prefix_cache),
                           BatchConfig(budget, max_seqs, chunk, defer))
 
 
@@ -156,7 +157,7 @@ def test_prompt_prefills_in_one_tick_and_wants_its_last_row():
     s = scheduler()
     s.add("a", ids(6))
     plan = s.plan_tick()
-    (rows,) = plan.seqs
+    (rows,) = plan.parts
     assert (rows.position, rows.ids, rows.want, len(rows.blocks)) == (0, tuple(ids(6)), 1, 2)
     assert s.view("a").work == "none" and s.view("a").awaiting
 
@@ -171,8 +172,8 @@ def test_long_prompt_is_chunked_and_never_blocks_decode_rows():
     chunks = []
     while "b" not in head.done:
         plan = head.step()
-        assert plan.rows <= 8 and plan.seqs[0].seq == "a" and plan.seqs[0].count == 1
-        chunks += [(rows.position, rows.count, rows.want) for rows in plan.seqs if rows.seq == "b"]
+        assert plan.rows <= 8 and plan.parts[0].seq == "a" and plan.parts[0].count == 1
+        chunks += [(rows.position, rows.count, rows.want) for rows in plan.parts if rows.seq == "b"]
     assert [c[1] for c in chunks] == [6] * 6 + [4] and [c[2] for c in chunks] == [0] * 6 + [1]
     assert [c[0] for c in chunks] == list(range(0, 40, 6))  # contiguous chunks, the last one wants its logits
 
@@ -182,7 +183,7 @@ def test_prefills_are_served_first_come_first_served():
     s = scheduler(budget=8, max_seqs=3)
     for seq, n, start in (("a", 13, 0), ("b", 13, 50), ("c", 3, 100)):
         s.add(seq, ids(n, start))
-    first = [[(rows.seq, rows.count) for rows in s.plan_tick().seqs] for _ in range(4)]
+    first = [[(rows.seq, rows.count) for rows in s.plan_tick().parts] for _ in range(4)]
     assert first == [[("a", 8)], [("a", 5), ("b", 3)], [("b", 8)], [("b", 2), ("c", 3)]]
 
 
@@ -193,7 +194,7 @@ def test_shared_prefix_is_prefilled_once():
     head.add("a", ids(9))
     head.run()
     head.add("b", ids(8) + [60, 61, 62])
-    (rows,) = head.plan().seqs
+    (rows,) = head.plan().parts
     assert (rows.position, rows.ids) == (8, (60, 61, 62))
     assert s.stats.blocks.hit_tokens == 8
 
@@ -206,7 +207,7 @@ def test_prompts_arriving_together_share_one_prefill(defer: bool):
     head.add("a", ids(8) + [40])
     head.add("b", ids(8) + [50, 51])
     plans = [head.step() for _ in range(3)]
-    b_rows = [rows for plan in plans for rows in plan.seqs if rows.seq == "b"]
+    b_rows = [rows for plan in plans for rows in plan.parts if rows.seq == "b"]
     assert (b_rows[0].position, b_rows[0].count) == ((8, 2) if defer else (0, 7))  # a took 9 of the 16 rows
 
 
@@ -221,8 +222,8 @@ def test_full_pool_preempts_the_newest_which_resumes_by_full_recompute():
     assert s.view("b").preempted and not s.view("b").admitted and "a" in s and s.view("a").admitted
     known = s.view("b").ids
     head.run()
-    first = next(rows.admission for p in head.plans for rows in p.seqs if rows.seq == "b")
-    resumed = [rows for p in head.plans for rows in p.seqs if rows.seq == "b" and rows.admission != first]
+    first = next(rows.admission for p in head.plans for rows in p.parts if rows.seq == "b")
+    resumed = [rows for p in head.plans for rows in p.parts if rows.seq == "b" and rows.admission != first]
     chunks = resumed[:next(i for i, rows in enumerate(resumed) if rows.want) + 1]
     assert [rows.position for rows in chunks] == [0, 8] and sum((rows.ids for rows in chunks), ()) == known
     assert head.done == {"a": solo(ids(6), 8), "b": solo(ids(6, 20), 8)}
@@ -237,7 +238,7 @@ def test_new_sequence_waits_for_blocks_without_preempting():
     head.add("b", ids(8, 30))
     for _ in range(2):
         plan = head.step()
-        assert not plan.preempted and [rows.seq for rows in plan.seqs] == ["a"]
+        assert not plan.preempted and [rows.seq for rows in plan.parts] == ["a"]
     head.run()
     assert head.done["b"] == solo(ids(8, 30), 1) and s.stats.preemptions == 0
 
@@ -250,10 +251,10 @@ def test_newcomer_never_overtakes_a_preempted_sequence():
     s.finish_tick(s.plan_tick(), {"a": Sampled(1), "b": Sampled(2)})  # each now needs a new block; 1 is free
     s.add("c", [99])
     plan = s.plan_tick()
-    assert plan.preempted == ("b",) and [rows.seq for rows in plan.seqs] == ["a"]
+    assert plan.preempted == ("b",) and [rows.seq for rows in plan.parts] == ["a"]
     assert s.stats.blocks.free == 2 and not s.view("c").admitted
     s.finish_tick(plan, {"a": Sampled(3)})
-    assert [rows.seq for rows in s.plan_tick().seqs] == ["a"]  # b needs 3 blocks of the 2 free; c waits behind it
+    assert [rows.seq for rows in s.plan_tick().parts] == ["a"]  # b needs 3 blocks of the 2 free; c waits behind it
 
 
 def test_rejected_drafts_are_rewound_and_emptied_blocks_freed():
@@ -262,14 +263,14 @@ def test_rejected_drafts_are_rewound_and_emptied_blocks_freed():
     s.add("a", ids(3))
     s.finish_tick(s.plan_tick(), {"a": Sampled(3, drafts=(7, 7, 7))})  # known: 0 1 2 3 | 7 7 7
     plan = s.plan_tick()
-    (rows,) = plan.seqs
+    (rows,) = plan.parts
     assert (rows.position, rows.count, rows.want, rows.drafts) == (3, 4, 4, 3)
     assert len(rows.blocks) == 2 and s.stats.blocks.used == 2
     s.finish_tick(plan, {"a": Sampled(9, accepted=0)})
     view = s.view("a")
     assert view.ids == (0, 1, 2, 3, 9) and view.computed == view.scheduled == 4
     assert s.blocks.length("a") == 4 and s.stats.blocks.used == 1
-    (rows,) = s.plan_tick().seqs
+    (rows,) = s.plan_tick().parts
     assert (rows.position, rows.ids, rows.want) == (4, (9,), 1)
 
 
@@ -279,7 +280,7 @@ def test_accepted_drafts_keep_their_rows():
     s.add("a", ids(3))
     s.finish_tick(s.plan_tick(), {"a": Sampled(3, drafts=(4, 5))})
     s.finish_tick(s.plan_tick(), {"a": Sampled(6, accepted=2)})
-    (rows,) = s.plan_tick().seqs
+    (rows,) = s.plan_tick().parts
     assert (rows.position, rows.ids) == (6, (6,)) and s.view("a").computed == 6
 
 
@@ -290,7 +291,7 @@ def test_drafts_are_cut_to_leave_a_row_for_every_other_sequence():
         s.add(seq, [start])
     s.finish_tick(s.plan_tick(), {"a": Sampled(1, drafts=(1, 1, 1, 1, 1)), "b": Sampled(1), "c": Sampled(1)})
     plan = s.plan_tick()
-    assert [(rows.seq, rows.count, rows.want) for rows in plan.seqs] == [("a", 2, 2), ("b", 1, 1), ("c", 1, 1)]
+    assert [(rows.seq, rows.count, rows.want) for rows in plan.parts] == [("a", 2, 2), ("b", 1, 1), ("c", 1, 1)]
     assert s.view("a").drafts == 1 and s.view("a").ids == (0, 1, 1)
 
 
@@ -301,8 +302,8 @@ def test_pipelined_plans_continue_a_prefill_and_finish_in_order():
     s.add("b", ids(20, 40))
     first = s.plan_tick()
     second = s.plan_tick()
-    assert [(r.seq, r.position, r.count) for r in first.seqs] == [("a", 0, 2), ("b", 0, 6)]
-    assert [(r.seq, r.position, r.count) for r in second.seqs] == [("b", 6, 8)]
+    assert [(r.seq, r.position, r.count) for r in first.parts] == [("a", 0, 2), ("b", 0, 6)]
+    assert [(r.seq, r.position, r.count) for r in second.parts] == [("b", 6, 8)]
     assert s.in_flight == (0, 1)
     with pytest.raises(BatchError, match="expected tick 0, got tick 1"):
         s.finish_tick(second, {})
@@ -319,9 +320,9 @@ def test_sequence_preempted_in_flight_keeps_its_sampled_token():
     first, second = s.plan_tick(), s.plan_tick()  # a 4 rows + b's first 4; b's last 3, in flight together
     s.finish_tick(first, {"a": Sampled(1)})
     third = s.plan_tick()  # a needs a 2nd block of the 3: b, the newest, is preempted with its rows in flight
-    assert third.preempted == ("b",) and [rows.seq for rows in third.seqs] == ["a"]
+    assert third.preempted == ("b",) and [rows.seq for rows in third.parts] == ["a"]
     s.add("c", [9])
-    assert s.plan_tick().seqs == ()  # c may not overtake b, which resumes once its result is in
+    assert s.plan_tick().parts == ()  # c may not overtake b, which resumes once its result is in
     s.finish_tick(second, {"b": Sampled(2)})
     view = s.view("b")
     assert view.ids == (*ids(7, 20), 2) and view.computed == 0 and not view.admitted and view.preempted
@@ -349,13 +350,13 @@ def test_results_left_out_wait_for_resume_with_drafts_rewound_by_block_table():
     s = scheduler(num_blocks=16, budget=40)
     s.add("a", ids(30) + [100, 101, 102], drafts=3)  # a prompt and 3 drafts: 4 logits rows wanted
     plan = s.plan_tick()
-    assert plan.seqs[0].want == 4 and plan.seqs[0].count == 33
+    assert plan.parts[0].want == 4 and plan.parts[0].count == 33
     s.finish_tick(plan, {})  # the head samples on a stream thread: nothing decided yet
-    assert s.view("a").awaiting and s.blocks.computed("a") == 30 and s.plan_tick().seqs == ()
+    assert s.view("a").awaiting and s.blocks.computed("a") == 30 and s.plan_tick().parts == ()
     s.resume("a", Sampled(7, accepted=1, drafts=(8,)))  # 100 kept, 101 and 102 rewound; then 7 and a draft 8
     view = s.view("a")
     assert view.ids == (*ids(30), 100, 7, 8) and s.blocks.length("a") == 31 and s.blocks.computed("a") == 31
-    rows = s.plan_tick().seqs[0]
+    rows = s.plan_tick().parts[0]
     assert (rows.position, rows.ids, rows.want) == (31, (7, 8), 2)
     with pytest.raises(BatchError, match="awaits no result"):
         s.resume("a", Sampled(1))
@@ -408,7 +409,7 @@ def test_stats_report_rows_sequences_hits_blocks_and_preemptions():
     head.run()
     stats = s.stats
     assert stats.ticks == len(head.plans) and stats.rows == sum(plan.rows for plan in head.plans)
-    assert stats.seqs == sum(len(plan.seqs) for plan in head.plans)
+    assert stats.seqs == sum(len(plan.parts) for plan in head.plans)
     assert stats.rows_per_tick == stats.rows / stats.ticks and stats.blocks.hit_rate > 0
     assert stats.preemptions >= 1 and stats.running == stats.waiting == 0
     assert stats.blocks.used == 0 and stats.blocks.free + stats.blocks.cached == 5
@@ -473,8 +474,8 @@ def test_random_workloads_keep_budgets_fairness_and_solo_tokens(w: dict):
 
 def check_plan(plan: TickPlan, before: dict, budget: int, max_seqs: int, chunk: int) -> None:
     """The plan's rows fit the budget and cap; ready decodes all run; running prefills are served oldest first."""
-    assert plan.rows <= budget and len(plan.seqs) <= max_seqs
-    served = {rows.seq: rows for rows in plan.seqs}
+    assert plan.rows <= budget and len(plan.parts) <= max_seqs
+    served = {rows.seq: rows for rows in plan.parts}
     for view in before.values():
         if view.admitted and view.work in ("decode", "verify"):
             assert view.seq in served or view.seq in plan.preempted, f"{view.seq} starved"
@@ -493,6 +494,6 @@ def test_a_tick_takes_at_most_the_sequences_asked_oldest_first():
         s.add(name, ids(3))
     assert s.ready == 3
     first = s.plan_tick(max_seqs=2)
-    assert [rows.seq for rows in first.seqs] == ["a", "b"] and s.ready == 1
+    assert [rows.seq for rows in first.parts] == ["a", "b"] and s.ready == 1
     second = s.plan_tick(max_seqs=2)
-    assert [rows.seq for rows in second.seqs] == ["c"] and s.ready == 0
+    assert [rows.seq for rows in second.parts] == ["c"] and s.ready == 0
