@@ -48,11 +48,11 @@ def mla_qkv(d: ModelDims, blk: Block, layer: Weights, x: torch.Tensor, cos: torc
         q = F.linear(x, layer.q_weight, layer.q_bias)
     q = q.view(b, t, heads, d.head_dim).transpose(1, 2)
     kv_a = F.linear(x, layer.kv_a_weight, layer.kv_a_bias)  # [batch, seq, kv_lora_rank + rope]
-    latent, k_rot = kv_a[..., :d.kv_lora_rank], kv_a[..., d.kv_lora_rank:]
+    latent, k_rot = torch.split(kv_a, [d.kv_lora_rank, rope], dim=-1)  # on the last axis, whatever the rank
     kv = F.linear(rms_norm(latent, layer.kv_a_norm, eps), layer.kv_b_weight, layer.kv_b_bias)
     kv = kv.view(b, t, heads, nope + d.v_dim).transpose(1, 2)  # [batch, heads, seq, nope + v_dim]
     q_nope, q_rot = q[..., :nope], q[..., nope:]
-    k_rot = k_rot[:, None]  # [batch, 1, seq, rope]: one rotary key for every head
+    k_rot = k_rot.reshape(b, t, 1, rope).transpose(1, 2)  # [batch, 1, seq, rope]: one rotary key for every head
     if blk.rope_interleave:
         q_rot, k_rot = _deinterleave(q_rot), _deinterleave(k_rot)
     q_rot, k_rot = apply_rotary(q_rot, cos, sin, rope), apply_rotary(k_rot, cos, sin, rope)
