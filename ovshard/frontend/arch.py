@@ -22,8 +22,8 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DYNAMIC_ROPE_TYPES = ("dynamic",)
 # mixture-of-experts families the table does not hold, refused by name with what each would need
 UNSUPPORTED_MOE = {
-    "deepseek_v2": "its softmax group-limited routing (topk_method group_limited_greedy / noaux_tc) as a family; "
-                   "its multi-head latent attention is deepseek_v3's",
+    "deepseek_v2": "its softmax routing (topk_method greedy or group_limited_greedy, no correction bias) "
+                   "and its config keys as a family; its multi-head latent attention is deepseek_v3's",
     "phimoe": "sparsemixer routing (a different top-2 selection than softmax top-k)",
     "olmoe": "q/k norms over the whole projection (not per head) with its MoE block",
     "llama4": "interleaved chunked/no-rope attention layers and a shared expert with sigmoid routing",
