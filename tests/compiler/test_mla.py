@@ -1,0 +1,71 @@
+"""Multi-head latent attention (deepseek_v3): what its expanded KV cache costs, where each count reads it, and what
+a compiled stage holds. Its logits against Hugging Face are the deepseek_v3 rows of test_families.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openvino as ov
+import pytest
+from conftest import compile_fp32
+from families import FAMILIES, write_random_checkpoint
+
+from ovshard.bundle import names
+from ovshard.bundle.manifest import read_manifest
+from ovshard.bundle.plan import format_bytes
+from ovshard.bundle.weights import WeightFormat
+from ovshard.errors import CheckpointError
+from ovshard.frontend.description import describe
+from ovshard.plan.costs import KV_ELEMENT_BYTES, model_costs, parameter_count
+from ovshard.tools.shapes import family_config, preset
+from ovshard.verify.inspect import summary
+
+
+def test_deepseek_v3_preset_counts_its_parameters_and_its_expanded_cache() -> None:
+    """The deepseek-v3 shape holds 671B parameters; a cached token costs each layer 128 heads x (192 + 128) x 2
+    bytes, dense and sparse layers alike."""
+    model = describe(preset("deepseek-v3"))
+    d = model.dims
+    assert parameter_count(model.arch, d) == 671_026_419_200
+    assert d.cache_dims == (192, 128) and d.num_kv_heads == 128 and d.dense_layers == (0, 1, 2)
+    assert model.block.rotary_dim == 64 and model.block.rope_interleave
+    layers = [b for b in model_costs(model.arch, d, WeightFormat("int4_asym", 128)).blocks if b.kind == "layer"]
+    assert {b.kv_bytes_per_token for b in layers} == {128 * (192 + 128) * KV_ELEMENT_BYTES} == {81_920}
+
+
+def test_yarn_mscale_scales_the_softmax() -> None:
+    """With yarn and mscale_all_dim, the scores' scale is head_dim^-0.5 times (0.1 ln(factor) + 1)^2 (transformers'
+    yarn_apply_mscale); without a scaled rope it is head_dim^-0.5."""
+    from transformers.modeling_rope_utils import yarn_apply_mscale
+
+    config = preset("deepseek-v3")
+    expected = yarn_apply_mscale(config["rope_parameters"], 192 ** -0.5)
+    assert describe(config).block.attention_scale == pytest.approx(expected, rel=1e-12)
+    assert expected == pytest.approx(192 ** -0.5 * (0.1 * 3.6888794541139363 + 1) ** 2)
+    assert describe(family_config("deepseek_v3")).block.attention_scale == pytest.approx(24 ** -0.5)
+
+
+def test_fewer_key_value_heads_than_heads_is_refused() -> None:
+    """kv_b_proj expands a key and a value for every head: a config claiming fewer KV heads is refused by name."""
+    with pytest.raises(CheckpointError, match="num_key_value_heads=2 for 4 attention heads"):
+        describe(family_config("deepseek_v3", num_key_value_heads=2))
+
+
+def test_stages_cache_keys_and_values_of_their_own_widths(tmp_path: Path) -> None:
+    """A 2-stage bundle's KV states are keys [batch, heads, ?, 16 + 8] and values [batch, heads, ?, 12], and
+    `ovshard inspect` shows each stage's planned KV bytes per token: layers x heads x (24 + 12) x 2."""
+    checkpoint = write_random_checkpoint(FAMILIES["deepseek_v3"], tmp_path / "ckpt")
+    bundle = compile_fp32(checkpoint, tmp_path / "b", stages=2)
+    manifest = read_manifest(bundle)
+    assert manifest.architecture.cache_dims == (24, 12)
+    for entry in manifest.stages:
+        model = ov.Core().read_model(bundle / entry.model_xml)
+        widths = {op.get_friendly_name(): op.get_output_partial_shape(0)[3].get_length()
+                  for op in model.get_ops() if op.get_type_name() == "ReadValue"}
+        layers = range(*entry.layers)
+        expected = {names.past_key(i): 24 for i in layers} | {names.past_value(i): 12 for i in layers}
+        assert widths == expected
+        planned = manifest.plan.stages[entry.index]
+        assert planned.kv_bytes_per_token == len(layers) * 4 * (24 + 12) * KV_ELEMENT_BYTES
+    shown = summary(bundle, manifest)
+    assert all(format_bytes(s.kv_bytes_per_token) in shown for s in manifest.plan.stages), shown
