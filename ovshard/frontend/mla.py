@@ -16,7 +16,7 @@ unchanged.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,19 +25,17 @@ from ovshard.bundle.dims import ModelDims
 from ovshard.frontend.block import Block
 from ovshard.frontend.layer_math import apply_rotary, rms_norm
 
-if TYPE_CHECKING:
-    from ovshard.frontend.stage_module import Weights
-
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     """[..., (x0, x1), (x2, x3), ...] -> [..., x0, x2, ..., x1, x3, ...]."""
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
-def mla_qkv(d: ModelDims, blk: Block, layer: Weights, x: torch.Tensor, cos: torch.Tensor,
+def mla_qkv(d: ModelDims, blk: Block, layer: Any, x: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [batch, seq, hidden] -> queries and keys [batch, heads, seq, head_dim], values [batch, heads, seq, v_dim];
-    cos, sin [batch, 1, seq, rope_head_dim]."""
+    cos, sin [batch, 1, seq, rope_head_dim]; ``layer`` the layer's stage_module.Weights (q_a/q_b or q, kv_a, kv_b
+    weights and biases, q_a_norm, kv_a_norm)."""
     b, t, _ = x.shape
     heads, rope, eps = d.num_heads, d.rope_head_dim, d.rms_norm_eps
     nope = d.head_dim - rope
