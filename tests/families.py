@@ -328,7 +328,17 @@ def _glm4_moe_text() -> PretrainedConfig:
                          rope_parameters={**ROPE, "partial_rotary_factor": 0.5})
 
 
-MOE_TEXT = {"qwen3_moe": _qwen3_moe_text, "glm4_moe": _glm4_moe_text}
+def _deepseek_v3_text() -> PretrainedConfig:
+    # _deepseek_v3's block (without yarn) over stories260K's vocabulary and special tokens: layer 0 dense, 3 sparse
+    return DeepseekV3Config(vocab_size=512, bos_token_id=1, eos_token_id=2, hidden_size=64, intermediate_size=128,
+                            moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                            topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                            first_k_dense_replace=1, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                            q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                            tie_word_embeddings=False, max_position_embeddings=512, rope_parameters=ROPE)
+
+
+MOE_TEXT = {"qwen3_moe": _qwen3_moe_text, "glm4_moe": _glm4_moe_text, "deepseek_v3": _deepseek_v3_text}
 
 
 def moe_with_tokenizer(stories: Path, root: Path, model_type: str = "qwen3_moe") -> Path:

@@ -5,19 +5,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import openvino as ov
 import pytest
 from conftest import compile_fp32
-from families import FAMILIES, write_random_checkpoint
+from families import FAMILIES, moe_with_tokenizer, write_random_checkpoint
 
 from ovshard.bundle import names
 from ovshard.bundle.manifest import read_manifest
 from ovshard.bundle.plan import format_bytes
 from ovshard.bundle.weights import WeightFormat
+from ovshard.compile import CompileConfig, compile_bundle
 from ovshard.errors import CheckpointError
 from ovshard.frontend.description import describe
 from ovshard.plan.costs import KV_ELEMENT_BYTES, model_costs, parameter_count
+from ovshard.runtime.client.inprocess import LocalPipeline
+from ovshard.runtime.engine.stage import EXACT_HINTS
 from ovshard.tools.shapes import family_config, preset
+from ovshard.verify.fusion import check_cpu_fusion
 from ovshard.verify.inspect import summary
 
 
@@ -69,3 +74,29 @@ def test_stages_cache_keys_and_values_of_their_own_widths(tmp_path: Path) -> Non
         assert planned.kv_bytes_per_token == len(layers) * 4 * (24 + 12) * KV_ELEMENT_BYTES
     shown = summary(bundle, manifest)
     assert all(format_bytes(s.kv_bytes_per_token) in shown for s in manifest.plan.stages), shown
+
+
+def test_whole_stage_trace_equals_the_streamed_compile(tmp_path: Path) -> None:
+    """fp32, 2 stages: tracing each stage whole (streaming off) gives the streamed compile's greedy tokens and
+    logits (max |diff| <= 1e-5)."""
+    checkpoint = write_random_checkpoint(FAMILIES["deepseek_v3"], tmp_path / "ckpt")
+    found = {}
+    for streaming in (True, False):
+        out = tmp_path / f"b{int(streaming)}"
+        compile_bundle(CompileConfig(checkpoint, out, stages=2, weights=WeightFormat("fp32"), streaming=streaming))
+        ids, rows = LocalPipeline(out, config=EXACT_HINTS).generate_greedy([2, 17, 42, 99], 12)
+        found[streaming] = ids, np.stack(rows)
+    assert found[True][0] == found[False][0]
+    assert float(np.abs(found[True][1] - found[False][1]).max()) <= 1e-5
+
+
+def test_calibrated_int4_default_fuses_attention_and_gathers_the_sparse_layers(stories: Path, tmp_path: Path) -> None:
+    """The default compile (INT4, calibrated on the shipped text through stories260K's tokenizer) of an MLA model:
+    every stage fuses its KV cache into one SDPA a layer, and each sparse layer's experts become 3 GatherMatmuls."""
+    checkpoint = moe_with_tokenizer(stories, tmp_path / "ckpt", "deepseek_v3")
+    manifest = compile_bundle(CompileConfig(checkpoint, tmp_path / "b", stages=2))
+    assert manifest.weights.mode.startswith("int4") and manifest.weights.calibration == "text"
+    reports = check_cpu_fusion(tmp_path / "b", manifest)
+    found = [(r.stage, r.layers, r.moe_layers, r.gather_matmuls, r.fused_sdpa) for r in reports]
+    assert all(r.ok and r.fused_sdpa == r.layers and r.gather_matmuls == 3 * r.moe_layers for r in reports), found
+    assert sum(r.moe_layers for r in reports) == 3, found
