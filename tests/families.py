@@ -196,14 +196,14 @@ def _deepseek_v3() -> PretrainedConfig:
     # 8-wide rotary key shared by the heads, interleaved rotary pairs; a key head 16 + 8 wide, a value head 12
     # (unequal, as 192 vs 128); yarn x4 over 32 positions with mscale_all_dim (the softmax scale times mscale^2);
     # layer 0 dense; 8 experts in 4 groups, top-2 within the best 2 by sigmoid + correction bias, renormalized,
-    # x2.5, one shared expert; untied
+    # x2.5, one shared expert; q_a, kv_a and o biased (attention_bias); untied
     return DeepseekV3Config(vocab_size=320, eos_token_id=319, hidden_size=64, intermediate_size=128,
                             moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
                             topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                             first_k_dense_replace=1, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
                             q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-                            rope_interleave=True, tie_word_embeddings=False, max_position_embeddings=128,
-                            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            rope_interleave=True, attention_bias=True, tie_word_embeddings=False,
+                            max_position_embeddings=128, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                              "original_max_position_embeddings": 32, "beta_fast": 32.0,
                                              "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
 

@@ -54,7 +54,12 @@ UNWIRED: dict[str, tuple[Any, ...]] = {
     "routed_scaling_factor": (None, 1.0),
     "n_shared_experts": (None, 0),
     "qkv_bias": (None, True),
-    "rope_interleave": (None, False),  # DeepSeek's interleaved rotary pairs (multi-head latent attention)  # Qwen2-MoE's switch for q, k, v biases: ovshard's qwen2_moe is always biased
+    "rope_interleave": (None, False),  # DeepSeek's interleaved rotary pairs (multi-head latent attention)
+    # DeepSeek's original config.json keys that transformers ignores and DeepSeek-V3's releases hold at these values:
+    # another value (V2's softmax scoring, every other layer sparse) would compute unlike the model's own code
+    "moe_layer_freq": (None, 1),
+    "scoring_func": (None, "sigmoid"),
+    "topk_method": (None, "noaux_tc"),  # Qwen2-MoE's switch for q, k, v biases: ovshard's qwen2_moe is always biased
 }
 ALWAYS_REFUSED: dict[str, tuple[Any, ...]] = {  # no family implements these
     "use_bidirectional_attention": (None, False),

@@ -16,7 +16,7 @@ from ovshard.bundle.manifest import read_manifest
 from ovshard.bundle.plan import format_bytes
 from ovshard.bundle.weights import WeightFormat
 from ovshard.compile import CompileConfig, compile_bundle
-from ovshard.errors import CheckpointError
+from ovshard.errors import CheckpointError, UnsupportedArchitectureError
 from ovshard.frontend.description import describe
 from ovshard.plan.costs import KV_ELEMENT_BYTES, model_costs, parameter_count
 from ovshard.runtime.client.inprocess import LocalPipeline
@@ -100,3 +100,13 @@ def test_calibrated_int4_default_fuses_attention_and_gathers_the_sparse_layers(s
     found = [(r.stage, r.layers, r.moe_layers, r.gather_matmuls, r.fused_sdpa) for r in reports]
     assert all(r.ok and r.fused_sdpa == r.layers and r.gather_matmuls == 3 * r.moe_layers for r in reports), found
     assert sum(r.moe_layers for r in reports) == 3, found
+
+
+@pytest.mark.parametrize(("key", "value"), [("scoring_func", "softmax"), ("moe_layer_freq", 2),
+                                            ("topk_method", "group_limited_greedy")])
+def test_deepseek_keys_transformers_ignores_are_refused_off_their_v3_values(key: str, value: object) -> None:
+    """config.json keys of DeepSeek's own code that transformers drops are accepted at V3's values and refused at
+    any other (they would change which experts run), naming the key."""
+    describe(family_config("deepseek_v3", scoring_func="sigmoid", moe_layer_freq=1, topk_method="noaux_tc"))
+    with pytest.raises(UnsupportedArchitectureError, match=f"{key}="):
+        describe(family_config("deepseek_v3", **{key: value}))
