@@ -24,11 +24,12 @@ def kv_pairs(ctx: PassContext) -> list[tuple[str, str]]:
     return names.kv_pairs(ctx.stage.layers)
 
 
-def _empty_cache(model: ov.Model, ctx: PassContext) -> ov.Node:
-    """zeros [batch, kv_heads, 0, head_dim], batch taken from the stage's primary input."""
+def _empty_cache(model: ov.Model, ctx: PassContext, dim: int) -> ov.Node:
+    """zeros [batch, kv_heads, 0, dim], batch taken from the stage's primary input (dim: the key's or the value's
+    head width, ``ModelDims.cache_dims``)."""
     primary = graph.parameter(model, names.INPUT_IDS if ctx.stage.first else names.HIDDEN_STATES)
     batch = ops.gather(ops.shape_of(primary), ops.constant(np.array([0], np.int64)), ops.constant(np.int64(0)))
-    rest = ops.constant(np.array([ctx.dims.num_kv_heads, 0, ctx.dims.head_dim], np.int64))
+    rest = ops.constant(np.array([ctx.dims.num_kv_heads, 0, dim], np.int64))
     shape = ops.concat([batch, rest], axis=0)  # [batch, kv_heads, 0, head_dim]
     return ops.broadcast(ops.constant(np.float32(0)), shape)
 
@@ -50,7 +51,7 @@ class MakeStatefulKVPass(GraphPass):
     def call(self, model: ov.Model, ctx: PassContext) -> PassResult:
         if graph.parameter(model, kv_pairs(ctx)[0][0]) is None:
             return PassResult(model, modified=False)
-        for past_name, present_name in kv_pairs(ctx):
+        for n, (past_name, present_name) in enumerate(kv_pairs(ctx)):
             past = graph.parameter(model, past_name)
             present = graph.result(model, present_name)
             if past is None or present is None:
@@ -60,7 +61,7 @@ class MakeStatefulKVPass(GraphPass):
             info.data_type = past.get_output_element_type(0)
             info.variable_id = past_name
             variable = Variable(info)
-            read = ops.read_value(_empty_cache(model, ctx), variable, name=past_name)
+            read = ops.read_value(_empty_cache(model, ctx, ctx.dims.cache_dims[n % 2]), variable, name=past_name)
             graph.redirect(past.output(0), read.output(0))
             value = present.input_value(0)
             if value.get_index() != 0:  # the Assign binding takes a node and reads its first output

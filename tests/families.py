@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     Gemma2Config,
     Gemma3Config,
     Gemma3TextConfig,
@@ -190,6 +191,36 @@ def _glm4_moe_air() -> PretrainedConfig:
                          partial_rotary_factor=0.5, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
 
 
+def _deepseek_v3() -> PretrainedConfig:
+    # DeepSeek-V3's block: q through a 24-wide latent (q_lora_rank), keys and values from a 16-wide latent plus an
+    # 8-wide rotary key shared by the heads, interleaved rotary pairs; a key head 16 + 8 wide, a value head 12
+    # (unequal, as 192 vs 128); yarn x4 over 32 positions with mscale_all_dim (the softmax scale times mscale^2);
+    # layer 0 dense; 8 experts in 4 groups, top-2 within the best 2 by sigmoid + correction bias, renormalized,
+    # x2.5, one shared expert; q_a, kv_a and o biased (attention_bias); untied
+    return DeepseekV3Config(vocab_size=320, eos_token_id=319, hidden_size=64, intermediate_size=128,
+                            moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                            topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                            first_k_dense_replace=1, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                            q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                            rope_interleave=True, attention_bias=True, tie_word_embeddings=False,
+                            max_position_embeddings=128, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                             "original_max_position_embeddings": 32, "beta_fast": 32.0,
+                                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
+
+
+def _deepseek_v3_plain_q() -> PretrainedConfig:
+    # no q latent (q_lora_rank None: one q_proj, as DeepSeek-V2-Lite); rotary halves (rope_interleave false), the
+    # default rope; layers 0 and 1 dense of 4; 6 experts in one group, top-4 not renormalized, x1; two shared
+    # experts (48 wide); tied
+    return DeepseekV3Config(vocab_size=320, eos_token_id=319, hidden_size=48, intermediate_size=96,
+                            moe_intermediate_size=24, n_routed_experts=6, num_experts_per_tok=4, n_group=1,
+                            topk_group=1, n_shared_experts=2, routed_scaling_factor=1.0, norm_topk_prob=False,
+                            first_k_dense_replace=2, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                            q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                            rope_interleave=False, tie_word_embeddings=True, max_position_embeddings=128,
+                            rope_parameters=ROPE)
+
+
 def _gpt_oss() -> PretrainedConfig:
     # attention sinks; q/k/v/o biased; sliding (8) and full layers; yarn rope; 4 experts, top-2 by logit then a
     # softmax over those two; biased router; clamped SwiGLU with a limit (0.6) low enough to clamp here
@@ -226,6 +257,8 @@ FAMILIES: dict[str, Family] = {
     "qwen2_moe_sparse_step": Family(_qwen2_moe_sparse_step),
     "glm4_moe": Family(_glm4_moe, seed=1),
     "glm4_moe_air": Family(_glm4_moe_air),
+    "deepseek_v3": Family(_deepseek_v3),
+    "deepseek_v3_plain_q": Family(_deepseek_v3_plain_q),
     "mixtral": Family(_mixtral),
     "gpt_oss": Family(_gpt_oss, max_positions=256, explicit_attention=True, seed=3),
 }
@@ -295,7 +328,17 @@ def _glm4_moe_text() -> PretrainedConfig:
                          rope_parameters={**ROPE, "partial_rotary_factor": 0.5})
 
 
-MOE_TEXT = {"qwen3_moe": _qwen3_moe_text, "glm4_moe": _glm4_moe_text}
+def _deepseek_v3_text() -> PretrainedConfig:
+    # _deepseek_v3's block (without yarn) over stories260K's vocabulary and special tokens: layer 0 dense, 3 sparse
+    return DeepseekV3Config(vocab_size=512, bos_token_id=1, eos_token_id=2, hidden_size=64, intermediate_size=128,
+                            moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                            topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                            first_k_dense_replace=1, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                            q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                            tie_word_embeddings=False, max_position_embeddings=512, rope_parameters=ROPE)
+
+
+MOE_TEXT = {"qwen3_moe": _qwen3_moe_text, "glm4_moe": _glm4_moe_text, "deepseek_v3": _deepseek_v3_text}
 
 
 def moe_with_tokenizer(stories: Path, root: Path, model_type: str = "qwen3_moe") -> Path:

@@ -38,6 +38,33 @@ class ModelDims:
     # layers, Qwen MoE's mlp_only_layers); every other layer holds the experts
     dense_layers: tuple[int, ...] = ()
     qk_norm: bool = True  # a family with q/k norms: whether this checkpoint has them (GLM-4.5's use_qk_norm)
+    # multi-head latent attention (DeepSeek-V3): keys and values come from a kv_lora_rank-wide latent (0: not MLA);
+    # queries from a q_lora_rank-wide one (0: one q projection); the last rope_head_dim dims of a query/key head
+    # rotate (the key's shared by every head); head_dim is a key's nope + rope dims, value_head_dim a value's
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    rope_head_dim: int = 0
+    value_head_dim: int = 0  # 0: head_dim
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def v_dim(self) -> int:
+        """A value head's width: head_dim, or MLA's v_head_dim."""
+        return self.value_head_dim or self.head_dim
+
+    @property
+    def cache_dims(self) -> tuple[int, int]:
+        """The last axis of a layer's cached keys and values, in that order (the KV cache is [batch, kv_heads,
+        positions, dim])."""
+        return self.head_dim, self.v_dim
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """Cached elements a token costs one layer (keys and values of every KV head)."""
+        return self.num_kv_heads * (self.head_dim + self.v_dim)
 
     @property
     def moe(self) -> bool:

@@ -22,9 +22,8 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DYNAMIC_ROPE_TYPES = ("dynamic",)
 # mixture-of-experts families the table does not hold, refused by name with what each would need
 UNSUPPORTED_MOE = {
-    "deepseek_v2": "multi-head latent attention (MLA: low-rank compressed K/V) and grouped top-k routing",
-    "deepseek_v3": "multi-head latent attention (MLA: low-rank compressed K/V with a decoupled rotary part, its "
-                   "own cache layout and yarn's attention scale); its routing and shared experts are glm4_moe's",
+    "deepseek_v2": "its softmax routing (topk_method greedy or group_limited_greedy, no correction bias) "
+                   "and its config keys as a family; its multi-head latent attention is deepseek_v3's",
     "phimoe": "sparsemixer routing (a different top-2 selection than softmax top-k)",
     "olmoe": "q/k norms over the whole projection (not per head) with its MoE block",
     "llama4": "interleaved chunked/no-rope attention layers and a shared expert with sigmoid routing",
@@ -125,6 +124,9 @@ class ArchSpec:
     qk_norm_key: str | None = None  # a config key that switches the q/k norms on (GLM: use_qk_norm); None: always
     # the config key of the multi-token-prediction layers a checkpoint stores after the last (never read)
     mtp_layers_key: str | None = None
+    # multi-head latent attention (DeepSeek-V3), the prefix over {i} of its tensors: q_a_proj, q_a_layernorm,
+    # q_b_proj (or q_proj without q_lora_rank), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj; None: q/k/v
+    mla: str | None = None
 
     @property
     def moe(self) -> bool:
@@ -246,10 +248,18 @@ GLM4_MOE = ArchSpec(
     wires=frozenset({"partial_rotary_factor", "use_qk_norm", "first_k_dense_replace", "n_group", "topk_group",
                      "routed_scaling_factor", "n_shared_experts"}),
 )
-MOE_TYPES = ("glm4_moe", "gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe")  # named in the refusal of other MoE types
+# DeepSeek-V3 (and Moonlight, Kimi K2): GLM-4.5's routing, experts and leading dense layers, with multi-head latent
+# attention; its q/k norms are MLA's latent norms (no per-head q_norm/k_norm)
+DEEPSEEK_V3 = replace(
+    GLM4_MOE, family="deepseek_v3", model_types=("deepseek_v3",), q_norm=None, k_norm=None, qk_norm_key=None,
+    qkv_bias=None, o_bias=None, mla="model.layers.{i}.self_attn",
+    wires=frozenset({"first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts",
+                     "rope_interleave"}),
+)
+MOE_TYPES = ("deepseek_v3", "glm4_moe", "gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe")  # named in the refusal of other MoE types
 
 FAMILIES = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3_TEXT, GEMMA3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, GPT_OSS,
-            GLM4_MOE)
+            GLM4_MOE, DEEPSEEK_V3)
 ARCHITECTURES: dict[str, ArchSpec] = {t: spec for spec in FAMILIES for t in spec.model_types}
 
 
@@ -337,7 +347,7 @@ def read_dims(spec: ArchSpec, config: dict[str, Any]) -> ModelDims:
         kv_heads = int(config.get("num_key_value_heads") or heads)
         attention_bias = bool(config.get("attention_bias", False))
         rope = rope_settings(config)
-        dims = ModelDims(
+        fields: dict[str, Any] = dict(
             model_type=str(config["model_type"]) if not spec.text_config else spec.model_types[0],
             hidden_size=hidden,
             num_layers=int(config["num_hidden_layers"]),
@@ -359,6 +369,7 @@ def read_dims(spec: ArchSpec, config: dict[str, Any]) -> ModelDims:
             qk_norm=spec.q_norm is not None and (spec.qk_norm_key is None or bool(config.get(spec.qk_norm_key))),
             **_expert_dims(spec, config),
         )
+        dims = ModelDims(**(fields | _mla_dims(spec, config, heads)))
     except KeyError as e:
         raise CheckpointError(f"config.json lacks the key {e.args[0]!r}, which a {spec.family} model needs") from e
     except (TypeError, ValueError) as e:
@@ -389,6 +400,21 @@ def _expert_dims(spec: ArchSpec, config: dict[str, Any]) -> dict[str, Any]:
     return {"num_experts": experts, "experts_per_token": per_token, "expert_size": size,
             "shared_expert_size": shared, "expert_projections": 2 if spec.stacked_experts else 3,
             "dense_layers": dense_layers(spec, config, int(config["num_hidden_layers"]))}
+
+
+def _mla_dims(spec: ArchSpec, config: dict[str, Any], heads: int) -> dict[str, Any]:
+    """Multi-head latent attention's numbers (nothing for other families): a key head is qk_nope_head_dim +
+    qk_rope_head_dim wide, a value head v_head_dim; every head has its own key and value (the expanded cache)."""
+    if not spec.mla:
+        return {}
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    if kv_heads != heads:  # kv_b_proj expands the latent into one key and value per query head
+        raise CheckpointError(f"config.json has num_key_value_heads={kv_heads} for {heads} attention heads; "
+                              "multi-head latent attention expands a key and a value per head: expected them equal")
+    nope, rope = int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"])
+    return {"head_dim": nope + rope, "num_kv_heads": heads, "kv_lora_rank": int(config["kv_lora_rank"]),
+            "q_lora_rank": int(config.get("q_lora_rank") or 0), "rope_head_dim": rope,
+            "value_head_dim": int(config["v_head_dim"])}
 
 
 def dense_layers(spec: ArchSpec, config: dict[str, Any], layers: int) -> tuple[int, ...]:

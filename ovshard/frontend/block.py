@@ -53,7 +53,13 @@ UNWIRED: dict[str, tuple[Any, ...]] = {
     "topk_group": (None, 1),
     "routed_scaling_factor": (None, 1.0),
     "n_shared_experts": (None, 0),
-    "qkv_bias": (None, True),  # Qwen2-MoE's switch for q, k, v biases: ovshard's qwen2_moe is always biased
+    "qkv_bias": (None, True),
+    "rope_interleave": (None, False),  # DeepSeek's interleaved rotary pairs (multi-head latent attention)
+    # DeepSeek's original config.json keys that transformers ignores and DeepSeek-V3's releases hold at these values:
+    # another value (V2's softmax scoring, every other layer sparse) would compute unlike the model's own code
+    "moe_layer_freq": (None, 1),
+    "scoring_func": (None, "sigmoid"),
+    "topk_method": (None, "noaux_tc"),  # Qwen2-MoE's switch for q, k, v biases: ovshard's qwen2_moe is always biased
 }
 ALWAYS_REFUSED: dict[str, tuple[Any, ...]] = {  # no family implements these
     "use_bidirectional_attention": (None, False),
@@ -94,6 +100,9 @@ class Block:
     expert_groups: int = 1
     groups_per_token: int = 1
     routed_scaling: float = 1.0
+    # multi-head latent attention (ModelDims.mla): its rotary dims are laid out in interleaved pairs (x0, x1), (x2,
+    # x3), ... (DeepSeek's rope_interleave), not rotate_half's halves
+    rope_interleave: bool = False
 
     def mask_kind(self, layer: int) -> str:
         return self.layer_types[layer]
@@ -188,10 +197,10 @@ def read_block(spec: ArchSpec, config: dict[str, Any], dims: ModelDims) -> Block
         sandwich_norms=spec.sandwich_norms,
         embed_scale=math.sqrt(dims.hidden_size) if spec.embed_scale else None,
         activation=activation(spec, config),
-        attention_scale=float(scalar if scalar is not None else dims.head_dim) ** -0.5,
+        attention_scale=_attention_scale(config, dims, scalar),
         attention_softcap=dims.attention_softcap,
         final_softcap=None if final_softcap is None else float(final_softcap),
-        rotary_dim=int(dims.head_dim * float(partial or 1.0)),
+        rotary_dim=dims.rope_head_dim if dims.mla else int(dims.head_dim * float(partial or 1.0)),
         sliding_window=None if window is None or SLIDING not in layer_types else int(window),
         layer_types=layer_types,
         rope_keys=rope_keys,
@@ -203,7 +212,22 @@ def read_block(spec: ArchSpec, config: dict[str, Any], dims: ModelDims) -> Block
         attention_sinks=dims.attention_sinks,
         shared_expert_gated=spec.shared_expert_gate is not None and dims.shared_expert_size > 0,
         **_sigmoid_routing(spec, config, dims),
+        rope_interleave=dims.mla and bool(config.get("rope_interleave", True)),  # DeepseekV3Config's default
     )
+
+
+def _attention_scale(config: dict[str, Any], dims: ModelDims, scalar: Any) -> float:
+    """Scores' scale: 1/sqrt(query_pre_attn_scalar or head_dim); multi-head latent attention with a scaled rope
+    and ``mscale_all_dim`` (DeepSeek-V3's yarn) multiplies it by mscale squared, transformers' yarn_apply_mscale:
+    mscale = 0.1 * mscale_all_dim * ln(factor) + 1 (1 where factor <= 1)."""
+    scale = float(scalar if scalar is not None else dims.head_dim) ** -0.5
+    rope = rope_settings(config)
+    mscale_all_dim = float(rope.get("mscale_all_dim") or 0.0)
+    if dims.mla and rope["rope_type"] != "default" and mscale_all_dim:
+        factor = float(rope["factor"])
+        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    return scale
 
 
 def _sigmoid_routing(spec: ArchSpec, config: dict[str, Any], dims: ModelDims) -> dict[str, Any]:

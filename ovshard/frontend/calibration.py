@@ -195,7 +195,8 @@ def _generate(ckpt: Checkpoint, prompts: list[list[int]], tokens: int,
     mask = np.zeros((len(prompts), width), np.int64)
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, 1
-    past: list[torch.Tensor] = [torch.zeros(len(prompts), d.num_kv_heads, 0, d.head_dim)] * (2 * d.num_layers)
+    past: list[torch.Tensor] = [torch.zeros(len(prompts), d.num_kv_heads, 0, dim) for _ in range(d.num_layers)
+                                for dim in d.cache_dims]
     new, started = ids, time.perf_counter()
     log.info("calibration: the model writes %d samples of %d tokens (each token reads every layer once)",
              len(prompts), tokens)
@@ -265,8 +266,8 @@ class Activations:
         for h in self.hidden:
             item = {names.piece_hidden(piece.start): h.numpy()}
             item.update(zip(ports, (v.numpy() for v in self._context(layers, h.shape[1])), strict=True))
-            empty = np.zeros((1, d.num_kv_heads, 0, d.head_dim), np.float32)
-            item.update({past: empty for past, _ in names.kv_pairs(layers)})
+            item.update({past: np.zeros((1, d.num_kv_heads, 0, d.cache_dims[n % 2]), np.float32)
+                         for n, (past, _) in enumerate(names.kv_pairs(layers))})
             items.append(item)
         return items
 
@@ -286,11 +287,12 @@ class Activations:
             log.info("calibration: running layers [%d, %d) in float32 for the inputs of layer %d", self.at, layer,
                      layer)
         d = self.ckpt.dims
-        empty = torch.zeros(1, d.num_kv_heads, 0, d.head_dim)
+        key_dim, value_dim = d.cache_dims
+        empty = torch.zeros(1, d.num_kv_heads, 0, key_dim), torch.zeros(1, d.num_kv_heads, 0, value_dim)
         with torch.no_grad():
             while self.at < layer:
                 i = self.at
-                self.hidden = [_layer(self.ckpt, i, h, self._context(range(i, i + 1), h.shape[1]), (empty, empty))[0]
+                self.hidden = [_layer(self.ckpt, i, h, self._context(range(i, i + 1), h.shape[1]), empty)[0]
                                for h in self.hidden]
                 self.at += 1
                 watchdog.beat(f"calibration: layer {i} run in float32")

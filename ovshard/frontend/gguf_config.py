@@ -85,6 +85,12 @@ NOT_READ = {
                 "(leading_dense_block_count), the routing bias exp_probs_b, the shared expert ffn_*_shexp, grouped "
                 "sigmoid routing from expert_gating_func/expert_weights_scale/expert_weights_norm, the partial rotary "
                 "from rope.dimension_count, and the next-token-prediction block it appends (nextn_predict_layers)"),
+    "deepseek2": ("deepseek_v3", "llama.cpp's DeepSeek-V2/V3 layout mapped back: the MLA tensors (attn_q_a, "
+                  "attn_q_a_norm, attn_q_b or attn_q, attn_kv_a_mqa, attn_kv_a_norm, and kv_b, which newer files "
+                  "split into attn_k_b/attn_v_b), the latent ranks and head widths (attention.q_lora_rank, "
+                  "kv_lora_rank, key_length/value_length, rope.dimension_count), yarn's rope.scaling keys, and the "
+                  "routing keys glm4moe also needs (leading_dense_block_count, exp_probs_b, ffn_*_shexp, "
+                  "expert_group_count/expert_group_used_count, expert_gating_func, expert_weights_scale/norm)"),
 }
 
 

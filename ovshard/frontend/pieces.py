@@ -88,14 +88,15 @@ def layers_piece(ckpt: Checkpoint, start: int, end: int, stage: StageSpec) -> ov
     """Decoder layers [start, end): (hidden, cos, sin ..., masks ..., past k/v ...) -> (hidden, present k/v ...)."""
     d, layers = ckpt.dims, range(start, end)
     module = LayersModule(d, ckpt.block, layers, [load_layer(ckpt, i, stage) for i in layers])
-    kv_example = torch.zeros(_BATCH, d.num_kv_heads, _PAST, d.head_dim)
     context = context_ports(ckpt, layers)
     context_example = [torch.zeros(_BATCH, 1, _SEQ, _PAST + _SEQ) if shape.rank.get_length() == 4
                        else torch.randn(_BATCH, _SEQ, ckpt.block.rotary_dim) for _, shape, _ in context]
-    example = (torch.randn(_BATCH, _SEQ, d.hidden_size), *context_example, *[kv_example] * (2 * (end - start)))
-    f32, kv = ov.Type.f32, _dyn(None, d.num_kv_heads, None, d.head_dim)
+    kv_examples = [torch.zeros(_BATCH, d.num_kv_heads, _PAST, dim) for _ in layers for dim in d.cache_dims]
+    example = (torch.randn(_BATCH, _SEQ, d.hidden_size), *context_example, *kv_examples)
+    f32 = ov.Type.f32
     inputs = [(names.piece_hidden(start), _dyn(None, None, d.hidden_size), f32), *context]
-    inputs += [(past, kv, f32) for past, _ in names.kv_pairs(layers)]
+    inputs += [(past, _dyn(None, d.num_kv_heads, None, d.cache_dims[n % 2]), f32)
+               for n, past in enumerate(p for p, _ in names.kv_pairs(layers))]
     outputs = [names.piece_hidden(end), *(present for _, present in names.kv_pairs(layers))]
     model = _trace(module, example, inputs, outputs)
     del module

@@ -23,6 +23,8 @@ from torch import nn
 
 from ovshard.bundle.dims import ModelDims
 from ovshard.frontend.block import Block
+from ovshard.frontend.layer_math import apply_rotary, rms_norm
+from ovshard.frontend.mla import mla_qkv
 
 
 class Weights(nn.Module):
@@ -52,26 +54,6 @@ def layer_weights(norms: dict[str, torch.Tensor],
     for key, (weight, bias) in linears.items():
         tensors[f"{key}_weight"], tensors[f"{key}_bias"] = weight, bias
     return Weights(tensors)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
-    """RMSNorm over the last axis, scaled by ``weight`` (Llama) or ``offset + weight`` (Gemma: 1 + w)."""
-    variance = x.pow(2).mean(-1, keepdim=True)
-    scale = weight if offset == 0.0 else offset + weight
-    return scale * (x * torch.rsqrt(variance + eps))
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    """Rotate the first ``rotary_dim`` head dims of x [batch, heads, seq, head_dim]; the rest pass through."""
-    if rotary_dim == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -230,6 +212,21 @@ def experts_mlp(m: torch.Tensor, layer: Weights, d: ModelDims, blk: Block) -> to
     return routed + shared
 
 
+def _qkv(d: ModelDims, blk: Block, layer: Weights, x: torch.Tensor, cos: torch.Tensor,
+         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries [batch, heads, seq, head_dim], keys and values [batch, kv_heads, seq, head_dim] of q/k/v projections
+    (q/k norms before the rotary where the block has them)."""
+    b, t, _ = x.shape
+    q = F.linear(x, layer.q_weight, layer.q_bias).view(b, t, d.num_heads, d.head_dim)
+    k = F.linear(x, layer.k_weight, layer.k_bias).view(b, t, d.num_kv_heads, d.head_dim)
+    v = F.linear(x, layer.v_weight, layer.v_bias).view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2)
+    if blk.qk_norm:
+        q, k = rms_norm(q, layer.q_norm, d.rms_norm_eps, blk.norm_offset), rms_norm(k, layer.k_norm, d.rms_norm_eps,
+                                                                                  blk.norm_offset)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    return apply_rotary(q, cos, sin, blk.rotary_dim), apply_rotary(k, cos, sin, blk.rotary_dim), v
+
+
 def decoder_layer(d: ModelDims, blk: Block, layer: Weights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   mask: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
                   sparse: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -238,20 +235,13 @@ def decoder_layer(d: ModelDims, blk: Block, layer: Weights, h: torch.Tensor, cos
     b, t, _ = h.shape
     eps, offset = d.rms_norm_eps, blk.norm_offset
     x = rms_norm(h, layer.attn_norm, eps, offset)
-    q = F.linear(x, layer.q_weight, layer.q_bias).view(b, t, d.num_heads, d.head_dim)
-    k = F.linear(x, layer.k_weight, layer.k_bias).view(b, t, d.num_kv_heads, d.head_dim)
-    v = F.linear(x, layer.v_weight, layer.v_bias).view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2)
-    if blk.qk_norm:
-        q, k = rms_norm(q, layer.q_norm, eps, offset), rms_norm(k, layer.k_norm, eps, offset)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)
     cos, sin = cos[:, None], sin[:, None]  # [batch, 1, seq, rotary_dim]
-    q = apply_rotary(q, cos, sin, blk.rotary_dim)
-    k = apply_rotary(k, cos, sin, blk.rotary_dim)
+    q, k, v = mla_qkv(d, blk, layer, x, cos, sin) if d.mla else _qkv(d, blk, layer, x, cos, sin)
     k = torch.cat((past_k, k), dim=2)  # [batch, kv_heads, past + seq, head_dim]
     v = torch.cat((past_v, v), dim=2)
     out = attention(q, repeat_kv(k, d.kv_groups), repeat_kv(v, d.kv_groups), mask, blk,
                     layer.sinks if blk.attention_sinks else None)  # [batch, heads, seq, d]
-    out = F.linear(out.transpose(1, 2).reshape(b, t, d.num_heads * d.head_dim), layer.o_weight, layer.o_bias)
+    out = F.linear(out.transpose(1, 2).reshape(b, t, d.num_heads * d.v_dim), layer.o_weight, layer.o_bias)
     if blk.sandwich_norms:
         out = rms_norm(out, layer.attn_out_norm, eps, offset)
     h = h + out

@@ -17,7 +17,8 @@ def linear_shapes(dims: ModelDims, layer: int) -> dict[str, tuple[int, int]]:
     """Layer ``layer``'s projections as the stage module holds them (fused ones split): key -> (out, in)."""
     q_out, kv_out = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
     hidden, inter = dims.hidden_size, dims.intermediate_size
-    attention = {"q": (q_out, hidden), "k": (kv_out, hidden), "v": (kv_out, hidden), "o": (hidden, q_out)}
+    attention = mla_shapes(dims) if dims.mla else {"q": (q_out, hidden), "k": (kv_out, hidden),
+                                                   "v": (kv_out, hidden), "o": (hidden, q_out)}
     if not dims.sparse(layer):
         return {**attention, "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
     # every expert's matrix stacked: [experts * out, in]; the router stays float (not listed)
@@ -29,6 +30,39 @@ def linear_shapes(dims: ModelDims, layer: int) -> dict[str, tuple[int, int]]:
                       "shared_down": (hidden, shared)} if shared else {}
     return {**attention, "experts_gate": (experts * size, hidden), "experts_up": (experts * size, hidden),
             "experts_down": (experts * hidden, size), **shared_linears}
+
+
+def mla_shapes(dims: ModelDims) -> dict[str, tuple[int, int]]:
+    """Multi-head latent attention's projections (key -> (out, in)): q (or q_a to the q_lora_rank latent, q_b from
+    it), kv_a to the kv_lora_rank latent plus the shared rotary key, kv_b from the latent to every head's nope key
+    and value, o from the values."""
+    heads, hidden, nope = dims.num_heads, dims.hidden_size, dims.head_dim - dims.rope_head_dim
+    query = ({"q_a": (dims.q_lora_rank, hidden), "q_b": (heads * dims.head_dim, dims.q_lora_rank)}
+             if dims.q_lora_rank else {"q": (heads * dims.head_dim, hidden)})
+    return {**query, "kv_a": (dims.kv_lora_rank + dims.rope_head_dim, hidden),
+            "kv_b": (heads * (nope + dims.v_dim), dims.kv_lora_rank), "o": (hidden, heads * dims.v_dim)}
+
+
+# MLA's projections by checkpoint name under ArchSpec.mla, and which of them take config["attention_bias"]
+MLA_NAMES = {"q": ("q_proj", False), "q_a": ("q_a_proj", True), "q_b": ("q_b_proj", False),
+             "kv_a": ("kv_a_proj_with_mqa", True), "kv_b": ("kv_b_proj", False), "o": ("o_proj", True)}
+# MLA's latent norms: role -> checkpoint name under ArchSpec.mla (q_a_layernorm only with q_lora_rank)
+MLA_NORMS = {"q_a_norm": "q_a_layernorm", "kv_a_norm": "kv_a_layernorm"}
+
+
+def _mla_tensors(spec: ArchSpec, dims: ModelDims, i: int) -> dict[str, tuple[int, ...]]:
+    assert spec.mla
+    prefix = spec.mla.format(i=i)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for key, shape in mla_shapes(dims).items():
+        name, biased = MLA_NAMES[key]
+        shapes[f"{prefix}.{name}.weight"] = shape
+        if biased and dims.attention_bias:
+            shapes[f"{prefix}.{name}.bias"] = (shape[0],)
+    if dims.q_lora_rank:
+        shapes[f"{prefix}.q_a_layernorm.weight"] = (dims.q_lora_rank,)
+    shapes[f"{prefix}.kv_a_layernorm.weight"] = (dims.kv_lora_rank,)
+    return shapes
 
 
 def norm_templates(spec: ArchSpec, dims: ModelDims) -> tuple[str, ...]:
@@ -47,11 +81,12 @@ def layer_tensors(spec: ArchSpec, dims: ModelDims, i: int) -> dict[str, tuple[in
     linear: dict[str, tuple[int, int, bool]] = {}
     if spec.qkv_proj:
         linear[spec.qkv_proj] = (q_out + 2 * kv_out, dims.hidden_size, qkv_bias)
-    else:
+    elif not spec.mla:  # MLA's projections: _mla_tensors
         linear[spec.q_proj] = (q_out, dims.hidden_size, qkv_bias)
         linear[spec.k_proj] = (kv_out, dims.hidden_size, qkv_bias)
         linear[spec.v_proj] = (kv_out, dims.hidden_size, qkv_bias)
-    linear[spec.o_proj] = (dims.hidden_size, q_out, o_bias)
+    if not spec.mla:
+        linear[spec.o_proj] = (dims.hidden_size, q_out, o_bias)
     sparse = dims.sparse(i)
     if sparse:
         linear.update(_expert_linears(spec, dims))
@@ -62,7 +97,7 @@ def layer_tensors(spec: ArchSpec, dims: ModelDims, i: int) -> dict[str, tuple[in
         linear[spec.up_proj] = (dims.intermediate_size, dims.hidden_size, mlp_bias)
     if not sparse:
         linear[spec.down_proj] = (dims.hidden_size, dims.intermediate_size, mlp_bias)
-    shapes: dict[str, tuple[int, ...]] = {}
+    shapes: dict[str, tuple[int, ...]] = _mla_tensors(spec, dims, i) if spec.mla else {}
     for template in norm_templates(spec, dims):
         per_head = template in (spec.q_norm, spec.k_norm)
         shapes[template.format(i=i)] = (dims.head_dim,) if per_head else (dims.hidden_size,)

@@ -37,6 +37,7 @@ from ovshard.bundle.stage import StageSpec
 from ovshard.errors import CheckpointError, OvshardError
 from ovshard.frontend.rope import rotary_tables
 from ovshard.frontend.stage_module import StageModule, Weights, layer_weights
+from ovshard.frontend.tensors import MLA_NAMES, MLA_NORMS, mla_shapes
 
 if TYPE_CHECKING:
     from ovshard.frontend.checkpoint import Checkpoint
@@ -117,6 +118,21 @@ def _experts(ckpt: Checkpoint, i: int, stage: StageSpec) -> dict[str, tuple[torc
     return found
 
 
+def _mla_attention(ckpt: Checkpoint, i: int, stage: StageSpec) -> tuple[
+        dict[str, tuple[torch.Tensor, torch.Tensor | None]], dict[str, torch.Tensor]]:
+    """Layer ``i``'s multi-head latent attention: its projections (:func:`mla_shapes`' keys) and latent norms."""
+    assert ckpt.spec.mla
+    dims, prefix = ckpt.dims, ckpt.spec.mla.format(i=i)
+    linears = {}
+    for key in mla_shapes(dims):
+        name, biased = MLA_NAMES[key]
+        bias = _load(ckpt, f"{prefix}.{name}.bias", stage) if biased and dims.attention_bias else None
+        linears[key] = (_load(ckpt, f"{prefix}.{name}.weight", stage), bias)
+    norms = {role: _load(ckpt, f"{prefix}.{name}.weight", stage) for role, name in MLA_NORMS.items()
+             if role != "q_a_norm" or dims.q_lora_rank}
+    return linears, norms
+
+
 def load_layer(ckpt: Checkpoint, i: int, stage: StageSpec) -> Weights:
     spec, dims = ckpt.spec, ckpt.dims
 
@@ -125,14 +141,18 @@ def load_layer(ckpt: Checkpoint, i: int, stage: StageSpec) -> Weights:
         return _load(ckpt, prefix + ".weight", stage), _load(ckpt, prefix + ".bias", stage) if bias else None
 
     linears: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-    if spec.qkv_proj:
+    mla_norms: dict[str, torch.Tensor] = {}
+    if spec.mla:
+        linears, mla_norms = _mla_attention(ckpt, i, stage)
+    elif spec.qkv_proj:
         q_out, kv_out = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
         parts = _split(*linear(spec.qkv_proj, dims.attention_bias), [q_out, kv_out, kv_out])
         linears.update(zip(("q", "k", "v"), parts, strict=True))
     else:
         for key, template in (("q", spec.q_proj), ("k", spec.k_proj), ("v", spec.v_proj)):
             linears[key] = linear(template, dims.attention_bias)
-    linears["o"] = linear(spec.o_proj, dims.o_bias)
+    if not spec.mla:
+        linears["o"] = linear(spec.o_proj, dims.o_bias)
     sparse = dims.sparse(i)
     if sparse:
         linears.update(_experts(ckpt, i, stage))
@@ -147,7 +167,7 @@ def load_layer(ckpt: Checkpoint, i: int, stage: StageSpec) -> Weights:
     extra = {"sinks": _load(ckpt, spec.sinks.format(i=i), stage)} if spec.sinks else {}
     if sparse and spec.router_correction:
         extra["router_correction"] = _load(ckpt, spec.router_correction.format(i=i), stage)
-    return layer_weights({**_norms(ckpt, i, stage), **extra}, linears)
+    return layer_weights({**_norms(ckpt, i, stage), **mla_norms, **extra}, linears)
 
 
 def build_stage_module(ckpt: Checkpoint, stage: StageSpec, max_positions: int | None = None) -> StageModule:
@@ -175,7 +195,7 @@ def _example_inputs(dims: ModelDims, stage: StageSpec, batch: int = 2, seq: int 
         x = torch.randn(batch, seq, dims.hidden_size)
     mask = torch.ones(batch, past + seq, dtype=torch.int64)
     positions = torch.arange(past, past + seq, dtype=torch.int64).expand(batch, seq).contiguous()
-    kv = [torch.zeros(batch, dims.num_kv_heads, past, dims.head_dim) for _ in range(2 * (stage.end - stage.start))]
+    kv = [torch.zeros(batch, dims.num_kv_heads, past, dim) for _ in stage.layers for dim in dims.cache_dims]
     return (x, mask, positions, *kv)
 
 
@@ -189,14 +209,14 @@ def output_names(stage: StageSpec) -> list[str]:
 
 def _input_signature(dims: ModelDims, stage: StageSpec) -> list[tuple[ov.PartialShape, ov.Type]]:
     dyn = ov.Dimension.dynamic()
-    kv = (ov.PartialShape([dyn, dims.num_kv_heads, dyn, dims.head_dim]), ov.Type.f32)
+    kv = [(ov.PartialShape([dyn, dims.num_kv_heads, dyn, dim]), ov.Type.f32) for dim in dims.cache_dims]
     first = (
         (ov.PartialShape([dyn, dyn]), ov.Type.i64)
         if stage.first
         else (ov.PartialShape([dyn, dyn, dims.hidden_size]), ov.Type.f32)
     )
     ids = (ov.PartialShape([dyn, dyn]), ov.Type.i64)
-    return [first, ids, ids] + [kv] * (2 * (stage.end - stage.start))
+    return [first, ids, ids] + kv * (stage.end - stage.start)
 
 
 def _dynamic_shapes(stage: StageSpec) -> tuple:

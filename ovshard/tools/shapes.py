@@ -94,6 +94,16 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                  "num_nextn_predict_layers": 0, "output_router_logits": False, "routed_scaling_factor": 1.0,
                  "topk_group": 1, "use_qk_norm": False,
                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+    # multi-head latent attention: q through a 32-wide latent, keys and values from a 16-wide one plus an 8-wide
+    # rotary key; a key head 16 + 8 wide, a value head 16; layer 0 dense, 8 experts in 2 groups (top-2 in the best 1)
+    "deepseek_v3": {**_common("DeepseekV3ForCausalLM", "deepseek_v3"), "attention_bias": False,
+                    "first_k_dense_replace": 1, "head_dim": 8, "kv_lora_rank": 16, "moe_intermediate_size": 32,
+                    "n_group": 2, "n_routed_experts": 8, "n_shared_experts": 1, "norm_topk_prob": True,
+                    "num_experts_per_tok": 2, "num_key_value_heads": 4, "num_nextn_predict_layers": 0,
+                    "output_router_logits": False, "pretraining_tp": 1, "q_lora_rank": 32, "qk_head_dim": 24,
+                    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "rope_interleave": True,
+                    "routed_scaling_factor": 2.5, "topk_group": 1, "v_head_dim": 16, "bos_token_id": 0,
+                    "eos_token_id": 1},
     "mixtral": {**_common("MixtralForCausalLM", "mixtral"), "head_dim": 16, "num_experts_per_tok": 2,
                 "num_local_experts": 4, "output_router_logits": False, "router_aux_loss_coef": 0.001,
                 "router_jitter_noise": 0.0, "sliding_window": None},
@@ -272,6 +282,20 @@ SHAPES: dict[str, dict[str, Any]] = {
         max_position_embeddings=131072, rms_norm_eps=1e-5, num_nextn_predict_layers=1, bos_token_id=None,
         eos_token_id=[151329, 151336, 151338], pad_token_id=151329, initializer_range=0.02, dtype=BF16,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+    ),
+    "deepseek-v3": family_config(  # DeepSeek-V3 (and V3-0324, R1: the same shape), from memory of its config.json:
+        # 256 routed experts of 2048 + 1 shared, 8 routed a token within the best 4 of 8 groups, layers 0-2 dense,
+        # MLA (q latent 1536, kv latent 512, key heads 128 + 64, value heads 128), yarn x40 over 4096 positions;
+        # 671B parameters, the release's multi-token-prediction layer (61) not written (never read)
+        "deepseek_v3", hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=3, routed_scaling_factor=2.5,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, qk_head_dim=192, head_dim=64,
+        v_head_dim=128, vocab_size=129280, max_position_embeddings=163840, num_nextn_predict_layers=1,
+        initializer_range=0.02, dtype=BF16,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
     ),
     "gpt-oss-20b": family_config(  # 32 experts of 2880, 4 routed a token: 20.9B parameters (stored here in bf16;
         # the release stores its experts in MXFP4, which ovshard refuses until dequantized)

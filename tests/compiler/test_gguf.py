@@ -429,6 +429,8 @@ def test_unsupported_architectures_refused(tmp_path: Path) -> None:
         open_gguf(write_gguf(tmp_path / "moe.gguf", "qwen2", hf_weights("qwen2"), meta={"{arch}.expert_count": 8}))
     with pytest.raises(UnsupportedArchitectureError, match=r"'glm4moe'.*would need.*safetensors checkpoint \(model_type glm4_moe\)"):
         open_gguf(write_gguf(tmp_path / "glm.gguf", "llama", hf_weights("llama"), arch="glm4moe"))
+    with pytest.raises(UnsupportedArchitectureError, match=r"'deepseek2'.*would need.*MLA.*\(model_type deepseek_v3\)"):
+        open_gguf(write_gguf(tmp_path / "ds.gguf", "llama", hf_weights("llama"), arch="deepseek2"))
     with pytest.raises(UnsupportedArchitectureError, match="rope.scaling.type='longrope'"):
         open_gguf(write_gguf(tmp_path / "lr.gguf", "llama", hf_weights("llama"),
                              meta={"{arch}.rope.scaling.type": "longrope"}))

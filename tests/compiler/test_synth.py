@@ -19,7 +19,7 @@ from families import as_saved_state
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
-    DeepseekV3Config,
+    DeepseekV2Config,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen3Config,
@@ -550,10 +550,10 @@ def test_cli_writes_the_language_model_of_a_multimodal_config(tmp_path: Path) ->
 
 
 def test_cli_refuses_an_unsupported_mixture_of_experts_config(tmp_path: Path) -> None:
-    """A DeepSeek-V3 config.json (MLA) exits 2 with a message naming the model type and MoE, and writes nothing."""
-    (tmp_path / "config.json").write_text(json.dumps(DeepseekV3Config(num_hidden_layers=1).to_dict()))
+    """A DeepSeek-V2 config.json exits 2 with a message naming the model type and MoE, and writes nothing."""
+    (tmp_path / "config.json").write_text(json.dumps(DeepseekV2Config(num_hidden_layers=1).to_dict()))
     run = subprocess.run([sys.executable, "-m", "ovshard.cli", "synth", str(tmp_path), "-o", str(tmp_path / "out")],
                          capture_output=True, text=True, timeout=60, cwd=REPO)
     assert run.returncode == 2
-    assert "deepseek_v3" in run.stderr and "MoE" in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert "deepseek_v2" in run.stderr and "MoE" in run.stderr and "Traceback" not in run.stderr, run.stderr
     assert not (tmp_path / "out").exists()
