@@ -17,6 +17,7 @@ from transformers import (
     Gemma3TextConfig,
     Glm4MoeConfig,
     GptOssConfig,
+    Llama4TextConfig,
     MistralConfig,
     MixtralConfig,
     Phi3Config,
@@ -233,6 +234,33 @@ def _gpt_oss() -> PretrainedConfig:
                                          "original_max_position_embeddings": 128})
 
 
+def _llama4_text() -> PretrainedConfig:
+    # Llama 4's block: rotary layers (interleaved pairs, then q/k L2 norms) attend within chunks of 8 positions, NoPE
+    # layers 1 and 3 (every 2nd) globally with temperature tuning that grows every 4 positions; layers 1 and 3
+    # sparse (interleave_moe_layer_step 2): 4 experts of 32 stacked, top-1 by sigmoid scaling the expert's input,
+    # plus a shared expert of 32; layers 0 and 2 dense of 96 (intermediate_size_mlp); GQA 4:2; untied
+    return Llama4TextConfig(vocab_size=320, eos_token_id=319, hidden_size=64, intermediate_size=32,
+                            intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1,
+                            interleave_moe_layer_step=2, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, no_rope_layer_interval=2, attention_chunk_size=8,
+                            attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5, use_qk_norm=True,
+                            tie_word_embeddings=False, max_position_embeddings=128, rope_parameters=ROPE)
+
+
+def _llama4_text_top2() -> PretrainedConfig:
+    # every layer sparse: 6 experts of 24, top-2, a shared expert; NoPE layer 2 of 3 (every 3rd); no q/k norms;
+    # chunks of 8; Scout's llama3 rope scaling; tied
+    return Llama4TextConfig(vocab_size=320, eos_token_id=319, hidden_size=48, intermediate_size=24,
+                            intermediate_size_mlp=64, num_local_experts=6, num_experts_per_tok=2,
+                            interleave_moe_layer_step=1, num_hidden_layers=3, num_attention_heads=4,
+                            num_key_value_heads=1, head_dim=12, no_rope_layer_interval=3, attention_chunk_size=8,
+                            floor_scale=8, attn_scale=0.3, use_qk_norm=False, tie_word_embeddings=True,
+                            max_position_embeddings=128,
+                            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 32})
+
+
 def _mixtral() -> PretrainedConfig:
     # Mixtral's block: 4 experts of 48 (w1/w3/w2), top-2 always renormalized; GQA 4:1; every layer slides over 8
     return MixtralConfig(vocab_size=300, eos_token_id=299, hidden_size=64, intermediate_size=48, num_local_experts=4,
@@ -259,6 +287,8 @@ FAMILIES: dict[str, Family] = {
     "glm4_moe_air": Family(_glm4_moe_air),
     "deepseek_v3": Family(_deepseek_v3),
     "deepseek_v3_plain_q": Family(_deepseek_v3_plain_q),
+    "llama4_text": Family(_llama4_text),
+    "llama4_text_top2": Family(_llama4_text_top2),
     "mixtral": Family(_mixtral),
     "gpt_oss": Family(_gpt_oss, max_positions=256, explicit_attention=True, seed=3),
 }

@@ -33,6 +33,11 @@ class ModelDims:
     expert_size: int = 0
     shared_expert_size: int = 0  # an expert every token runs (Qwen2-MoE, GLM-4.5); 0: none
     expert_projections: int = 0  # an expert's weight matrices: 3 (gate, up, down) or 2 (gate and up fused, down)
+    # Llama 4: the top-k router logits' sigmoids scale each chosen expert's input, so the experts are no tiled block
+    # the CPU plugin gathers (every expert runs on every token, weighted 0 where not chosen)
+    expert_input_scores: bool = False
+    # Llama 4: its rotary layers attend within chunks of this many positions (0: none); no PagedAttention form
+    attention_chunk: int = 0
     attention_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax (no SDPA op form)
     # the layers of a mixture-of-experts model whose MLP is dense, of intermediate_size (GLM-4.5's leading
     # layers, Qwen MoE's mlp_only_layers); every other layer holds the experts

@@ -57,6 +57,7 @@ def stage_outputs(last: bool, layers: Iterable[int]) -> list[str]:
 
 # Ports between the pieces a streamed compile traces one by one and joins into a stage (never stage I/O).
 PIECE_MASK = "attention.mask4d"  # f32 [batch, 1, seq, past + seq], 0 or the f32 minimum
+PIECE_TEMPERATURE = "attention.temperature"  # f32 [batch, 1, seq, 1]: Llama 4's NoPE query scale
 PIECE_NORMED = "final_norm.out"  # f32 [batch, seq, hidden]
 PIECE_EMBEDDED = "embedding.out"  # f32 [batch, seq, hidden]: gathered rows before the embedding scale
 PIECE_HEAD = "lm_head.out"  # f32 [batch, seq, vocab]: logits before final soft-capping

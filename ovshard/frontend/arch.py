@@ -26,8 +26,6 @@ UNSUPPORTED_MOE = {
                    "and its config keys as a family; its multi-head latent attention is deepseek_v3's",
     "phimoe": "sparsemixer routing (a different top-2 selection than softmax top-k)",
     "olmoe": "q/k norms over the whole projection (not per head) with its MoE block",
-    "llama4": "interleaved chunked/no-rope attention layers and a shared expert with sigmoid routing",
-    "llama4_text": "interleaved chunked/no-rope attention layers and a shared expert with sigmoid routing",
     "granitemoe": "Granite's embedding/residual/attention/logit multipliers with its MoE block",
     "jamba": "Mamba state-space layers interleaved with attention (no KV cache form)",
     "dbrx": "DBRX's fused expert tensors, clipped QKV and LayerNorm (not RMSNorm)",
@@ -45,8 +43,9 @@ WINDOW_RULES = ("none", "all", "from_max_window_layers", "periodic")
 # Which layers of a mixture-of-experts model hold a dense MLP (of intermediate_size) instead of the experts, as
 # transformers decides: "none": every layer is sparse; "sparse_step" (Qwen MoE): layer i is dense when listed in
 # mlp_only_layers or when (i + 1) is not a multiple of decoder_sparse_step; "first_k" (GLM-4.5, DeepSeek): the
-# layers below first_k_dense_replace are dense.
-DENSE_RULES = ("none", "sparse_step", "first_k")
+# layers below first_k_dense_replace are dense; "moe_layers" (Llama 4): the layers not listed in moe_layers (or, without
+# it, all but every interleave_moe_layer_step-th) are dense.
+DENSE_RULES = ("none", "sparse_step", "first_k", "moe_layers")
 
 
 @dataclass(frozen=True)
@@ -99,6 +98,7 @@ class ArchSpec:
     expert_down: str | None = None
     experts_keys: tuple[str, ...] = ()  # config keys that may hold the expert count, first found wins
     expert_size_key: str = "intermediate_size"  # the config key of one expert's intermediate size
+    dense_size_key: str = "intermediate_size"  # the config key of a dense layer's intermediate size
     # the config key saying whether the top-k routing weights are renormalized to sum to 1; None: always
     norm_topk_key: str | None = None
     norm_topk_default: bool = False  # its value where config.json omits it (transformers' default for the family)
@@ -110,6 +110,9 @@ class ArchSpec:
     # gpt-oss: every expert stored in 3-D tensors under this prefix over {i}: gate_up_proj [E, hidden, 2 * size]
     # (gate and up interleaved), down_proj [E, size, hidden], each with a bias; None: one 2-D matrix an expert
     stacked_experts: str | None = None
+    # Llama 4's stacked experts: gate_up_proj [E, hidden, 2 * size] holds gate then up (halves, not interleaved), no
+    # biases; the top-k router logits' sigmoids scale each chosen expert's input (not its output)
+    stacked_halves: bool = False
     router_bias: bool = False  # the router has a bias
     topk_softmax: bool = False  # softmax over the top-k logits (gpt-oss), not top-k of a softmax over all
     sinks: str | None = None  # a learned attention-sink logit per head, a tensor over {i} (gpt-oss)
@@ -256,10 +259,27 @@ DEEPSEEK_V3 = replace(
     wires=frozenset({"first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts",
                      "rope_interleave"}),
 )
-MOE_TYPES = ("deepseek_v3", "glm4_moe", "gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe")  # named in the refusal of other MoE types
+# Llama 4: chunked local attention on its rotary layers, global attention without rotary (temperature-tuned) on the
+# others, q/k L2 norms after the (interleaved-pair) rotary, interleaved MoE layers of stacked experts with a shared one
+def _llama4(family: str, prefix: str = "model.", lm_head: str = "lm_head.weight", **extra: Any) -> ArchSpec:
+    ff = prefix + "layers.{i}.feed_forward."
+    names = _names(prefix, lm_head=lm_head) | _Names(gate_proj=ff + "gate_proj", up_proj=ff + "up_proj",
+                                                     down_proj=ff + "down_proj")
+    return ArchSpec(family=family, model_types=(family,), **names, router=ff + "router",
+                    stacked_experts=ff + "experts", stacked_halves=True, experts_keys=("num_local_experts",),
+                    dense_size_key="intermediate_size_mlp", shared_expert=ff + "shared_expert",
+                    shared_expert_size_key="intermediate_size", dense_rule="moe_layers",
+                    wires=frozenset({"attention_chunk_size", "no_rope_layers", "use_qk_norm", "layer_types"}),
+                    **extra)
+
+
+LLAMA4_TEXT = _llama4("llama4_text")
+LLAMA4 = _llama4("llama4", "language_model.model.", "language_model.lm_head.weight", text_config=True,
+                 ignored_prefixes=("vision_model.", "multi_modal_projector."))
+MOE_TYPES = ("deepseek_v3", "glm4_moe", "gpt_oss", "llama4", "llama4_text", "mixtral", "qwen2_moe", "qwen3_moe")  # named in the refusal of other MoE types
 
 FAMILIES = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3_TEXT, GEMMA3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, GPT_OSS,
-            GLM4_MOE, DEEPSEEK_V3)
+            GLM4_MOE, DEEPSEEK_V3, LLAMA4_TEXT, LLAMA4)
 ARCHITECTURES: dict[str, ArchSpec] = {t: spec for spec in FAMILIES for t in spec.model_types}
 
 
@@ -282,29 +302,6 @@ def arch_for(config: dict[str, Any]) -> ArchSpec:
             "and a family test in tests/compiler/test_families.py; see docs/families.md, 'Adding a family'."
         )
     return spec
-
-
-def unread_prefixes(spec: ArchSpec, config: dict[str, Any], layers: int) -> tuple[str, ...]:
-    """Tensor name prefixes the language model never reads: other towers, and multi-token-prediction layers
-    (``spec.mtp_layers_key``: GLM-4.5 stores one after its last layer, which transformers drops too)."""
-    extra = int(config.get(spec.mtp_layers_key) or 0) if spec.mtp_layers_key else 0
-    layer = spec.input_norm.split("{i}")[0]  # "model.layers."
-    return spec.ignored_prefixes + tuple(f"{layer}{i}." for i in range(layers, layers + extra))
-
-
-def language_config(spec: ArchSpec, config: dict[str, Any]) -> dict[str, Any]:
-    """The config of the language model: ``config`` itself, or a multimodal config's ``text_config``."""
-    if not spec.text_config:
-        return config
-    text = config.get("text_config")
-    if not isinstance(text, dict):
-        raise CheckpointError(f"a {spec.family} config.json must hold a 'text_config' object, the language model's")
-    merged = dict(text)
-    merged.setdefault("model_type", "gemma3_text")
-    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
-        if key in config and key not in text:
-            merged[key] = config[key]
-    return merged
 
 
 def activation(spec: ArchSpec, config: dict[str, Any]) -> str:
@@ -340,7 +337,7 @@ def rope_settings(config: dict[str, Any], layer_type: str | None = None) -> dict
 
 
 def read_dims(spec: ArchSpec, config: dict[str, Any]) -> ModelDims:
-    """The dimensions of a ``spec`` model whose language model's config is ``config`` (:func:`language_config`)."""
+    """The dimensions of a ``spec`` model whose language model's config is ``config`` (``description.language_config``)."""
     try:
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
@@ -354,7 +351,7 @@ def read_dims(spec: ArchSpec, config: dict[str, Any]) -> ModelDims:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=int(config.get("head_dim") or hidden // heads),
-            intermediate_size=int(config["intermediate_size"]),
+            intermediate_size=int(config[spec.dense_size_key]),
             vocab_size=int(config["vocab_size"]),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", spec.tied_by_default)),
@@ -398,7 +395,9 @@ def _expert_dims(spec: ArchSpec, config: dict[str, Any]) -> dict[str, Any]:
     elif spec.shared_expert:
         shared = int(config[spec.shared_expert_size_key])
     return {"num_experts": experts, "experts_per_token": per_token, "expert_size": size,
-            "shared_expert_size": shared, "expert_projections": 2 if spec.stacked_experts else 3,
+            "shared_expert_size": shared,
+            "expert_projections": 2 if spec.stacked_experts and not spec.stacked_halves else 3,
+            "expert_input_scores": spec.stacked_halves,
             "dense_layers": dense_layers(spec, config, int(config["num_hidden_layers"]))}
 
 
@@ -421,6 +420,14 @@ def dense_layers(spec: ArchSpec, config: dict[str, Any], layers: int) -> tuple[i
     """The layers of a MoE model whose MLP is dense, by the family's rule (DENSE_RULES), as transformers builds them."""
     if spec.dense_rule == "first_k":
         return tuple(range(min(int(config.get("first_k_dense_replace") or 0), layers)))
+    if spec.dense_rule == "moe_layers":
+        step = int(config.get("interleave_moe_layer_step") or 1)
+        listed = config.get("moe_layers")
+        sparse = range(step - 1, layers, step) if listed is None else listed
+        if not isinstance(sparse, (list, range)) or step < 1:
+            raise CheckpointError(f"config.json has moe_layers={listed!r}, interleave_moe_layer_step={step!r}; "
+                                  "expected a list of layer indices and a step of 1 or more")
+        return tuple(i for i in range(layers) if i not in sparse)
     if spec.dense_rule == "sparse_step":
         listed = config.get("mlp_only_layers") or []
         step = int(config.get("decoder_sparse_step") or 1)

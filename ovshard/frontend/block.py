@@ -20,7 +20,7 @@ from ovshard.bundle.dims import ModelDims
 from ovshard.errors import UnsupportedArchitectureError
 from ovshard.frontend.arch import DYNAMIC_ROPE_TYPES, STATIC_ROPE_TYPES, ArchSpec, activation, rope_settings
 
-FULL, SLIDING = names.FULL_MASK, "sliding_attention"
+FULL, SLIDING, CHUNKED = names.FULL_MASK, "sliding_attention", "chunked_attention"
 DEFAULT_ROPE = names.DEFAULT_TABLE  # the rotary table's key when every layer shares one
 # rope types accepted only for families that wire them (longrope: up to original_max_position_embeddings)
 FAMILY_ROPE_TYPES = {"longrope": "phi3"}
@@ -63,8 +63,10 @@ UNWIRED: dict[str, tuple[Any, ...]] = {
 }
 ALWAYS_REFUSED: dict[str, tuple[Any, ...]] = {  # no family implements these
     "use_bidirectional_attention": (None, False),
-    "attention_chunk_size": (None,),
 }
+# Llama4TextConfig's defaults, where a Llama 4 config.json omits the key
+LLAMA4_DEFAULTS = {"attention_chunk_size": 8192, "no_rope_layer_interval": 4, "use_qk_norm": True,
+                   "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1}
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,15 @@ class Block:
     # multi-head latent attention (ModelDims.mla): its rotary dims are laid out in interleaved pairs (x0, x1), (x2,
     # x3), ... (DeepSeek's rope_interleave), not rotate_half's halves
     rope_interleave: bool = False
+    # Llama 4: layers without rotary (its NoPE layers, global attention), the others' q and k L2-normed (a weightless
+    # RMSNorm) after the rotary; a NoPE layer's queries scaled by 1 + attn_scale * log1p(floor((p + 1) / floor_scale))
+    # at position p (temperature = (floor_scale, attn_scale)); a CHUNKED layer attends within chunks of this many
+    # positions; the router's top-k sigmoids scale each chosen expert's input
+    nope_layers: tuple[int, ...] = ()
+    qk_l2_norm: bool = False
+    temperature: tuple[float, float] | None = None
+    attention_chunk: int | None = None
+    expert_input_scores: bool = False
 
     def mask_kind(self, layer: int) -> str:
         return self.layer_types[layer]
@@ -110,9 +121,16 @@ class Block:
     def window(self, kind: str) -> int | None:
         return self.sliding_window if kind == SLIDING else None
 
+    def chunk(self, kind: str) -> int | None:
+        return self.attention_chunk if kind == CHUNKED else None
+
+    def tuned(self, layers: range) -> bool:
+        """Whether any of ``layers`` scales its queries by position (Llama 4's temperature-tuned NoPE layers)."""
+        return self.temperature is not None and any(i in self.nope_layers for i in layers)
+
     def used(self, layers: range) -> tuple[list[str], list[str]]:
         """The rotary tables and mask kinds layers ``layers`` read, each once, in a fixed order."""
-        ropes = sorted({self.rope_keys[i] for i in layers})
+        ropes = sorted({self.rope_keys[i] for i in layers if i not in self.nope_layers})
         masks = sorted({self.layer_types[i] for i in layers})
         return ropes, masks
 
@@ -183,7 +201,9 @@ def read_block(spec: ArchSpec, config: dict[str, Any], dims: ModelDims) -> Block
     window = config.get("sliding_window")
     if spec.window_rule == "from_max_window_layers" and not config.get("use_sliding_window"):
         window = None
-    layer_types = _layer_types(spec, config, dims.num_layers, None if window is None else int(window))
+    chunked = _chunked_layers(spec, config, dims)
+    layer_types = chunked.pop("layer_types", None) or _layer_types(spec, config, dims.num_layers,
+                                                                   None if window is None else int(window))
     per_type_rope = _per_type_rope(config)
     rope_keys = tuple(t if per_type_rope else DEFAULT_ROPE for t in layer_types)
     flat_rope = config.get("rope_parameters") or {}
@@ -212,8 +232,34 @@ def read_block(spec: ArchSpec, config: dict[str, Any], dims: ModelDims) -> Block
         attention_sinks=dims.attention_sinks,
         shared_expert_gated=spec.shared_expert_gate is not None and dims.shared_expert_size > 0,
         **_sigmoid_routing(spec, config, dims),
-        rope_interleave=dims.mla and bool(config.get("rope_interleave", True)),  # DeepseekV3Config's default
+        rope_interleave=bool(chunked) or dims.mla and bool(config.get("rope_interleave", True)),  # V3's default
+        expert_input_scores=dims.expert_input_scores,
+        **chunked,
     )
+
+
+def _chunked_layers(spec: ArchSpec, config: dict[str, Any], dims: ModelDims) -> dict[str, Any]:
+    """Llama 4's attention fields of :class:`Block` (nothing for other families), as Llama4TextConfig derives them:
+    ``no_rope_layers`` (1: rotary, 0: NoPE) or a NoPE layer every ``no_rope_layer_interval``; ``layer_types`` or
+    CHUNKED on the rotary layers when ``attention_chunk_size`` is set (the rest FULL)."""
+    if "no_rope_layers" not in spec.wires:
+        return {}
+    get = {key: config.get(key, default) for key, default in LLAMA4_DEFAULTS.items()}
+    layers, interval = dims.num_layers, int(get["no_rope_layer_interval"])
+    rope = config.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    if not isinstance(rope, list) or len(rope) < layers or any(v not in (0, 1) for v in rope):
+        raise UnsupportedArchitectureError(f"config.json has no_rope_layers={rope!r}; expected {layers} or more "
+                                           "entries, each 1 (a rotary layer) or 0 (a NoPE layer)")
+    chunk = get["attention_chunk_size"]
+    listed = config.get("layer_types") or [CHUNKED if rope[i] and chunk is not None else FULL for i in range(layers)]
+    if len(listed) != layers or any(t not in (FULL, CHUNKED) for t in listed) or (CHUNKED in listed and not chunk):
+        raise UnsupportedArchitectureError(
+            f"config.json has layer_types={listed!r}, attention_chunk_size={chunk!r}; expected {layers} entries, "
+            f"each {FULL!r} or {CHUNKED!r} (with a chunk size)")
+    return {"layer_types": tuple(listed), "nope_layers": tuple(i for i in range(layers) if not rope[i]),
+            "qk_l2_norm": bool(get["use_qk_norm"]), "attention_chunk": int(chunk) if CHUNKED in listed else None,
+            "temperature": (float(get["floor_scale"]), float(get["attn_scale"])) if get["attn_temperature_tuning"]
+            else None}
 
 
 def _attention_scale(config: dict[str, Any], dims: ModelDims, scalar: Any) -> float:

@@ -236,9 +236,9 @@ def _layer(ckpt: Checkpoint, i: int, h: torch.Tensor, values: list[torch.Tensor]
 
 def _pick(whole: Context, one: Context, values: list[torch.Tensor]) -> list[torch.Tensor]:
     """From the values ``whole`` built, those ``one`` (a sub-range of its layers) reads, in its order."""
-    ropes, masks = whole.split(values)
+    ropes, masks, scale = whole.split(values)
     picked = [t for key in one.ropes for t in ropes[key]]
-    return picked + [masks[kind] for kind in one.masks]
+    return picked + [masks[kind] for kind in one.masks] + ([scale] if one.tuned and scale is not None else [])
 
 
 class Activations:

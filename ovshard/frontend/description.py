@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
 from ovshard.bundle.dims import ModelDims
-from ovshard.errors import UnsupportedArchitectureError
-from ovshard.frontend.arch import ArchSpec, arch_for, language_config, read_dims, unread_prefixes
+from ovshard.errors import CheckpointError, UnsupportedArchitectureError
+from ovshard.frontend.arch import ArchSpec, arch_for, read_dims
 from ovshard.frontend.block import Block, RopeTable, read_block, read_rope
 
 TokenIds = int | tuple[int, ...] | None
@@ -49,6 +49,7 @@ def describe(config: Mapping[str, Any]) -> ModelDescription:
     text = language_config(spec, config)
     dims = read_dims(spec, text)
     block = read_block(spec, text, dims)
+    dims = replace(dims, attention_chunk=block.attention_chunk or 0)  # the manifest's: paged stages refuse it
     return ModelDescription(
         arch=spec, dims=dims, block=block,
         rope=MappingProxyType(read_rope(spec, text, block, dims)),
@@ -78,3 +79,26 @@ def _refuse_prequantized(config: dict[str, Any]) -> None:
 def _token_ids(value: Any) -> TokenIds:
     """One id, several (a list in JSON), or None, as config.json gives them."""
     return tuple(value) if isinstance(value, list) else value
+
+
+def unread_prefixes(spec: ArchSpec, config: dict[str, Any], layers: int) -> tuple[str, ...]:
+    """Tensor name prefixes the language model never reads: other towers, and multi-token-prediction layers
+    (``spec.mtp_layers_key``: GLM-4.5 stores one after its last layer, which transformers drops too)."""
+    extra = int(config.get(spec.mtp_layers_key) or 0) if spec.mtp_layers_key else 0
+    layer = spec.input_norm.split("{i}")[0]  # "model.layers."
+    return spec.ignored_prefixes + tuple(f"{layer}{i}." for i in range(layers, layers + extra))
+
+
+def language_config(spec: ArchSpec, config: dict[str, Any]) -> dict[str, Any]:
+    """The config of the language model: ``config`` itself, or a multimodal config's ``text_config``."""
+    if not spec.text_config:
+        return config
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"a {spec.family} config.json must hold a 'text_config' object, the language model's")
+    merged = dict(text)
+    merged.setdefault("model_type", f"{spec.family}_text")
+    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in config and key not in text:
+            merged[key] = config[key]
+    return merged

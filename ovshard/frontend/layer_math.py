@@ -13,6 +13,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     return scale * (x * torch.rsqrt(variance + eps))
 
 
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """A weightless RMSNorm over the last axis (Llama 4's q/k L2 norm)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """[..., (x0, x1), (x2, x3), ...] -> [..., x0, x2, ..., x1, x3, ...]: interleaved rotary pairs (DeepSeek's
+    rope_interleave, Llama 4's complex rotary) as rotate_half's halves. q and k share the permutation, so their dot
+    product, and every per-head norm after it, is unchanged."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -23,12 +23,7 @@ import torch.nn.functional as F
 
 from ovshard.bundle.dims import ModelDims
 from ovshard.frontend.block import Block
-from ovshard.frontend.layer_math import apply_rotary, rms_norm
-
-
-def _deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """[..., (x0, x1), (x2, x3), ...] -> [..., x0, x2, ..., x1, x3, ...]."""
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+from ovshard.frontend.layer_math import apply_rotary, deinterleave, rms_norm
 
 
 def mla_qkv(d: ModelDims, blk: Block, layer: Any, x: torch.Tensor, cos: torch.Tensor,
@@ -52,7 +47,7 @@ def mla_qkv(d: ModelDims, blk: Block, layer: Any, x: torch.Tensor, cos: torch.Te
     q_nope, q_rot = q[..., :nope], q[..., nope:]
     k_rot = k_rot.reshape(b, t, 1, rope).transpose(1, 2)  # [batch, 1, seq, rope]: one rotary key for every head
     if blk.rope_interleave:
-        q_rot, k_rot = _deinterleave(q_rot), _deinterleave(k_rot)
+        q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
     q_rot, k_rot = apply_rotary(q_rot, cos, sin, rope), apply_rotary(k_rot, cos, sin, rope)
     q = torch.cat((q_nope, q_rot), dim=-1)
     k = torch.cat((kv[..., :nope], k_rot.expand(-1, heads, -1, -1)), dim=-1)

@@ -63,14 +63,16 @@ def _dyn(*dims: int | None) -> ov.PartialShape:
 
 
 def context_ports(ckpt: Checkpoint, layers: range) -> list[Port]:
-    """The prologue's outputs that layers ``layers`` read: cos, sin per rotary table, then a mask per kind."""
+    """The prologue's outputs that layers ``layers`` read: cos, sin per rotary table, a mask per kind, then the NoPE
+    layers' query scale where the block tunes their temperature (Llama 4)."""
     ropes, masks = ckpt.block.used(layers)
     rotary_dim, f32 = ckpt.block.rotary_dim, ov.Type.f32
     ports: list[Port] = []
     for key in ropes:
         ports += [(names.piece_cos(key), _dyn(None, None, rotary_dim), f32),
                   (names.piece_sin(key), _dyn(None, None, rotary_dim), f32)]
-    return ports + [(names.piece_mask(kind), _dyn(None, 1, None, None), f32) for kind in masks]
+    ports += [(names.piece_mask(kind), _dyn(None, 1, None, None), f32) for kind in masks]
+    return ports + ([(names.PIECE_TEMPERATURE, _dyn(None, 1, None, 1), f32)] if ckpt.block.tuned(layers) else [])
 
 
 def prologue_piece(ckpt: Checkpoint, stage: StageSpec, max_positions: int | None) -> ov.Model:
@@ -89,8 +91,9 @@ def layers_piece(ckpt: Checkpoint, start: int, end: int, stage: StageSpec) -> ov
     d, layers = ckpt.dims, range(start, end)
     module = LayersModule(d, ckpt.block, layers, [load_layer(ckpt, i, stage) for i in layers])
     context = context_ports(ckpt, layers)
-    context_example = [torch.zeros(_BATCH, 1, _SEQ, _PAST + _SEQ) if shape.rank.get_length() == 4
-                       else torch.randn(_BATCH, _SEQ, ckpt.block.rotary_dim) for _, shape, _ in context]
+    context_example = [torch.ones(_BATCH, 1, _SEQ, 1) if name == names.PIECE_TEMPERATURE
+                       else torch.zeros(_BATCH, 1, _SEQ, _PAST + _SEQ) if shape.rank.get_length() == 4
+                       else torch.randn(_BATCH, _SEQ, ckpt.block.rotary_dim) for name, shape, _ in context]
     kv_examples = [torch.zeros(_BATCH, d.num_kv_heads, _PAST, dim) for _ in layers for dim in d.cache_dims]
     example = (torch.randn(_BATCH, _SEQ, d.hidden_size), *context_example, *kv_examples)
     f32 = ov.Type.f32

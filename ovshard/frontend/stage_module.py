@@ -23,7 +23,7 @@ from torch import nn
 
 from ovshard.bundle.dims import ModelDims
 from ovshard.frontend.block import Block
-from ovshard.frontend.layer_math import apply_rotary, rms_norm
+from ovshard.frontend.layer_math import apply_rotary, deinterleave, l2_norm, rms_norm
 from ovshard.frontend.mla import mla_qkv
 
 
@@ -65,13 +65,15 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.reshape(b, kv_heads * groups, seq, head_dim)
 
 
-def causal_padding_mask(attention_mask: torch.Tensor, query_len: int, window: int | None = None) -> torch.Tensor:
+def causal_padding_mask(attention_mask: torch.Tensor, query_len: int, window: int | None = None,
+                        chunk: int | None = None) -> torch.Tensor:
     """Additive mask [batch, 1, query, past + query] from attention_mask [batch, past + query].
 
     Query t sits at physical cache index past + t; it sees key j iff j <= past + t and mask[j] == 1,
     and, with a sliding ``window``, iff fewer than ``window`` visible positions lie in (j, past + t]: the
     window counts what the mask shows (its cumulative sum), not cache slots, so rewound (zeroed) slots and
-    holes left by speculation never shorten it.
+    holes left by speculation never shorten it. With a ``chunk`` (Llama 4's chunked attention), iff the query and
+    the key lie in the same chunk of ``chunk`` visible positions (chunk n holds positions [n * chunk, (n + 1) * chunk)).
     """
     key_index = torch.cumsum(torch.ones_like(attention_mask), dim=-1) - 1  # [batch, total]
     query_index = key_index[:, -query_len:]  # [batch, query]
@@ -81,6 +83,10 @@ def causal_padding_mask(attention_mask: torch.Tensor, query_len: int, window: in
         seen = torch.cumsum(attention_mask, dim=-1)  # visible positions up to and including each slot
         distance = seen[:, -query_len:, None] - seen[:, None, :]  # [batch, query, total]
         visible = visible & (distance < window)
+    if chunk is not None:
+        seen = torch.cumsum(attention_mask, dim=-1)  # a visible slot's position is seen - 1
+        chunks = torch.div(seen - 1, chunk, rounding_mode="floor")  # [batch, total]
+        visible = visible & (chunks[:, -query_len:, None] == chunks[:, None, :])
     zero = torch.zeros((), dtype=torch.float32)
     blocked = torch.tensor(torch.finfo(torch.float32).min, dtype=torch.float32)
     return torch.where(visible, zero, blocked)[:, None, :, :]
@@ -91,6 +97,14 @@ def rotary(inv_freq: torch.Tensor, scaling: float, position_ids: torch.Tensor) -
     freqs = position_ids[..., None].float() * inv_freq  # [batch, seq, rotary_dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * scaling, emb.sin() * scaling
+
+
+def temperature(position_ids: torch.Tensor, blk: Block) -> torch.Tensor:
+    """Llama 4's NoPE query scale [batch, 1, seq, 1]: 1 + attn_scale * log1p(floor((p + 1) / floor_scale)) at position
+    p (transformers counts the cached positions, the same as p for a sequence without padding)."""
+    floor_scale, attn_scale = cast(tuple[float, float], blk.temperature)
+    steps = torch.floor((position_ids.float() + 1.0) / floor_scale)
+    return (torch.log1p(steps) * attn_scale + 1.0)[:, None, :, None]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, blk: Block,
@@ -145,6 +159,9 @@ def route(logits: torch.Tensor, layer: Weights, d: ModelDims, blk: Block) -> tup
     (``blk.topk_softmax``), or sigmoid routing (``blk.sigmoid_routing``)."""
     if blk.sigmoid_routing:
         return _sigmoid_route(logits, layer, d, blk)
+    if blk.expert_input_scores:  # Llama 4: the sigmoids of the top-k logits
+        top_logits, top_index = torch.topk(logits, d.experts_per_token, dim=-1)
+        return torch.sigmoid(top_logits), top_index
     if blk.topk_softmax:
         top_logits, top_index = torch.topk(logits, d.experts_per_token, dim=-1)  # [tokens, k]
         top_weights = F.softmax(top_logits, dim=-1, dtype=torch.float32)
@@ -187,7 +204,10 @@ def experts_mlp(m: torch.Tensor, layer: Weights, d: ModelDims, blk: Block) -> to
     -> Reshape -> Unsqueeze; Multiply, ReduceSum) and turns the MatMuls into GatherMatmul ops that read the
     top-k experts' weights only: the dense math here is what the graph means, not what the plugin runs.
     A shared expert (``d.shared_expert_size``), which every token runs, is added after, scaled by the
-    sigmoid of its own one-output gate where it has one (Qwen2-MoE; GLM-4.5's is not scaled).
+    sigmoid of its own one-output gate where it has one (Qwen2-MoE; GLM-4.5's is not scaled). Llama 4
+    (``blk.expert_input_scores``) scales each expert's input by its routing weight instead of its output: an
+    expert is not linear, so this is another graph, and every expert runs on every token (a 0 input where not
+    chosen) as written; the plugin gathers none of it.
     """
     b, t, hidden = m.shape
     experts = d.num_experts
@@ -196,13 +216,16 @@ def experts_mlp(m: torch.Tensor, layer: Weights, d: ModelDims, blk: Block) -> to
     top_weights, top_index = route(logits, layer, d, blk)
     routing = torch.zeros_like(logits).scatter(1, top_index, top_weights)  # [tokens, experts]
     tiled = flat.repeat(experts, 1).view(experts, -1, hidden)  # [experts, tokens, hidden]
+    weights = routing.transpose(0, 1).reshape(experts, b, t)[..., None]  # [experts, batch, seq, 1]
+    if blk.expert_input_scores:  # Llama 4 scales each expert's input: no tiled block the plugin gathers
+        tiled = tiled * weights.reshape(experts, -1, 1)
+        weights = torch.ones_like(weights)
     if blk.swiglu_limit is not None:
         out = _clamped_swiglu_experts(tiled, layer, blk).view(experts, b, t, hidden)
     else:
         gate = _activation(torch.matmul(tiled, layer.experts_gate_weight.transpose(1, 2)), blk.activation)
         up = torch.matmul(tiled, layer.experts_up_weight.transpose(1, 2))  # [experts, tokens, expert_size]
         out = torch.matmul(gate * up, layer.experts_down_weight.transpose(1, 2)).view(experts, b, t, hidden)
-    weights = routing.transpose(0, 1).reshape(experts, b, t)[..., None]  # [experts, batch, seq, 1]
     routed = (out * weights).sum(dim=0)  # [batch, seq, hidden]
     if not d.shared_expert_size:
         return routed
@@ -212,10 +235,11 @@ def experts_mlp(m: torch.Tensor, layer: Weights, d: ModelDims, blk: Block) -> to
     return routed + shared
 
 
-def _qkv(d: ModelDims, blk: Block, layer: Weights, x: torch.Tensor, cos: torch.Tensor,
-         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Queries [batch, heads, seq, head_dim], keys and values [batch, kv_heads, seq, head_dim] of q/k/v projections
-    (q/k norms before the rotary where the block has them)."""
+def _qkv(d: ModelDims, blk: Block, layer: Weights, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+         scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries [batch, heads, seq, head_dim], keys and values [batch, kv_heads, seq, head_dim] of q/k/v projections:
+    q/k norms before the rotary where the block has them; no rotary without ``cos`` (a NoPE layer), its queries
+    times ``scale`` where given; Llama 4's rotary on interleaved pairs, then q/k L2 norms."""
     b, t, _ = x.shape
     q = F.linear(x, layer.q_weight, layer.q_bias).view(b, t, d.num_heads, d.head_dim)
     k = F.linear(x, layer.k_weight, layer.k_bias).view(b, t, d.num_kv_heads, d.head_dim)
@@ -224,19 +248,33 @@ def _qkv(d: ModelDims, blk: Block, layer: Weights, x: torch.Tensor, cos: torch.T
         q, k = rms_norm(q, layer.q_norm, d.rms_norm_eps, blk.norm_offset), rms_norm(k, layer.k_norm, d.rms_norm_eps,
                                                                                   blk.norm_offset)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
-    return apply_rotary(q, cos, sin, blk.rotary_dim), apply_rotary(k, cos, sin, blk.rotary_dim), v
+    if cos is None or sin is None:
+        return (q if scale is None else q * scale), k, v
+    if blk.rope_interleave:
+        q, k = deinterleave(q), deinterleave(k)
+    q, k = apply_rotary(q, cos, sin, blk.rotary_dim), apply_rotary(k, cos, sin, blk.rotary_dim)
+    if blk.qk_l2_norm:
+        q, k = l2_norm(q, d.rms_norm_eps), l2_norm(k, d.rms_norm_eps)
+    return q, k, v
 
 
-def decoder_layer(d: ModelDims, blk: Block, layer: Weights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  mask: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
-                  sparse: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def decoder_layer(d: ModelDims, blk: Block, layer: Weights, h: torch.Tensor, cos: torch.Tensor | None,
+                  sin: torch.Tensor | None, mask: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
+                  sparse: bool = False, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor]:
     """One pre-norm decoder layer: h [batch, seq, hidden] -> (h, keys, values [batch, kv_heads, past + seq, d]);
-    its MLP the experts when ``sparse`` (``ModelDims.sparse``), else dense."""
+    its MLP the experts when ``sparse`` (``ModelDims.sparse``), else dense; no rotary without ``cos`` and ``sin``
+    (a NoPE layer), its queries times ``scale`` where given (temperature tuning)."""
     b, t, _ = h.shape
     eps, offset = d.rms_norm_eps, blk.norm_offset
     x = rms_norm(h, layer.attn_norm, eps, offset)
-    cos, sin = cos[:, None], sin[:, None]  # [batch, 1, seq, rotary_dim]
-    q, k, v = mla_qkv(d, blk, layer, x, cos, sin) if d.mla else _qkv(d, blk, layer, x, cos, sin)
+    if cos is not None and sin is not None:
+        cos, sin = cos[:, None], sin[:, None]  # [batch, 1, seq, rotary_dim]
+    if d.mla:
+        assert cos is not None and sin is not None
+        q, k, v = mla_qkv(d, blk, layer, x, cos, sin)
+    else:
+        q, k, v = _qkv(d, blk, layer, x, cos, sin, scale)
     k = torch.cat((past_k, k), dim=2)  # [batch, kv_heads, past + seq, head_dim]
     v = torch.cat((past_v, v), dim=2)
     out = attention(q, repeat_kv(k, d.kv_groups), repeat_kv(v, d.kv_groups), mask, blk,
@@ -264,40 +302,47 @@ def softcap_logits(logits: torch.Tensor, blk: Block) -> torch.Tensor:
 
 
 class Context:
-    """The per-stage values every layer reads: a rotary (cos, sin) per table, a mask per attention kind."""
+    """The per-stage values every layer reads: a rotary (cos, sin) per table, a mask per attention kind, and the
+    NoPE layers' query scale where the block tunes their temperature."""
 
     def __init__(self, blk: Block, layers: range) -> None:
         self.blk, self.layers = blk, layers
         self.ropes, self.masks = blk.used(layers)
+        self.tuned = blk.tuned(layers)
 
     def build(self, tables: dict[str, tuple[torch.Tensor, float]], attention_mask: torch.Tensor,
               position_ids: torch.Tensor) -> list[torch.Tensor]:
-        """cos, sin per rotary table, then one 4-D mask per kind: the flat list :meth:`split` reads."""
+        """cos, sin per rotary table, one 4-D mask per kind, the query scale: the flat list :meth:`split` reads."""
         out: list[torch.Tensor] = []
         for key in self.ropes:
             inv_freq, scaling = tables[key]
             out += rotary(inv_freq, scaling, position_ids)
         for kind in self.masks:
-            out.append(causal_padding_mask(attention_mask, position_ids.shape[1], self.blk.window(kind)))
+            out.append(causal_padding_mask(attention_mask, position_ids.shape[1], self.blk.window(kind),
+                                           self.blk.chunk(kind)))
+        if self.tuned:
+            out.append(temperature(position_ids, self.blk))
         return out
 
-    def split(self, values: tuple | list) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
+    def split(self, values: tuple | list) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor],
+                                                   torch.Tensor | None]:
         ropes = {key: (values[2 * n], values[2 * n + 1]) for n, key in enumerate(self.ropes)}
         masks = {kind: values[2 * len(self.ropes) + n] for n, kind in enumerate(self.masks)}
-        return ropes, masks
+        return ropes, masks, values[self.size - 1] if self.tuned else None
 
     @property
     def size(self) -> int:
-        return 2 * len(self.ropes) + len(self.masks)
+        return 2 * len(self.ropes) + len(self.masks) + int(self.tuned)
 
     def run_layers(self, d: ModelDims, weights: list[Weights], h: torch.Tensor, values: tuple | list,
                    past: tuple) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        ropes, masks = self.split(values)
+        ropes, masks, scale = self.split(values)
         presents = []
         for n, (i, layer) in enumerate(zip(self.layers, weights, strict=True)):
-            cos, sin = ropes[self.blk.rope_keys[i]]
+            nope = i in self.blk.nope_layers
+            cos, sin = (None, None) if nope else ropes[self.blk.rope_keys[i]]
             h, k, v = decoder_layer(d, self.blk, layer, h, cos, sin, masks[self.blk.mask_kind(i)],
-                                    past[2 * n], past[2 * n + 1], d.sparse(i))
+                                    past[2 * n], past[2 * n + 1], d.sparse(i), scale if nope else None)
             presents += [k, v]
         return h, presents
 

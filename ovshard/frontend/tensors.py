@@ -117,6 +117,8 @@ def _stacked_expert_tensors(spec: ArchSpec, dims: ModelDims, i: int, sparse: boo
     if spec.stacked_experts and sparse:
         experts, hidden, size, prefix = dims.num_experts, dims.hidden_size, dims.expert_size, spec.stacked_experts
         prefix = prefix.format(i=i)
+        if spec.stacked_halves:  # Llama 4: no biases
+            return shapes | {f"{prefix}.gate_up_proj": (experts, hidden, 2 * size), f"{prefix}.down_proj": (experts, size, hidden)}
         shapes |= {f"{prefix}.gate_up_proj": (experts, hidden, 2 * size),
                    f"{prefix}.gate_up_proj_bias": (experts, 2 * size),
                    f"{prefix}.down_proj": (experts, size, hidden), f"{prefix}.down_proj_bias": (experts, hidden)}
@@ -131,10 +133,8 @@ def _expert_linears(spec: ArchSpec, dims: ModelDims) -> dict[str, tuple[int, int
     assert spec.router
     hidden, size = dims.hidden_size, dims.expert_size
     linear = {spec.router: (dims.num_experts, hidden, spec.router_bias)}
-    if spec.stacked_experts:
-        return linear
-    assert spec.expert_gate and spec.expert_up and spec.expert_down
-    for e in range(dims.num_experts):
+    for e in range(0 if spec.stacked_experts else dims.num_experts):
+        assert spec.expert_gate and spec.expert_up and spec.expert_down
         linear[spec.expert_gate.replace("{e}", str(e))] = (size, hidden, False)
         linear[spec.expert_up.replace("{e}", str(e))] = (size, hidden, False)
         linear[spec.expert_down.replace("{e}", str(e))] = (hidden, size, False)

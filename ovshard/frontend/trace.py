@@ -84,6 +84,15 @@ def _experts(ckpt: Checkpoint, i: int, stage: StageSpec) -> dict[str, tuple[torc
     spec, experts = ckpt.spec, range(ckpt.dims.num_experts)
     router = spec.router.format(i=i) if spec.router else ""
     router_bias = _load(ckpt, router + ".bias", stage) if spec.router_bias else None
+    if spec.stacked_halves:  # Llama 4: gate_up [E, hidden, 2 * size] holds gate then up; no biases
+        assert spec.stacked_experts
+        prefix = spec.stacked_experts.format(i=i)
+        gate_up = _load(ckpt, prefix + ".gate_up_proj", stage).transpose(1, 2)  # [E, 2 * size, hidden]
+        gate, up = (part.contiguous() for part in gate_up.chunk(2, dim=1))
+        return {"router": (_load(ckpt, router + ".weight", stage), router_bias), "experts_gate": (gate, None),
+                "experts_up": (up, None),
+                "experts_down": (_load(ckpt, prefix + ".down_proj", stage).transpose(1, 2).contiguous(), None),
+                **_shared_expert(ckpt, i, stage)}
     if spec.stacked_experts:  # [E, in, out] as x @ W: transposed to [E, out, in] like every other weight
         prefix = spec.stacked_experts.format(i=i)
         return {"router": (_load(ckpt, router + ".weight", stage), router_bias),
@@ -109,6 +118,13 @@ def _experts(ckpt: Checkpoint, i: int, stage: StageSpec) -> dict[str, tuple[torc
         "router": (_load(ckpt, router + ".weight", stage), router_bias),
         "experts_gate": (stacked(spec.expert_gate), None), "experts_up": (stacked(spec.expert_up), None),
         "experts_down": (stacked(spec.expert_down), None)}
+    return found | _shared_expert(ckpt, i, stage)
+
+
+def _shared_expert(ckpt: Checkpoint, i: int, stage: StageSpec) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Layer ``i``'s shared expert (gate, up, down) and its gate, where the family has them."""
+    spec = ckpt.spec
+    found: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
     if spec.shared_expert and ckpt.dims.shared_expert_size:
         shared = spec.shared_expert.format(i=i)
         for key in ("gate", "up", "down"):

@@ -78,7 +78,10 @@ def explicit_attention_layers(manifest, layers: int) -> int:
 
 
 def moe_layers(manifest, layers: tuple[int, int]) -> int:
-    """How many of the layers [start, end) hold a mixture of experts (a MoE model's dense layers do not)."""
+    """How many of the layers [start, end) hold a mixture of experts (a MoE model's dense layers do not) in the tiled
+    form the CPU plugin gathers; Llama 4's experts scale their inputs, not their outputs: none, by design."""
+    if manifest.architecture.expert_input_scores:
+        return 0
     return sum(manifest.architecture.sparse(i) for i in range(*layers))
 
 

@@ -31,7 +31,6 @@ from transformers import (
     DeepseekV2Config,
     GPTNeoXConfig,
     JambaConfig,
-    Llama4TextConfig,
     Phi3Config,
     PretrainedConfig,
 )
@@ -227,7 +226,7 @@ def test_unknown_family_error_lists_the_supported_ones() -> None:
     assert not missing, f"the message does not list {missing}: {message}"
 
 
-UNSUPPORTED_MOE_CONFIGS = [DeepseekV2Config, Llama4TextConfig, JambaConfig, DbrxConfig]
+UNSUPPORTED_MOE_CONFIGS = [DeepseekV2Config, JambaConfig, DbrxConfig]
 
 
 @pytest.mark.parametrize("config", UNSUPPORTED_MOE_CONFIGS, ids=[c.model_type for c in UNSUPPORTED_MOE_CONFIGS])
