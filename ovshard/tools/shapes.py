@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 BF16 = "bfloat16"  # the dtype most public checkpoints are published in
 
 
@@ -104,6 +104,15 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                     "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "rope_interleave": True,
                     "routed_scaling_factor": 2.5, "topk_group": 1, "v_head_dim": 16, "bos_token_id": 0,
                     "eos_token_id": 1},
+    # Llama 4: chunks of 8 on the rotary layers 0 and 2, NoPE layers 1 and 3 (temperature tuned every 8 positions),
+    # layers 1 and 3 sparse (4 stacked experts of 32, top-1, a shared expert), layers 0 and 2 dense of 128
+    "llama4_text": {**_common("Llama4ForCausalLM", "llama4_text"), "attention_bias": False, "attention_chunk_size": 8,
+                    "attn_scale": 0.1, "attn_temperature_tuning": True, "floor_scale": 8, "head_dim": 16,
+                    "interleave_moe_layer_step": 2, "intermediate_size": 32, "intermediate_size_mlp": 128,
+                    "layer_types": [CHUNKED, FULL] * 2, "moe_layers": [1, 3], "no_rope_layer_interval": 2,
+                    "no_rope_layers": [1, 0] * 2, "num_experts_per_tok": 1, "num_local_experts": 4,
+                    "output_router_logits": False, "rms_norm_eps": 1e-5, "router_aux_loss_coef": 0.001,
+                    "router_jitter_noise": 0.0, "use_qk_norm": True},
     "mixtral": {**_common("MixtralForCausalLM", "mixtral"), "head_dim": 16, "num_experts_per_tok": 2,
                 "num_local_experts": 4, "output_router_logits": False, "router_aux_loss_coef": 0.001,
                 "router_jitter_noise": 0.0, "sliding_window": None},
@@ -296,6 +305,19 @@ SHAPES: dict[str, dict[str, Any]] = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
                          "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
                          "mscale": 1.0, "mscale_all_dim": 1.0},
+    ),
+    "llama-4-scout": family_config(  # Llama-4-Scout-17B-16E's language model, from memory of its config.json (not
+        # checked against the hub): 16 experts of 8192 + a shared one, 1 routed a token, every layer sparse; chunks of
+        # 8192 on the rotary layers, every 4th layer NoPE; llama3 rope x16 over 8192 positions
+        "llama4_text", hidden_size=5120, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+        head_dim=128, intermediate_size=8192, intermediate_size_mlp=16384, num_local_experts=16,
+        num_experts_per_tok=1, interleave_moe_layer_step=1, moe_layers=list(range(48)), no_rope_layer_interval=4,
+        no_rope_layers=[1, 1, 1, 0] * 12, layer_types=[CHUNKED, CHUNKED, CHUNKED, FULL] * 12,
+        attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1, vocab_size=202048,
+        max_position_embeddings=10485760, bos_token_id=200000, eos_token_id=[200001, 200007, 200008],
+        pad_token_id=200018, initializer_range=0.02, dtype=BF16,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 1.0, "original_max_position_embeddings": 8192},
     ),
     "gpt-oss-20b": family_config(  # 32 experts of 2880, 4 routed a token: 20.9B parameters (stored here in bf16;
         # the release stores its experts in MXFP4, which ovshard refuses until dequantized)

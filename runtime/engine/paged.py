@@ -30,6 +30,7 @@ Facts of OpenVINO 2026.4.1 this module works around, each checked when it loads 
 * it gives every PagedAttention ``sliding_window`` 0, whole-context attention: each sliding layer's window is read
   from its stateful mask (which counts visible positions: a CumSum of ``attention_mask``) and set;
 * attention it cannot match (Gemma 2's soft-capped scores have no SDPA op) stays stateful: refused by count;
+* PagedAttention has a sliding window but no chunks: a model with chunked attention (Llama 4) is refused by name;
 * tensors bound with shared memory do not keep their numpy arrays alive (a freed cache crashed the process):
   the stage owns its cache arrays.
 
@@ -246,6 +247,11 @@ def compile_paged(core: ov.Core, bundle: Path, manifest: Manifest, index: int, d
     if device.upper() != "CPU":
         raise PagedUnsupportedError(f"stage {index}: paged stages run on CPU only (asked for {device}); "
                                     "run this stage on the stateful path")
+    if manifest.architecture.attention_chunk:
+        raise PagedUnsupportedError(
+            f"stage {index}: chunked attention (attention_chunk_size={manifest.architecture.attention_chunk}, Llama 4) "
+            "has no PagedAttention form: the op takes a sliding window, not chunks, and would attend across chunk "
+            "boundaries; run this stage on the stateful path")
     log.info("stage %d: converting %s to paged attention", index, entry.model_xml)
     model = to_paged(core.read_model(str(Path(bundle) / entry.model_xml)), entry.stage)
     sliced = slice_logits and entry.stage.last

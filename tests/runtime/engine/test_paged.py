@@ -236,6 +236,17 @@ def test_a_soft_capped_stage_is_refused(tmp_path: Path):
         compile_paged(ov.Core(), bundle, read_manifest(bundle), 0, num_blocks=4)
 
 
+def test_a_chunked_attention_stage_is_refused(tmp_path: Path):
+    """Llama 4's chunked attention has no PagedAttention form (a sliding window is not a chunk): every stage of such
+    a model is refused by name, so the caller runs it stateful rather than attending across chunk boundaries."""
+    bundle = _tiny_bundle(tmp_path, "Llama4TextConfig", intermediate_size_mlp=48, num_local_experts=2,
+                          attention_chunk_size=8, no_rope_layer_interval=2)
+    manifest = read_manifest(bundle)
+    for index in range(2):
+        with pytest.raises(PagedUnsupportedError, match=r"chunked attention \(attention_chunk_size=8"):
+            compile_paged(ov.Core(), bundle, manifest, index, num_blocks=4)
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
 def test_sliding_window_layers_keep_their_windows(tmp_path: Path, family: str):
     """Sliding-window layers (Mistral: all, window 8; Gemma 3: local and global layers, local rope) run paged
