@@ -368,7 +368,14 @@ def _deepseek_v3_text() -> PretrainedConfig:
                             tie_word_embeddings=False, max_position_embeddings=512, rope_parameters=ROPE)
 
 
-MOE_TEXT = {"qwen3_moe": _qwen3_moe_text, "glm4_moe": _glm4_moe_text, "deepseek_v3": _deepseek_v3_text}
+def _llama4_text_text() -> PretrainedConfig:
+    # _llama4_text's block over stories260K's vocabulary and special tokens: layers 1 and 3 NoPE and sparse
+    return Llama4TextConfig(**{**_llama4_text().to_dict(), "vocab_size": 512, "bos_token_id": 1, "eos_token_id": 2,
+                               "max_position_embeddings": 512})
+
+
+MOE_TEXT = {"qwen3_moe": _qwen3_moe_text, "glm4_moe": _glm4_moe_text, "deepseek_v3": _deepseek_v3_text,
+            "llama4_text": _llama4_text_text}
 
 
 def moe_with_tokenizer(stories: Path, root: Path, model_type: str = "qwen3_moe") -> Path:

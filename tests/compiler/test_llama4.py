@@ -3,13 +3,23 @@ bundles match Hugging Face is tests/compiler/test_families.py's (rows ``llama4_t
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
+from families import FAMILIES, moe_with_tokenizer, write_random_checkpoint
+
+from ovshard.bundle.weights import WeightFormat
+from ovshard.compile import CompileConfig, compile_bundle
 
 from ovshard.errors import UnsupportedArchitectureError
 from ovshard.frontend.description import describe
 from ovshard.frontend.tensors import model_tensors
 from ovshard.plan.costs import parameter_count
+from ovshard.runtime.client.inprocess import LocalPipeline
+from ovshard.runtime.engine.stage import EXACT_HINTS
 from ovshard.tools.shapes import family_config, preset
+from ovshard.verify.fusion import check_cpu_fusion
 
 
 def test_scout_preset_counts_its_parameters_and_layers() -> None:
@@ -48,3 +58,30 @@ def test_a_nested_llama4_config_reads_its_text_config_under_the_language_model()
 def test_malformed_llama4_layer_settings_are_refused(overrides: dict, needle: str) -> None:
     with pytest.raises(UnsupportedArchitectureError, match=needle):
         describe(family_config("llama4_text", **overrides))
+
+
+@pytest.mark.slow
+def test_whole_stage_trace_equals_the_streamed_compile(tmp_path: Path) -> None:
+    """fp32, 3 stages: tracing each stage whole gives the streamed compile's greedy tokens and logits (the NoPE
+    layers' query scale crosses the pieces as a port of its own)."""
+    checkpoint = write_random_checkpoint(FAMILIES["llama4_text"], tmp_path / "ckpt")
+    found = {}
+    for streaming in (True, False):
+        out = tmp_path / f"b{int(streaming)}"
+        compile_bundle(CompileConfig(checkpoint, out, stages=3, weights=WeightFormat("fp32"), streaming=streaming))
+        ids, rows = LocalPipeline(out, config=EXACT_HINTS).generate_greedy([2, 17, 42, 99, 5, 6, 7, 8, 9], 12)
+        found[streaming] = ids, np.stack(rows)
+    assert found[True][0] == found[False][0]
+    assert float(np.abs(found[True][1] - found[False][1]).max()) <= 1e-5
+
+
+@pytest.mark.slow
+def test_calibrated_int4_default_fuses_attention_and_gathers_no_experts(stories: Path, tmp_path: Path) -> None:
+    """The default compile (INT4, calibrated on the shipped text) of a Llama 4 model: every stage fuses its KV cache
+    into one SDPA a layer (chunked and NoPE layers alike) and, by design, no expert becomes a GatherMatmul."""
+    checkpoint = moe_with_tokenizer(stories, tmp_path / "ckpt", "llama4_text")
+    manifest = compile_bundle(CompileConfig(checkpoint, tmp_path / "b", stages=2))
+    assert manifest.weights.mode.startswith("int4") and manifest.weights.calibration == "text"
+    reports = check_cpu_fusion(tmp_path / "b", manifest)
+    found = [(r.stage, r.layers, r.moe_layers, r.gather_matmuls, r.fused_sdpa) for r in reports]
+    assert all(r.ok and r.fused_sdpa == r.layers and r.gather_matmuls == 0 for r in reports), found
