@@ -11,7 +11,6 @@ from families import FAMILIES, moe_with_tokenizer, write_random_checkpoint
 
 from ovshard.bundle.weights import WeightFormat
 from ovshard.compile import CompileConfig, compile_bundle
-
 from ovshard.errors import UnsupportedArchitectureError
 from ovshard.frontend.description import describe
 from ovshard.frontend.tensors import model_tensors
