@@ -3,12 +3,12 @@ rounds (medians and per-round ratios), and results written as JSON, a markdown t
 
     from harness import RESULTS, interleaved, write_results
 
-    got = interleaved({"plain": run_plain, "tls": run_tls}, rounds=7)   # A, B, A, B, ...
+    got = interleaved({"plain": run_plain, "tls": run_tls}, rounds=7)   # A, B, B, A, ... (seconds a call)
     rows = [{"case": c, "ms": 1e3 * got.median(c), "x_plain": got.ratio(c, "plain")} for c in got.cases]
     write_results("tls_cost", rows, {"tokens": 64}, plot={"group_by": ..., "label": ..., "value": "ms"})
 
-A case is a callable: what it returns is its sample for that round (seconds, tokens/s, a record); one that
-returns None is timed instead (seconds, ``time.perf_counter``). Timings here drift +-50% between processes,
+A case is a callable; its sample for a round is the seconds the call took (``time.perf_counter``), or with
+``timed=False`` what it returns (its own timing, tokens/s, a record). Timings here drift +-50% between processes,
 so variants are compared within one process, round by round, and a ratio is the median of the rounds' ratios.
 Results go under ``bench/results/`` (git-ignored): ``<name>.json`` (meta, machine, rows, samples included),
 ``<name>.md`` (the table under a line naming the machine and the command) and ``<name>.png`` when a plot
@@ -107,9 +107,9 @@ class Interleaved:
 
 
 def interleaved(cases: dict[str, Callable[[], Any]], rounds: int, warmup: int = 0, label: str = "",
-                show: Callable[[Any], str] | None = None) -> Interleaved:
+                timed: bool = True, show: Callable[[Any], str] | None = None) -> Interleaved:
     """Each round runs every case once, the first case rotating from round to round, after ``warmup``
-    untimed runs of each. A case's sample is what it returns, or its seconds where it returns None."""
+    untimed runs of each. A case's sample is its seconds, or with ``timed=False`` what it returns."""
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: expected at least 1 interleaved round")
     names = list(cases)
@@ -117,15 +117,21 @@ def interleaved(cases: dict[str, Callable[[], Any]], rounds: int, warmup: int = 
         for _ in range(warmup):
             cases[name]()
     got = Interleaved(names, {n: [] for n in names})
+    every = max(1, rounds // 20)  # at most ~20 progress lines
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             start = time.perf_counter()
             sample = cases[name]()
-            sample = time.perf_counter() - start if sample is None else sample
-            got.samples[name].append(sample)
-            shown = show(sample) if show else (f"{sample:.4g}" if isinstance(sample, float) else "done")
-            progress(f"{label + ' ' if label else ''}round {r + 1}/{rounds} {name}: {shown}")
+            got.samples[name].append(time.perf_counter() - start if timed else sample)
+        if (r + 1) % every == 0 or r + 1 == rounds:
+            shown = (show or _shown)
+            progress(f"{label + ' ' if label else ''}round {r + 1}/{rounds}: "
+                     + ", ".join(f"{n} {shown(got.samples[n][-1])}" for n in names))
     return got
+
+
+def _shown(sample: Any) -> str:
+    return f"{sample:.4g}" if isinstance(sample, float) else type(sample).__name__
 
 
 # ------------------------------------------------------------------------------------------- results

@@ -267,5 +267,5 @@ def interleaved(decoders: dict[str, Decoder], prompt: list[int], new_tokens: int
                 label: str = "") -> Measured:
     """for each round: every variant once (the starting variant rotates each round), after warm-up runs."""
     got = harness.interleaved({name: partial(d.greedy, prompt, new_tokens) for name, d in decoders.items()},
-                              rounds, warmup, label, show=lambda s: f"{s.tokens_per_s:.2f} tok/s")
+                              rounds, warmup, label, timed=False, show=lambda s: f"{s.tokens_per_s:.2f} tok/s")
     return Measured(got.cases, got.samples)
