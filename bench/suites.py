@@ -43,7 +43,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
         Step("int8_choice_cost", "the cost of the whole-model INT8 choice alone, on a checkpoint", None,
              ("{stories}",)),
         Step("prefill_logits_memory", "peak memory of a long prefill on a 128K vocabulary, logits of every row or "
-             "only those needed", None, None),
+             "only those needed", None, ("--tokens", "32", "--rounds", "1")),
     )),
     Suite("batching", "paged stages: many sequences in one inference, and what batching changes", (
         Step("paged_batch", "S sequences in one paged inference a stage against S one-row inferences and S "
