@@ -93,7 +93,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
              ("--models", "smollm2-135m,llama-3.2-1b,gemma3-270m,stories260K", "--threads", "2"), None),
         Step("spec_copy", "prompt lookup on copy-style tasks, the real Gemma's INT4 bundle", (), None),
         Step("decode_overhead", "the decode-step profile and CPU plugin settings (Gemma 3 270M)", ("--rounds", "4"),
-             None),
+             ("{bundle1}", "--rounds", "1", "--tokens", "8")),
         Step("ttft", "time to the first token, cold and warm, against llama-completion", (), None),
         Step("server_peers", "8 chat clients: ovshard api against llama-server -np 8", ("--tokens", "128"), None),
         Step("api_load", "8 openai clients at once against one, the Gemma bundle server_peers compiled",
