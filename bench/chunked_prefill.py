@@ -1,8 +1,8 @@
 """Time to the first token of a long prompt on 2 stages: one prefill step against chunked, pipelined prefill.
 
 The real Gemma 3 270M (the PyPI GGUF; default INT4 compile, 2 stages, ``--max-positions 4096``), one worker
-process per stage with ``--threads 1`` (the two stages share this machine's cores), a head in this process.
-Each measurement opens a stream, sends the prompt (``--tokens``, the Apache-2.0 license text repeated) and
+process per stage with ``--threads 1 --kv stateful`` (the head sends streams; the two stages share this
+machine's cores), a head in this process. Each measurement opens a stream, sends the prompt (``--tokens``, the Apache-2.0 license text repeated) and
 waits for the first token; ``--prefill-chunk 0`` is the whole prompt in one step. Chunk
 sizes run interleaved in rounds, in a rotated order; reported: median seconds and the speed-up over one step.
 
@@ -65,7 +65,7 @@ def main() -> int:
     b = bundle(args.tokens)
     ids = prompt_ids(b, args.tokens)
     first: dict[int, int] = {}
-    with local_workers(b, threads=1) as addresses:
+    with local_workers(b, threads=1, kv="stateful") as addresses:
 
         def ttft(chunk: int) -> float:
             head = Head(b, addresses, prefill_chunk=chunk, timeout=600)

@@ -117,14 +117,13 @@ def interleaved(cases: dict[str, Callable[[], Any]], rounds: int, warmup: int = 
         for _ in range(warmup):
             cases[name]()
     got = Interleaved(names, {n: [] for n in names})
-    every = max(1, rounds // 20)  # at most ~20 progress lines
+    every, shown = max(1, rounds // 20), show or _shown  # at most ~20 progress lines
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             start = time.perf_counter()
             sample = cases[name]()
             got.samples[name].append(time.perf_counter() - start if timed else sample)
         if (r + 1) % every == 0 or r + 1 == rounds:
-            shown = (show or _shown)
             progress(f"{label + ' ' if label else ''}round {r + 1}/{rounds}: "
                      + ", ".join(f"{n} {shown(got.samples[n][-1])}" for n in names))
     return got

@@ -55,7 +55,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
         Step("batch_rows", "whether a multi-token step scores each row as one-token steps do, per hint set", None,
              ("--bundle", "{bundle1}")),
         Step("chunked_prefill", "time to the first token of a long prompt: one step against chunked prefill", None,
-             None),
+             ("--tokens", "64", "--chunks", "0,32", "--rounds", "1")),
         Step("rewind_diff", "how far mask-rewind logits are from physical-trim logits", None, ("--sequences", "3")),
     )),
     Suite("kernels", "one step's compute: weight formats, kernels, ops, the parts around the kernels", (
