@@ -2,9 +2,10 @@
 
 The real Gemma 3 270M (the PyPI GGUF; default INT4 compile, 2 stages, ``--max-positions 4096``), one worker
 process per stage with ``--threads 1 --kv stateful`` (the head sends streams; the two stages share this
-machine's cores), a head in this process. Each measurement opens a stream, sends the prompt (``--tokens``,
-the Apache-2.0 license text repeated) and waits for the first token; ``--prefill-chunk 0`` is the whole prompt in one step. Chunk
-sizes run interleaved in rounds, in a rotated order; reported: median seconds and the speed-up over one step.
+machine's cores), a head in this process. Each measurement opens a stream, sends the prompt (``--tokens``, the
+Apache-2.0 license text repeated) and waits for the first token; ``--prefill-chunk 0`` is the whole prompt in
+one step. Chunk sizes run interleaved in rounds, in a rotated order; reported: median seconds and the speed-up
+over one step.
 
     CI=true .venv/bin/python bench/chunked_prefill.py [--tokens 2048] [--chunks 0,128,256,512] [--rounds 3]
 """
