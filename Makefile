@@ -50,7 +50,7 @@ bench: setup
 
 # smoke runs of every suite's scripts that have a quick mode, on stories260K (a few minutes)
 bench-quick: setup
-	CI=true $(BIN)/python bench/suite.py --suite runtime,compile,batching,kernels,cluster,peers --quick
+	CI=true $(BIN)/python bench/suite.py --suite runtime,compile,batching,kernels,cluster,api,peers --quick
 
 # ovshard against llama.cpp (built once from the llama-cpp-python sdist into ~/.cache/ovshard/peers; needs cmake, g++):
 # peers.py, spec_copy.py, decode_overhead.py, ttft.py, server_peers.py, then api_load.py on the Gemma bundle

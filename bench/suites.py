@@ -83,7 +83,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     )),
     Suite("api", "ovshard api under load", (
         Step("api_load", "ovshard api at 1-8 clients against the bare Session",
-             ("--models", "stories260K,llama-3.2-1b", "--requests", "2"), None),
+             ("--models", "stories260K,llama-3.2-1b", "--requests", "2"), ("--quick",)),
         Step("api_crowd", "64 streamed openai clients at once, every 4th going away", None, None),
         Step("api_ttft_probe", "time to the first text: a raw socket client against the openai client", None,
              None),
