@@ -22,16 +22,17 @@ MODULES = sorted(p.stem for p in BENCH.glob("*.py"))
 SCRIPTS = [m for m in MODULES if 'if __name__ == "__main__"' in (BENCH / f"{m}.py").read_text()]
 
 
-def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
+def _run(args: list[str], cache: Path) -> subprocess.CompletedProcess[str]:
+    # OVSHARD_CACHE_DIR set: scripts that import tests/conftest.py make no cache folder of their own
     return subprocess.run([sys.executable, *args], cwd=BENCH, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "CI": "true"}, check=False)
+                          env={**os.environ, "CI": "true", "OVSHARD_CACHE_DIR": str(cache)}, check=False)
 
 
-def test_every_module_imports_and_every_script_shows_help() -> None:
+def test_every_module_imports_and_every_script_shows_help(tmp_path: Path) -> None:
     calls = [["-c", f"import {m}"] for m in MODULES if m not in SCRIPTS]
     calls += [[f"{m}.py", "--help"] for m in SCRIPTS]
     with ThreadPoolExecutor(max_workers=4) as pool:
-        done = list(pool.map(_run, calls))
+        done = list(pool.map(lambda call: _run(call, tmp_path), calls))
     failed = [f"{' '.join(c)}: rc {r.returncode}: {r.stderr[-800:]}" for c, r in zip(calls, done, strict=True)
               if r.returncode != 0 or (c[-1] == "--help" and "usage:" not in r.stdout)]
     assert not failed, "\n".join(failed)
