@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test test-fast lint layout golden bench bench-peers fuzz clean
+.PHONY: setup demo test test-fast lint layout golden bench bench-quick bench-peers fuzz clean
 
 setup: $(STAMP)
 
@@ -35,32 +35,28 @@ test-fast: setup
 golden: setup
 	$(BIN)/python -m pytest -q tests/compiler/test_golden.py tests/e2e/test_demo.py --update-golden
 
+# the suites (bench/suites.py; `bench/suite.py --list` prints them, bench/README.md says what each measures),
+# between the lines of the scripts with their own
 bench: setup
 	$(BIN)/python bench/compile_memory.py --stages 2,4 --monolithic
-	CI=true $(BIN)/python bench/compile_overhead.py --rounds 3  # the compiler's fixed cost per piece (stories260K, default and fp32)
+	CI=true $(BIN)/python bench/suite.py --suite compile  # the compiler's fixed cost per piece (stories260K, default and fp32)
 	$(BIN)/python bench/compile_memory.py --sweep  # anon memory vs layers per stage; ~30 GB in /tmp/ovshard-sweep
-	CI=true $(BIN)/python bench/suite.py
-	$(BIN)/python bench/api_load.py --models stories260K,llama-3.2-1b --requests 2  # ovshard api at 1-8 clients vs the bare Session
-	$(BIN)/python bench/placement.py --rounds 3  # ovshard up: measured placement vs equal split on an emulated unequal pair
-	$(BIN)/python bench/node_loss.py --rounds 2  # ovshard up: a node lost for good mid-stream -> every stream progressing again
+	CI=true $(BIN)/python bench/suite.py --suite runtime,api,cluster  # the scenarios; ovshard api under load; up: placement, a node lost
 	CI=true $(BIN)/python bench/int4_frontier.py --llama-cpp  # weight formats on real models, llama.cpp's beside: bits, perplexity, compile memory
 	CI=true $(BIN)/python bench/nncf_options.py  # NNCF's own options (data-free and data-aware) on the real Gemma 3 270M
 	CI=true $(BIN)/python bench/nncf_formats.py  # NNCF's other 4-bit formats (NF4, CB4, MXFP4) on SmolLM2-135M: perplexity
-	$(BIN)/python bench/moe_step.py --out /tmp/ovshard-bench/moe-step  # a Qwen3-30B-A3B-shaped stage cut to 4 layers against a dense stage of its active parameters
 	$(BIN)/python bench/compile_memory.py --sweep --cases 30b-a3b --resume  # compile memory and time per layer with 128 experts a layer
-	CI=true $(BIN)/python bench/int4_kernels.py  # decode speed of weight formats on the 1B shape (INT4 sym/asym, groups, INT8 share)
-	$(BIN)/python bench/paged_batch.py  # S sequences in one paged inference against S stateful streams
-	CI=true $(BIN)/python bench/tick_cost.py  # a paged tick's compute against its sequences: the ceilings of batching
+	CI=true $(BIN)/python bench/suite.py --suite kernels,batching  # the MoE step, weight formats' decode speed; paged batching and its ceilings
 
-# ovshard against llama.cpp (built once from the llama-cpp-python sdist into ~/.cache/ovshard/peers; needs cmake, g++)
+# smoke runs of every suite's scripts that have a quick mode, on stories260K (a few minutes)
+bench-quick: setup
+	CI=true $(BIN)/python bench/suite.py --suite runtime,compile,batching,kernels,cluster,api,peers --quick
+
+# ovshard against llama.cpp (built once from the llama-cpp-python sdist into ~/.cache/ovshard/peers; needs cmake, g++):
+# peers.py, spec_copy.py, decode_overhead.py, ttft.py, server_peers.py, then api_load.py on the Gemma bundle
+# server_peers.py compiled (bench/suites.py's peers suite)
 bench-peers: setup
-	$(BIN)/python bench/peers.py --models smollm2-135m,llama-3.2-1b,gemma3-270m,stories260K --threads 2  # one node against the fastest llama.cpp that runs here
-	$(BIN)/python bench/spec_copy.py  # prompt lookup on copy-style tasks, the real Gemma's INT4 bundle: speed-up, speculative == plain
-	$(BIN)/python bench/decode_overhead.py --rounds 4  # the decode-step profile and CPU plugin settings (Gemma 3 270M)
-	$(BIN)/python bench/ttft.py  # time to the first token, cold and warm, against llama-completion
-	$(BIN)/python bench/server_peers.py --tokens 128  # 8 chat clients: ovshard api against llama-server -np 8
-	# the same Gemma bundle (compiled by server_peers.py): 8 openai clients at once against one, through ovshard api
-	$(BIN)/python bench/api_load.py --bundle /tmp/ovshard-bench/bundles/gemma3-270m-q4km-2st-default --clients 1,8 --requests 2 --tokens 64 --rounds 3
+	CI=true $(BIN)/python bench/suite.py --suite peers
 
 # a real worker under 1,000,000 hostile frames; --workers (default: one client process per core but one) scales it
 fuzz: setup

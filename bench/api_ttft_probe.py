@@ -6,6 +6,7 @@ Prints the fastest 4 of 8 requests each, in ms: how much of the API's first-toke
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 import sys
@@ -51,7 +52,9 @@ def client(api: Api) -> float:
 
 
 def main() -> None:
-    api = Api(Path(sys.argv[1]), "--streams", "2")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("bundle", type=Path, help="a compiled 2-stage bundle")
+    api = Api(parser.parse_args().bundle, "--streams", "2")
     try:
         for name, probe in (("raw socket", raw), ("openai client", client)):
             print(name, sorted(round(probe(api), 1) for _ in range(8))[:4])

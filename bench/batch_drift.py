@@ -23,7 +23,7 @@ import openvino as ov
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from report import write_rows  # noqa: E402  (bench/ is not a package)
+from harness import write_results  # noqa: E402  (bench/ is not a package)
 
 from ovshard.bundle.manifest import read_manifest  # noqa: E402
 from ovshard.runtime.engine.paged import PagedRows, PagedStage, blocks_for, compile_paged  # noqa: E402
@@ -84,8 +84,8 @@ def main() -> int:
         rows.append({"hints": name, **{k: round(v, 6) if isinstance(v, float) else v
                                        for k, v in drift(args.bundle, config, args.sequences, args.steps,
                                                          args.prompt).items()}})
-    command = " ".join([".venv/bin/python", "bench/batch_drift.py", *sys.argv[1:]])
-    print(write_rows(args.results, "batch_drift", command, rows, list(rows[0])))
+    meta = {"bundle": str(args.bundle), "sequences": args.sequences, "steps": args.steps, "prompt": args.prompt}
+    print(write_results("batch_drift", rows, meta, out=args.results, title="batched rows against rows alone"))
     return 0
 
 

@@ -22,6 +22,9 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from harness import RESULTS, write_results  # noqa: E402  (bench/ is not a package)
+
 PROMPT = [2, 818, 5279, 529, 7001, 563, 496, 236743, 3648, 529, 4104, 6861]
 MORE = [563, 138, 236764, 2793, 496, 108, 3022, 529, 573]
 HINTS = {
@@ -48,7 +51,7 @@ def default_bundle() -> Path:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bundle", type=Path)
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     import openvino as ov
 
@@ -73,14 +76,8 @@ def main() -> int:
                      "argmax_equal": bool((batched.argmax(-1) == single.argmax(-1)).all()),
                      "decode_ms": round((time.perf_counter() - began) / 32 * 1000, 1)})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = "CI=true .venv/bin/python bench/batch_rows.py " + " ".join(sys.argv[1:])
-    (args.out / "batch_rows.json").write_text(json.dumps({"command": command.strip(), "bundle": str(bundle),
-                                                         "rows": rows}, indent=2))
-    print("| hints | max logit diff, 9-token step vs 9 one-token steps | argmax equal | decode ms (one run) |")
-    print("| --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['hints']} | {r['max_logit_diff']:.2g} | {r['argmax_equal']} | {r['decode_ms']} |")
+    print(write_results("batch_rows", rows, {"bundle": str(bundle)}, out=args.out,
+                        title="a 9-token step's rows against 9 one-token steps, per hint set"))
     return 0
 
 

@@ -1,10 +1,11 @@
 """Time to the first token of a long prompt on 2 stages: one prefill step against chunked, pipelined prefill.
 
 The real Gemma 3 270M (the PyPI GGUF; default INT4 compile, 2 stages, ``--max-positions 4096``), one worker
-process per stage with ``--threads 1`` (the two stages share this machine's cores), a head in this process.
-Each measurement opens a stream, sends the prompt (``--tokens``, the Apache-2.0 license text repeated) and
-waits for the first token; ``--prefill-chunk 0`` is the whole prompt in one step. Chunk
-sizes run interleaved in rounds, in a rotated order; reported: median seconds and the speed-up over one step.
+process per stage with ``--threads 1 --kv stateful`` (the head sends streams; the two stages share this
+machine's cores), a head in this process. Each measurement opens a stream, sends the prompt (``--tokens``, the
+Apache-2.0 license text repeated) and waits for the first token; ``--prefill-chunk 0`` is the whole prompt in
+one step. Chunk sizes run interleaved in rounds, in a rotated order; reported: median seconds and the speed-up
+over one step.
 
     CI=true .venv/bin/python bench/chunked_prefill.py [--tokens 2048] [--chunks 0,128,256,512] [--rounds 3]
 """
@@ -12,7 +13,6 @@ sizes run interleaved in rounds, in a rotated order; reported: median seconds an
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -20,6 +20,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from harness import RESULTS, interleaved, write_results  # noqa: E402  (bench/ is not a package)
+
 CACHE = Path("/tmp/ovshard-bench/bundles")
 
 
@@ -54,7 +57,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--chunks", default="0,128,256,512")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     from ovshard.runtime.client.head import Head, StreamTarget
     from ovshard.runtime.client.launch import local_workers
@@ -62,57 +65,36 @@ def main() -> int:
     chunks = [int(c) for c in args.chunks.split(",")]
     b = bundle(args.tokens)
     ids = prompt_ids(b, args.tokens)
-    samples: dict[int, list[float]] = {c: [] for c in chunks}
     first: dict[int, int] = {}
-    with local_workers(b, threads=1) as addresses:
-        for r in range(args.rounds + 1):  # round 0 warms the compiled-model caches and is not counted
-            order = chunks[r % len(chunks):] + chunks[:r % len(chunks)]
-            for chunk in order:
-                head = Head(b, addresses, prefill_chunk=chunk, timeout=600)
-                try:
-                    target = StreamTarget(head)
-                    began = time.perf_counter()
-                    token = target.step(ids, 0, "argmax@1", 0, False).argmax(0)
-                    seconds = time.perf_counter() - began
-                    target.close()
-                finally:
-                    head.close()
-                first.setdefault(chunk, token)
-                if r > 0:
-                    samples[chunk].append(seconds)
-                print(json.dumps({"round": r, "chunk": chunk, "ttft_s": round(seconds, 3), "token": token}),
-                      file=sys.stderr, flush=True)
+    with local_workers(b, threads=1, kv="stateful") as addresses:
+
+        def ttft(chunk: int) -> float:
+            head = Head(b, addresses, prefill_chunk=chunk, timeout=600)
+            try:
+                target = StreamTarget(head)
+                began = time.perf_counter()
+                token = target.step(ids, 0, "argmax@1", 0, False).argmax(0)
+                seconds = time.perf_counter() - began
+                target.close()
+            finally:
+                head.close()
+            first.setdefault(chunk, token)
+            return seconds
+
+        # round 1 warms the compiled-model caches and is not counted
+        got = interleaved({str(c): lambda c=c: ttft(c) for c in chunks}, args.rounds + 1, label="s to the first token",
+                          timed=False)
+    samples = {int(c): s[1:] for c, s in got.samples.items()}
     base = statistics.median(samples[0]) if 0 in samples else None
     rows = [{"prefill_chunk": c, "median_ttft_s": round(statistics.median(s), 3),
              "speedup_vs_one_step": round(base / statistics.median(s), 3) if base else None,
-             "samples_s": [round(x, 3) for x in s]} for c, s in samples.items()]
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = "CI=true .venv/bin/python bench/chunked_prefill.py " + " ".join(sys.argv[1:])
-    result = {"command": command.strip(), "tokens": args.tokens, "same_first_token": len(set(first.values())) == 1,
-              "rows": rows}
-    (args.out / "chunked_prefill.json").write_text(json.dumps(result, indent=2))
-    lines = ["| --prefill-chunk | median TTFT s | speed-up vs one step | samples s |", "| --- | --- | --- | --- |"]
-    lines += [f"| {r['prefill_chunk']} | {r['median_ttft_s']} | {r['speedup_vs_one_step']} | "
-              f"{', '.join(map(str, r['samples_s']))} |" for r in rows]
-    table = "\n".join(lines)
-    (args.out / "chunked_prefill.md").write_text(table + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 3.6))
-        ax.bar([str(r["prefill_chunk"]) for r in rows], [r["median_ttft_s"] for r in rows])
-        ax.set_xlabel("--prefill-chunk (0: one step)")
-        ax.set_ylabel(f"time to first token, s ({args.tokens} tokens)")
-        ax.set_title("Gemma 3 270M, 2 stages, 1 thread each")
-        fig.tight_layout()
-        fig.savefig(args.out / "chunked_prefill.png", dpi=110)
-    except ImportError:
-        pass
-    print(table)
-    print(f"same first token every way: {result['same_first_token']}")
+             "samples_s": [round(x, 3) for x in s], "prompt": f"{args.tokens} tokens"} for c, s in samples.items()]
+    meta = {"tokens": args.tokens, "same_first_token": len(set(first.values())) == 1}
+    print(write_results("chunked_prefill", rows, meta, out=args.out,
+                        title="Gemma 3 270M, 2 stages, 1 thread each: the first token, one step against chunks",
+                        plot={"group_by": "prompt", "label": "--prefill-chunk {prefill_chunk}",
+                              "value": "median_ttft_s", "ylabel": "time to first token, s"}))
+    print(f"same first token every way: {meta['same_first_token']}")
     return 0
 
 

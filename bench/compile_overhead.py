@@ -8,23 +8,24 @@ one-time imports and is reported apart. Compare two commits by running this on e
 (``git stash`` / ``git checkout``), on a quiet machine.
 
     CI=true .venv/bin/python bench/compile_overhead.py [--rounds 3]
+
+Writes bench/results/compile_overhead.{json,md} (bench/harness.py) and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from ovshard.bundle.weights import WeightFormat
-from ovshard.compile import CompileConfig, compile_bundle
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import STORIES, interleaved, write_results  # noqa: E402  (bench/ is not a package)
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+from ovshard.bundle.weights import WeightFormat  # noqa: E402
+from ovshard.compile import CompileConfig, compile_bundle  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,19 +34,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", type=Path, default=STORIES)
     args = parser.parse_args(argv)
     formats = {"default": WeightFormat(), "fp32": WeightFormat("fp32")}
-    seconds: dict[str, list[float]] = {name: [] for name in formats}
     with tempfile.TemporaryDirectory(prefix="ovshard-overhead-") as tmp:
-        for r in range(args.rounds + 1):
-            for name, weights in formats.items():
-                out = Path(tmp) / f"{name}{r}"
-                start = time.perf_counter()
-                compile_bundle(CompileConfig(args.checkpoint, out, stages=2, weights=weights, cache_dir=None))
-                seconds[name].append(time.perf_counter() - start)
-                shutil.rmtree(out)
-            print(f"round {r} of {args.rounds} (0: first, with the imports)", file=sys.stderr)
-    result = {name: {"first_s": round(s[0], 2), "median_s": round(statistics.median(s[1:]), 2)}
-              for name, s in seconds.items()}
-    print(json.dumps({"checkpoint": str(args.checkpoint), "stages": 2, "rounds": args.rounds, "compiles": result}))
+        done = iter(range(10**9))
+
+        def compile_once(weights: WeightFormat) -> None:
+            out = Path(tmp) / f"piece{next(done)}"
+            compile_bundle(CompileConfig(args.checkpoint, out, stages=2, weights=weights, cache_dir=None))
+            shutil.rmtree(out)
+
+        # round 1 carries the one-time imports: reported apart from the median of the others
+        got = interleaved({name: lambda w=w: compile_once(w) for name, w in formats.items()}, args.rounds + 1,
+                          label="s a compile")
+    rows = [{"format": name, "first_s": round(s[0], 2), "median_s": round(statistics.median(s[1:]), 2),
+             "samples_s": [round(v, 3) for v in s]} for name, s in got.samples.items()]
+    meta = {"checkpoint": str(args.checkpoint), "stages": 2, "rounds": args.rounds}
+    print(write_results("compile_overhead", rows, meta, title="the compiler's fixed cost: stories260K, 2 stages"))
     return 0
 
 

@@ -28,6 +28,9 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from harness import RESULTS, write_results  # noqa: E402  (bench/ is not a package)
+
 SETTINGS = {
     "default": {},
     "threads=1": {"INFERENCE_NUM_THREADS": "1"},
@@ -136,10 +139,12 @@ def main() -> None:
         print("| CPU plugin setting | ms per decode step | speed vs default |\n|---|---|---|")
         for name, m in report["settings"].items():
             print(f"| {name} | {m['step_ms']:.3f} | {m['vs_default']:.2f}x |")
-    out = HERE / "results" / "decode_overhead.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    log(f"wrote {out}")
+    rows = [{"part": "path", "name": name, "step_ms": round(m["step_ms"], 3)}
+            for name, m in report.get("paths", {}).get("median", {}).items()]
+    rows += [{"part": "setting", "name": name, "step_ms": round(m["step_ms"], 3)}
+             for name, m in report.get("settings", {}).items()]
+    write_results("decode_overhead", rows, report, title="a decode step's profile and CPU plugin settings")
+    log(f"wrote {RESULTS / 'decode_overhead.json'}")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import openvino.opset13 as ops
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import report  # noqa: E402  (bench/report.py: JSON + table + plot)
+from harness import command_line, machine  # noqa: E402
 
 SETTINGS = {  # label -> CPU plugin properties (PERFORMANCE_HINT LATENCY in every case, as a stage runs)
     "bf16": {"INFERENCE_PRECISION_HINT": "bf16"},
@@ -147,16 +148,13 @@ def main() -> int:
                         row["GMAC/s"] = round(args.rows * nbytes * 8 / BITS[fmt] / seconds / 1e9, 1)
                     rows.append(row)
                     log(" ".join(f"{key}={value}" for key, value in row.items()))
-    from ovshard.runtime.engine.cpu import cpu_name
-
-    machine = {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "versions": {"openvino": ov.get_version()}}
-    command = "CI=true .venv/bin/python bench/fc_kernels.py " + " ".join(sys.argv[1:])
+    command = command_line()
     doc = {"target": "the format and setting fastest per instruction set (the bundle's CPU hints)", "rows": rows,
            "plot": {"group_by": "shape", "label": "{format} {setting} t{threads}", "value": "GB/s",
                     "ylabel": "weight GB/s" if args.rows == 1 else "GB/s"},
            "settings": {"rows (M)": args.rows, "weight MB a chain": args.mb}}
     md = report.write_scenario(args.out, "fc_kernels", "fully connected kernels: formats x settings x threads",
-                               doc, machine, command)
+                               doc, machine(), command)
     print(md.read_text())
     return 0
 

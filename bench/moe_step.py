@@ -5,7 +5,8 @@ writer: the MoE one is the ``qwen3-30b-a3b`` preset cut to ``--layers`` layers (
 a token); the dense one is the same model with each layer's experts replaced by one MLP of 8 x 768 = 6144
 (Qwen3's block otherwise), so a token reads the same weights in both but for the router. The vocabulary is
 cut to ``--vocab`` so that the embedding and lm_head, the same in both, do not hide the layers. The steps
-are measured interleaved in one process (A, B, A, B ...), one token a step after a prompt, and the ratio
+are measured interleaved in one process (bench/harness.py: each round every bundle once, the first rotating),
+one token a step after a prompt, and the ratio
 reported is MoE / dense median step time, for each weight variant: ``default`` (the default compile: its INT8
 share, chosen by sensitivity within 1.15x the all-INT4 bytes, differs between the two models) and ``all-int4``
 (``--budget 1.0``: every decoder weight INT4 g128 in both, the same bytes a step but for the f32 router).
@@ -13,23 +14,27 @@ share, chosen by sensitivity within 1.15x the all-INT4 bytes, differs between th
 timings mean nothing.
 
     .venv/bin/python bench/moe_step.py --out /tmp/moe-bench [--layers 4] [--rounds 5] [--steps 32] [--small]
+
+Writes bench/results/moe_step.{json,md,png} and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from ovshard.bundle.weights import WeightFormat
-from ovshard.compile import CompileConfig, compile_bundle
-from ovshard.runtime.client.inprocess import LocalPipeline
-from ovshard.tools.shapes import family_config, preset
-from ovshard.tools.synth import with_layers, write_checkpoint
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import interleaved, write_results  # noqa: E402  (bench/ is not a package)
+
+from ovshard.bundle.weights import WeightFormat  # noqa: E402
+from ovshard.compile import CompileConfig, compile_bundle  # noqa: E402
+from ovshard.runtime.client.inprocess import LocalPipeline  # noqa: E402
+from ovshard.tools.shapes import family_config, preset  # noqa: E402
+from ovshard.tools.synth import with_layers, write_checkpoint  # noqa: E402
 
 PROMPT = list(range(3, 19))  # 16 tokens
 VARIANTS = {"default": WeightFormat(), "all-int4": WeightFormat(budget=1.0)}
@@ -93,21 +98,18 @@ def main(argv: list[str] | None = None) -> int:
              for variant in variants for name, config in configs(args.layers, args.vocab, args.small).items()}
     for pipe in pipes.values():
         step_times(pipe, 4)  # warm-up
-    times: dict[tuple[str, str], list[float]] = {key: [] for key in pipes}
-    for r in range(args.rounds):
-        for key, pipe in pipes.items():
-            times[key] += step_times(pipe, args.steps)
-        print(f"round {r + 1} of {args.rounds}", file=sys.stderr)
+    got = interleaved({f"{name} {variant}": lambda pipe=pipe: step_times(pipe, args.steps)
+                       for (name, variant), pipe in pipes.items()}, args.rounds, label="s a step", timed=False,
+                      show=lambda times: f"{1000 * statistics.median(times):.2f} ms")
+    times = {key: [t for sample in got.samples[f"{key[0]} {key[1]}"] for t in sample] for key in pipes}
     rows = []
     for variant in variants:
         moe, dense = (statistics.median(times[name, variant]) for name in ("moe", "dense"))
         rows.append({"variant": variant, "steps": len(times["moe", variant]), "moe_step_ms": round(1000 * moe, 3),
                      "dense_step_ms": round(1000 * dense, 3), "moe_over_dense": round(moe / dense, 3)})
-    print(json.dumps({"layers": args.layers, "small": args.small, "rows": rows}))
-    print(f"{'variant':<10} {'MoE ms':>8} {'dense ms':>9} {'MoE/dense':>10}", file=sys.stderr)
-    for row in rows:
-        print(f"{row['variant']:<10} {row['moe_step_ms']:>8.2f} {row['dense_step_ms']:>9.2f} "
-              f"{row['moe_over_dense']:>10.2f}", file=sys.stderr)
+    print(write_results("moe_step", rows, {"layers": args.layers, "vocab": args.vocab, "small": args.small},
+                        title="a Qwen3-30B-A3B-shaped stage against a dense stage of its active parameters",
+                        plot={"group_by": "variant", "bars": ["moe_step_ms", "dense_step_ms"], "ylabel": "ms a step"}))
     for pipe in pipes.values():
         pipe.close()
     return 0

@@ -34,9 +34,12 @@ from typing import Any
 
 import openai
 
-from ovshard.compile import CompileConfig, compile_bundle
-from ovshard.passes import WeightFormat
-from ovshard.runtime.cluster.actors import THREADS_ENV
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import machine  # noqa: E402  (bench/ is not a package: the machine every result names)
+
+from ovshard.compile import CompileConfig, compile_bundle  # noqa: E402
+from ovshard.passes import WeightFormat  # noqa: E402
+from ovshard.runtime.cluster.actors import THREADS_ENV  # noqa: E402
 
 CLI = [sys.executable, "-m", "ovshard.cli", "-q"]
 STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
@@ -174,7 +177,7 @@ def main() -> int:
             print(json.dumps({"how": how, "median_all_resumed_s": statistics.median(figures),
                               "rounds": len(figures)}), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"grace_s": args.grace_s, "rounds": results}, indent=1))
+    args.out.write_text(json.dumps({"grace_s": args.grace_s, "machine": machine(), "rounds": results}, indent=1))
     return 0 if all(r["uninterrupted_text"] for r in results) else 1
 
 

@@ -34,6 +34,7 @@ import openvino as ov
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import report  # noqa: E402
+from harness import command_line, describe, machine  # noqa: E402
 
 ATTENTION = ("PagedAttentionExtension", "ScaledDotProductAttentionWithKVCache")
 
@@ -146,13 +147,12 @@ def main() -> int:
     props = dict(p.split("=", 1) for p in args.prop)
     found = profile(args.bundle, args.threads, args.context, args.steps, args.prefill, props)
     by_type, by_layer, summary = tables(found)
-    doc = {"command": "CI=true .venv/bin/python bench/op_profile.py " + " ".join(sys.argv[1:]),
-           "bundle": str(args.bundle), "threads": args.threads, "context": args.context,
+    doc = {"command": command_line(), "machine": machine(), "bundle": str(args.bundle), "threads": args.threads, "context": args.context,
            "step": f"prefill of {args.prefill}" if args.prefill else f"decode, mean of {args.steps} steps",
            "properties": found["properties"], "summary": summary, "by_type": by_type, "by_layer": by_layer}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
-    text = "\n".join([f"{k}: {v}" for k, v in summary.items()] + ["", report.markdown_table(by_type), "",
+    text = "\n".join([describe(doc["machine"]), ""] + [f"{k}: {v}" for k, v in summary.items()] + ["", report.markdown_table(by_type), "",
                       report.markdown_table(by_layer)])
     (args.out / f"{args.name}.md").write_text(text + "\n")
     print(f"properties: {found['properties']}\n{text}")

@@ -12,10 +12,8 @@ Results: bench/results/paged_batch.{json,md}.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,14 +22,13 @@ import openvino as ov
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from report import write_rows  # noqa: E402  (bench/ is not a package)
+from harness import STORIES, interleaved, write_results  # noqa: E402  (bench/ is not a package)
 
 from ovshard.bundle.manifest import Manifest, read_manifest  # noqa: E402
 from ovshard.runtime.engine.paged import PagedRows, PagedStage, compile_paged  # noqa: E402
 from ovshard.runtime.engine.stage import EXACT_HINTS, Stage  # noqa: E402
 from ovshard.runtime.scheduling.block_tables import BlockManager, NoBlocks  # noqa: E402
 
-STORIES = HERE.parent.parent / "shared" / "models" / "stories260K"
 CONTEXT = 64
 NEXT = np.array([5], dtype=np.int64)  # the token every sequence appends each tick
 
@@ -107,18 +104,14 @@ def main() -> int:
         compile_bundle(CompileConfig(STORIES, bundle, stages=2, weights=WeightFormat("fp32")))
     m = read_manifest(bundle)
     ways = methods(bundle, m, args.sequences, args.rounds, EXACT_HINTS if args.exact else None)
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    for _ in range(args.rounds):  # interleaved: a slow moment of the machine falls on every method alike
-        for name, tick in ways.items():
-            start = time.perf_counter()
-            tick()
-            times[name].append(time.perf_counter() - start)
-    base = statistics.median(next(iter(times.values())))
-    rows = [{"method": name, "ms_a_tick": round(1e3 * statistics.median(t), 3),
-             "x_one_inference": round(statistics.median(t) / base, 2), "samples_ms": [round(1e3 * s, 3) for s in t]}
-            for name, t in times.items()]
-    command = " ".join(["bench/paged_batch.py", *sys.argv[1:]])
-    print(write_rows(HERE / "results", "paged_batch", command, rows, ["method", "ms_a_tick", "x_one_inference"]))
+    # interleaved: a slow moment of the machine falls on every method alike
+    got = interleaved(ways, args.rounds, label="s a tick")
+    base = got.median(got.cases[0])
+    rows = [{"method": name, "ms_a_tick": round(1e3 * got.median(name), 3),
+             "x_one_inference": round(got.median(name) / base, 2),
+             "samples_ms": [round(1e3 * s, 3) for s in got.samples[name]]} for name in got.cases]
+    meta = {"bundle": str(bundle), "sequences": args.sequences, "rounds": args.rounds, "exact": args.exact}
+    print(write_results("paged_batch", rows, meta, title="paged batch: S rows in one inference a stage"))
     return 0
 
 

@@ -28,12 +28,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from ovshard.compile import CompileConfig, compile_bundle
-from ovshard.passes import WeightFormat
-from ovshard.runtime.client.head import Head
-from ovshard.runtime.client.scheduler import Scheduler
-from ovshard.runtime.engine.sampler import SamplingConfig
-from ovshard.tools.synth import llama_config, write_checkpoint
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import machine  # noqa: E402  (bench/ is not a package: the machine every result names)
+
+from ovshard.compile import CompileConfig, compile_bundle  # noqa: E402
+from ovshard.passes import WeightFormat  # noqa: E402
+from ovshard.runtime.client.head import Head  # noqa: E402
+from ovshard.runtime.client.scheduler import Scheduler  # noqa: E402
+from ovshard.runtime.engine.sampler import SamplingConfig  # noqa: E402
+from ovshard.tools.synth import llama_config, write_checkpoint  # noqa: E402
 
 CLI = [sys.executable, "-m", "ovshard.cli", "-q"]
 PROMPT = [1, 17, 42, 99, 7, 300, 12, 5]
@@ -139,7 +142,7 @@ def main() -> int:
         nodes.shutdown()
         if busy is not None:
             busy.kill()
-    result = {"emulate": args.emulate, "rows": rows}
+    result = {"emulate": args.emulate, "machine": machine(), "rows": rows}
     for streams in (1, 2):
         ratios = [m[f"tokens_per_s_{streams}"] / e[f"tokens_per_s_{streams}"]
                   for e, m in zip(rows[0::2], rows[1::2], strict=True)]

@@ -30,6 +30,9 @@ threading.Thread(target=lambda: (sys.stdin.read(), worker.stop()), daemon=True).
 worker.serve_forever()
 """
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import RESULTS, interleaved, write_results  # noqa: E402  (bench/ is not a package)
+
 
 def _kb(pid: int, key: str) -> int:
     status = Path(f"/proc/{pid}/status").read_text()
@@ -66,13 +69,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8000)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     from ovshard.bundle.weights import WeightFormat
     from ovshard.compile import CompileConfig, compile_bundle
     from ovshard.tools.synth import llama_config, write_checkpoint
 
-    rows = []
     with tempfile.TemporaryDirectory(prefix="ovshard-prefill-") as tmp:
         root = Path(tmp)
         config = llama_config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -81,21 +83,17 @@ def main() -> int:
         ckpt = write_checkpoint(root / "ckpt", config)
         bundle = root / "bundle"
         compile_bundle(CompileConfig(ckpt, bundle, stages=1, weights=WeightFormat("int8"), cache_dir=None))
-        for r in range(args.rounds):
-            for mode in (("all", "sliced") if r % 2 == 0 else ("sliced", "all")):
-                rows.append({"round": r, **run(bundle, mode, args.tokens, root / "ov_cache")})
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        got = interleaved({mode: lambda mode=mode: run(bundle, mode, args.tokens, root / "ov_cache")
+                           for mode in ("all", "sliced")}, args.rounds, label="MB", timed=False,
+                          show=lambda found: f"{found['prefill_mb']} MB over loaded")
+        rows = [{"round": r, **found} for mode in got.cases for r, found in enumerate(got.samples[mode])]
     tokens = {r["token"] for r in rows}
     by = {m: sorted(r["prefill_mb"] for r in rows if r["mode"] == m) for m in ("all", "sliced")}
     summary = {"tokens": args.tokens, "vocab": 128256, "same_next_token": len(tokens) == 1,
                "prefill_mb_all_rows": by["all"], "prefill_mb_sliced": by["sliced"]}
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = "CI=true .venv/bin/python bench/prefill_logits_memory.py " + " ".join(sys.argv[1:])
-    (args.out / "prefill_logits_memory.json").write_text(json.dumps({"command": command.strip(), "rows": rows,
-                                                                    "summary": summary}, indent=2))
-    print("| logits computed | worker peak over loaded, MB (each round) |\n| --- | --- |")
-    print(f"| every row (before) | {', '.join(map(str, by['all']))} |")
-    print(f"| the rows asked for (after) | {', '.join(map(str, by['sliced']))} |")
+    print(write_results("prefill_logits_memory", rows, summary, out=args.out,
+                        title="a long prefill's peak memory on a 128K vocabulary, logits of every row or those asked"))
+    print(f"prefill MB over loaded, every row (before): {by['all']}; the rows asked for (after): {by['sliced']}")
     print(f"same next token: {summary['same_next_token']}")
     return 0
 

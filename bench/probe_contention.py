@@ -2,7 +2,7 @@
 
 The probe runs in a child at niceness 15 (Ray's workers' own) pinned to the last core; the busy loop is
 pinned to the same core at niceness 10, as in tests/runtime/cluster/test_cluster.py's unequal pair. Rounds alternate idle
-and busy; printed: each probe's step time and the busy/idle ratio of the medians.
+and busy; written (bench/results/probe_contention.{json,md}) and printed: the medians and busy/idle.
 
     .venv/bin/python bench/probe_contention.py BUNDLE [--rounds 2]
 """
@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import interleaved, write_results  # noqa: E402  (bench/ is not a package)
 
 
 def probe(bundle: Path, core: int) -> float:
@@ -34,23 +36,26 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     core = sorted(os.sched_getaffinity(0))[-1]
-    found: dict[str, list[float]] = {"idle": [], "busy": []}
-    for _ in range(args.rounds):
-        for side in ("idle", "busy"):
-            loop = None
-            if side == "busy":
-                loop = subprocess.Popen([sys.executable, "-c", "import os\nos.nice(10)\nwhile True: pass"],
-                                        preexec_fn=lambda: os.sched_setaffinity(0, {core}))
-            try:
-                found[side].append(probe(args.bundle, core))
-            finally:
-                if loop is not None:
-                    loop.kill()
-                    loop.wait()
-            print(f"{side}: {found[side][-1] * 1e6:.1f} us a layer step", flush=True)
-    ratio = statistics.median(found["busy"]) / statistics.median(found["idle"])
-    print(f"busy / idle: {ratio:.2f}x")
 
+    def side(busy: bool) -> float:
+        loop = None
+        if busy:
+            loop = subprocess.Popen([sys.executable, "-c", "import os\nos.nice(10)\nwhile True: pass"],
+                                    preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+        try:
+            return probe(args.bundle, core)
+        finally:
+            if loop is not None:
+                loop.kill()
+                loop.wait()
+
+    got = interleaved({"idle": lambda: side(False), "busy": lambda: side(True)}, args.rounds,
+                      label="s a layer step", timed=False)
+    rows = [{"core": name, "us_a_layer_step": round(got.median(name) * 1e6, 1),
+             "x_idle": round(got.median(name) / got.median("idle"), 2)} for name in got.cases]
+    print(write_results("probe_contention", rows, {"bundle": str(args.bundle), "core": core, "rounds": args.rounds},
+                        title="a node's probe on an idle and a busy core"))
+    print(f"busy / idle: {rows[1]['x_idle']:.2f}x")
 
 if __name__ == "__main__":
     main()

@@ -28,13 +28,11 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 
 def write_rows(out: Path, stem: str, command: str, rows: list[dict[str, Any]], columns: list[str]) -> str:
-    """A standalone benchmark's results: ``<out>/<stem>.json`` (the command and every row, samples included)
-    and ``<stem>.md`` (the chosen columns as a table); returns the table."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps({"command": command.strip(), "rows": rows}, indent=2))
-    table = markdown_table([{c: row[c] for c in columns} for row in rows])
-    (out / f"{stem}.md").write_text(table + "\n")
-    return table
+    """A standalone benchmark's results through harness.write_results (JSON with the machine, the chosen
+    columns as a table); returns the table. Kept for the scripts that call it by this name."""
+    from harness import write_results  # harness imports this module
+
+    return write_results(stem, rows, columns=columns, out=out, command=command.strip())
 
 
 def _cell(value: Any) -> str:
@@ -43,10 +41,16 @@ def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|")
 
 
+def describe(facts: dict[str, Any]) -> str:
+    """The machine in one line (harness.describe)."""
+    from harness import describe as line
+
+    return line(facts)
+
+
 def scenario_markdown(key: str, doc: dict[str, Any]) -> str:
     out = [f"# Scenario {key}: {doc['title']}", "",
-           f"Run {doc['created']} on {doc['machine']['cpu_count']} CPUs ({doc['machine']['cpu']}), "
-           f"OpenVINO {doc['machine']['versions'].get('openvino', '?')}. Command: `{doc['command']}`", "",
+           f"Run {doc['created']} on {describe(doc['machine'])}. Command: `{doc['command']}`", "",
            f"**Target** (reported, never asserted): {doc['target']}", "", markdown_table(doc["rows"]), ""]
     out += [f"- {note}" for note in doc.get("notes", [])]
     settings = {k: v for k, v in doc.get("settings", {}).items() if k != "per_model"}

@@ -12,18 +12,20 @@ from __future__ import annotations
 
 import argparse
 import collections
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import openvino as ov
 
-from ovshard.compile import CompileConfig, compile_bundle
-from ovshard.passes import WeightFormat
-from ovshard.runtime.engine.kv import KVCache, StepInputs
-from ovshard.runtime.engine.stage import EXACT_HINTS
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import STORIES, write_results  # noqa: E402  (bench/ is not a package)
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+from ovshard.compile import CompileConfig, compile_bundle  # noqa: E402
+from ovshard.passes import WeightFormat  # noqa: E402
+from ovshard.runtime.engine.kv import KVCache, StepInputs  # noqa: E402
+from ovshard.runtime.engine.stage import EXACT_HINTS  # noqa: E402
 
 
 def main() -> None:
@@ -50,13 +52,14 @@ def main() -> None:
             diffs[(masked.holes > 0, feed > 1)].append((float(diff.max()),
                                                          float((diff / np.maximum(1.0, np.abs(b))).max())))
             reject = min(int(rng.integers(0, 7)), feed)
-    print("| holes | tokens a step | steps | max abs | max rel (to max(1,|logit|)) | steps > 1e-5 abs |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    table = []
     for (holes, multi), rows in sorted(diffs.items()):
         absolute, relative = np.array(rows).T
-        print(f"| {'yes' if holes else 'no'} | {'>1' if multi else '1'} | {len(rows)} | {absolute.max():.3g} | "
-              f"{relative.max():.3g} | {100 * (absolute > 1e-5).mean():.1f}% |")
-
+        table.append({"holes": "yes" if holes else "no", "tokens a step": ">1" if multi else "1", "steps": len(rows),
+                      "max abs": float(f"{absolute.max():.3g}"), "max rel (to max(1,|logit|))": float(f"{relative.max():.3g}"),
+                      "steps > 1e-5 abs": f"{100 * (absolute > 1e-5).mean():.1f}%"})
+    print(write_results("rewind_diff", table, {"sequences": args.sequences, "seed": args.seed},
+                        title="mask-rewind logits against physical-trim logits"))
 
 if __name__ == "__main__":
     main()

@@ -11,23 +11,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import platform
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
+import harness
 import numpy as np
+from harness import ROOT, STORIES, machine, median, progress  # noqa: F401  (re-exported: scripts import them here)
 
-ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CACHE = Path("/tmp/ovshard-bench")  # shared with bench/compile_memory.py: the 1B checkpoint is written once
-STORIES = ROOT.parent / "shared" / "models" / "stories260K"
 
 # ------------------------------------------------------------------------------------------- registry
 
@@ -54,10 +51,6 @@ def scenario(key: str, title: str) -> Callable[[ScenarioFn], ScenarioFn]:
         return fn
 
     return register
-
-
-def progress(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------------------- models
@@ -171,24 +164,6 @@ def _compiler_code_hash() -> str:
     return digest.hexdigest()
 
 
-def machine() -> dict[str, Any]:
-    versions = {}
-    for dist in ("openvino", "openvino-genai", "openvino-tokenizers", "numpy"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    try:
-        import openvino as ov
-
-        cpu = ov.Core().get_property("CPU", "FULL_DEVICE_NAME")
-    except Exception:  # noqa: BLE001 - informative only
-        cpu = platform.processor()
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    return {"cpu_count": os.cpu_count(), "cpu": cpu, "platform": platform.platform(),
-            "python": platform.python_version(), "versions": versions, "loadavg_at_start": load}
-
-
 # ------------------------------------------------------------------------------------------- decoders
 
 
@@ -263,10 +238,6 @@ class TcpDecoder:
         self.head.close()
 
 
-def median(values: list[float]) -> float:
-    return float(statistics.median(values))
-
-
 # ------------------------------------------------------------------------------------------- measuring
 
 
@@ -295,15 +266,6 @@ class Measured:
 def interleaved(decoders: dict[str, Decoder], prompt: list[int], new_tokens: int, rounds: int, warmup: int,
                 label: str = "") -> Measured:
     """for each round: every variant once (the starting variant rotates each round), after warm-up runs."""
-    names = list(decoders)
-    for name in names:
-        for _ in range(warmup):
-            decoders[name].greedy(prompt, new_tokens)
-    measured = Measured(names, {n: [] for n in names})
-    for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
-            sample = decoders[name].greedy(prompt, new_tokens)
-            measured.samples[name].append(sample)
-            progress(f"{label} round {r + 1}/{rounds} {name}: {sample.tokens_per_s:.2f} tok/s")
-    return measured
+    got = harness.interleaved({name: partial(d.greedy, prompt, new_tokens) for name, d in decoders.items()},
+                              rounds, warmup, label, timed=False, show=lambda s: f"{s.tokens_per_s:.2f} tok/s")
+    return Measured(got.cases, got.samples)

@@ -15,7 +15,6 @@ path (they are the worker path's: ``bench/decode_overhead.py``).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,6 +26,8 @@ import openvino as ov
 import openvino.opset13 as ops
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from harness import write_results  # noqa: E402  (bench/ is not a package)
 
 
 def per_call_us(call: Callable[[], object], repeats: int) -> float:
@@ -98,15 +99,11 @@ def main() -> int:
         alone.append(time.perf_counter() - start)
     parts["decode loop target around the stage (LocalPipeline.step - stage.step)"] = 1e6 * (
         statistics.median(whole) - statistics.median(alone))
-    doc = {"command": "CI=true .venv/bin/python bench/step_parts.py " + " ".join(sys.argv[1:]),
-           "bundle": str(args.bundle), "stage step ms": round(1e3 * statistics.median(alone), 3),
-           "parts us": {k: round(v, 1) for k, v in parts.items()}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "step_parts.json").write_text(json.dumps(doc, indent=1))
-    print(f"stage step (the kernels and the infer call): {doc['stage step ms']} ms")
-    print("| part | us a step |\n| --- | --- |")
-    for name, value in doc["parts us"].items():
-        print(f"| {name} | {value} |")
+    step_ms = round(1e3 * statistics.median(alone), 3)
+    rows = [{"part": name, "us a step": round(value, 1)} for name, value in parts.items()]
+    print(f"stage step (the kernels and the infer call): {step_ms} ms")
+    print(write_results("step_parts", rows, {"bundle": str(args.bundle), "stage step ms": step_ms}, out=args.out,
+                        title="a decode step's parts outside the kernels"))
     return 0
 
 

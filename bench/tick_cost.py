@@ -29,7 +29,7 @@ import openvino as ov
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from report import write_rows  # noqa: E402  (bench/ is not a package)
+from harness import write_results  # noqa: E402  (bench/ is not a package)
 
 from ovshard.bundle.manifest import read_manifest  # noqa: E402
 from ovshard.runtime.engine.paged import PagedRows, compile_paged  # noqa: E402
@@ -124,8 +124,8 @@ def main() -> int:
                  **{f"{n} streams": round(ceiling(alone, n), 2) for n in STREAMS}})
     rows.append({"stage": "ceiling, N streams / 1 stream (both at once)", **blank,
                  **{f"{n} streams": round(ceiling(paired, n, alone), 2) for n in STREAMS}})
-    command = "CI=true .venv/bin/python bench/tick_cost.py " + " ".join(sys.argv[1:])
-    print(write_rows(args.out, "tick_cost", command, rows, list(rows[0])))
+    meta = {"bundle": str(bundle), "threads": args.threads, "rounds": args.rounds}
+    print(write_results("tick_cost", rows, meta, out=args.out, title="a paged tick's compute against its sequences"))
     return 0
 
 

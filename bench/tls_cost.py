@@ -8,13 +8,12 @@ front of both stages, so every byte of the three hops (head -> stage 0 -> stage 
 
     .venv/bin/python bench/tls_cost.py [--checkpoint PATH] [--rounds 7] [--tokens 64]
 
-Writes bench/results/tls_cost.json and prints a table.
+Writes bench/results/tls_cost.{json,md} (bench/harness.py) and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -23,6 +22,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from harness import RESULTS, STORIES, interleaved, write_results  # noqa: E402  (bench/ is not a package)
 
 from ovshard.compile import CompileConfig, compile_bundle  # noqa: E402
 from ovshard.passes import WeightFormat  # noqa: E402
@@ -75,10 +77,10 @@ def bytes_per_step(bundle: Path, addresses: list[str], tls: object, tokens: int)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", type=Path, default=ROOT.parent / "shared/models/stories260K")
+    parser.add_argument("--checkpoint", type=Path, default=STORIES)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/tls_cost.json")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="ovshard-tls-") as tmp, ExitStack() as stack:
         bundle = Path(tmp) / "bundle"
@@ -88,32 +90,22 @@ def main() -> int:
         tls = client_context(load_credentials(Path(tmp) / "keys/head"))
         chains = {"plain": (start_chain(stack, bundle, None), None),
                   "tls": (start_chain(stack, bundle, Path(tmp) / "keys"), tls)}
-        step_ms: dict[str, list[float]] = {"plain": [], "tls": []}
-        for r in range(args.rounds):
-            for mode in (("plain", "tls") if r % 2 == 0 else ("tls", "plain")):
-                addresses, context = chains[mode]
-                stats = decode(bundle, addresses, context, args.tokens)
-                step_ms[mode].append(1000 * statistics.mean(stats.step_s[1:]))
-            print(f"round {r + 1}/{args.rounds}: plain {step_ms['plain'][-1]:.3f} ms, tls {step_ms['tls'][-1]:.3f} ms",
-                  file=sys.stderr)
+
+        def step_ms(mode: str) -> float:
+            stats = decode(bundle, *chains[mode], args.tokens)
+            return 1000 * statistics.mean(stats.step_s[1:])
+
+        got = interleaved({mode: lambda mode=mode: step_ms(mode) for mode in chains}, args.rounds, label="ms a step",
+                          timed=False)
         sizes = {mode: bytes_per_step(bundle, *chains[mode], args.tokens) for mode in chains}
-    ratios = [t / p for t, p in zip(step_ms["tls"], step_ms["plain"], strict=True)]
-    report = {
-        "model": args.checkpoint.name, "stages": 2, "tokens": args.tokens, "rounds": args.rounds,
-        "step_ms_median": {m: round(statistics.median(v), 3) for m, v in step_ms.items()},
-        "tls_over_plain_step_ratio_median": round(statistics.median(ratios), 3),
-        "tls_ms_per_hop": round((statistics.median(step_ms["tls"]) - statistics.median(step_ms["plain"])) / 3, 4),
-        "bytes_per_decode_step": {m: {k: round(v, 1) for k, v in s.items()} for m, s in sizes.items()},
-        "tls_bytes_per_hop": {k: round(sizes["tls"][k] - sizes["plain"][k], 1) for k in sizes["plain"]},
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"{'':22}{'plain':>10}{'tls':>10}")
-    print(f"{'step ms (median)':22}{report['step_ms_median']['plain']:>10}{report['step_ms_median']['tls']:>10}")
-    for hop in sizes["plain"]:
-        print(f"{hop + ' bytes':22}{sizes['plain'][hop]:>10.1f}{sizes['tls'][hop]:>10.1f}")
-    print(f"TLS / plain step time: {report['tls_over_plain_step_ratio_median']}x; "
-          f"{report['tls_ms_per_hop']} ms per hop")
+    rows = [{"mode": mode, "step_ms": round(got.median(mode), 3), "x_plain": round(got.ratio(mode, "plain"), 3),
+             **{f"{hop} bytes": round(n, 1) for hop, n in sizes[mode].items()},
+             "samples_ms": [round(v, 3) for v in got.samples[mode]]} for mode in chains]
+    meta = {"model": args.checkpoint.name, "stages": 2, "tokens": args.tokens, "rounds": args.rounds,
+            "tls_ms_per_hop": round((got.median("tls") - got.median("plain")) / 3, 4),
+            "tls_bytes_per_hop": {k: round(sizes["tls"][k] - sizes["plain"][k], 1) for k in sizes["plain"]}}
+    print(write_results("tls_cost", rows, meta, out=args.out, title="TLS against plain TCP, per decode step"))
+    print(f"TLS / plain step time: {rows[1]['x_plain']}x; {meta['tls_ms_per_hop']} ms per hop")
     return 0
 
 

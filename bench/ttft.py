@@ -15,7 +15,6 @@ Writes bench/results/ttft.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -26,6 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from harness import RESULTS, write_results  # noqa: E402
 from peers import bundle, gguf_files, llama_cpp, log  # noqa: E402
 
 PROMPT = "The capital of France is"
@@ -86,10 +86,9 @@ def main() -> int:
               f"{m['warm'] / base['warm']:.2f}x |")
     if not dropped:
         print("(the page cache could not be dropped: 'cold' runs read files from the page cache)")
-    out = HERE / "results" / "ttft.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    log(f"wrote {out}")
+    rows = [{"process": name, "cold_s": m["cold"], "warm_s": m["warm"]} for name, m in report["median_s"].items()]
+    write_results("ttft", rows, report, title="time to the first token of a whole process, cold and warm")
+    log(f"wrote {RESULTS / 'ttft.json'}")
     return 0
 
 
