@@ -2,11 +2,12 @@
 """ovshard's API against llama.cpp's own server on the same real model, threads and clients: aggregate tok/s.
 
     .venv/bin/python bench/server_peers.py [--clients 8] [--requests 2] [--tokens 64] [--rounds 3]
+        [--gguf FILE] [--stages 2]
 
-The real Gemma 3 270M (its Q4_K_M GGUF, tests/real_gemma.py). llama.cpp's ``llama-server`` serves the file with
+The real Gemma 3 270M (its Q4_K_M GGUF, tests/real_gemma.py), or ``--gguf``'s model. llama.cpp's ``llama-server`` serves the file with
 ``-np C --cont-batching -t 2`` (built as ``make bench-peers`` builds llama.cpp, bench/peers.py); ovshard serves a
-2-stage bundle compiled from the same file with the default settings, one worker a stage with one thread
-(`ovshard serve --threads 1`: the same 2 cores) behind ``ovshard api --streams C``. The same C clients
+bundle of ``--stages`` stages (default 2) compiled from the same file with the default settings, one worker a
+stage, the threads split between them (2 stages: `ovshard serve --threads 1` each, the same 2 cores) behind ``ovshard api --streams C``. The same C clients
 (``openai.AsyncOpenAI``) each send R chat requests one after another (different user messages, temperature 0,
 max_tokens T, streamed) to one server, then to the other, the order alternating by round; a round's figure is
 completion tokens / wall seconds, the ratio the median of per-round ratios (timings drift here).
@@ -53,12 +54,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def gemma_bundle(gguf: Path, cache: Path) -> Path:
-    out = cache / "gemma3-270m-q4km-2st-default"
+def default_bundle(gguf: Path, stages: int, cache: Path) -> Path:
+    """The default compile of ``gguf`` in ``stages`` stages, compiled once into ``cache``."""
+    out = cache / f"{gguf.stem.lower()}-{stages}st-default"
     if not (out / "manifest.json").is_file():
-        log(f"compiling {gguf.name} into 2 stages -> {out}")
-        subprocess.run([sys.executable, "-m", "ovshard.cli", "-q", "compile", str(gguf), "--stages", "2", "-o", str(out)],
-                       check=True, stdout=subprocess.DEVNULL)
+        log(f"compiling {gguf.name} into {stages} stages -> {out}")
+        subprocess.run([sys.executable, "-m", "ovshard.cli", "-q", "compile", str(gguf), "--stages", str(stages),
+                        "-o", str(out)], check=True, stdout=subprocess.DEVNULL)
     return out
 
 
@@ -138,32 +140,40 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads in all, each side (default 2)")
     parser.add_argument("--kv", choices=("auto", "stateful"), default="auto",
                         help="ovshard's workers: paged and batched (auto, the default) or one cache a stream")
+    parser.add_argument("--gguf", type=Path, help="the model both sides serve (default: the real Gemma 3 270M's "
+                        "Q4_K_M)")
+    parser.add_argument("--stages", type=int, default=2, help="ovshard's stages, one worker each, the threads "
+                        "split between them (default 2)")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/ovshard-bench/bundles"))
     parser.add_argument("--results", type=Path, default=HERE / "results")
     args = parser.parse_args()
     from real_gemma import gemma_gguf_path
 
-    gguf = gemma_gguf_path()
-    bundle = gemma_bundle(gguf, args.cache)
+    gguf = args.gguf or gemma_gguf_path()
+    if not gguf.is_file():
+        parser.error(f"--gguf {gguf}: no such file")
+    if not 1 <= args.stages <= args.threads:
+        parser.error(f"--stages {args.stages}: expected 1 to --threads ({args.threads}), one thread a stage at least")
+    bundle = default_bundle(gguf, args.stages, args.cache)
     tree = peers.llama_cpp()
     port = free_port()
     llama = [str(tree / "build" / "bin" / "llama-server"), "-m", str(gguf), "-np", str(args.clients),
              "--cont-batching", "-t", str(args.threads), "-c", str(args.clients * 1024), "--host", "127.0.0.1",
              "--port", str(port)]
     samples: dict[str, list[float]] = {"ovshard": [], "llama-server": []}
-    threads = max(1, args.threads // 2)
+    threads = max(1, args.threads // args.stages)
     with local_workers(bundle, threads=threads, kv=args.kv) as addresses:
         ours = Server([sys.executable, "-m", "ovshard.cli", "-q", "api", str(bundle), "--stages", ",".join(addresses),
                        "--listen", "127.0.0.1:0", "--streams", str(args.clients), "--queue", str(args.clients),
-                       "--model", "gemma"], "", ready_line=True)
+                       "--model", gguf.stem], "", ready_line=True)
         theirs = Server(llama, f"http://127.0.0.1:{port}/v1")
         try:
             for url in (ours.url, theirs.url):
-                one_round(url, "gemma", args.clients, 1, 8)  # warm-up
+                one_round(url, gguf.stem, args.clients, 1, 8)  # warm-up
             for r in range(args.rounds):
                 order = [("ovshard", ours.url), ("llama-server", theirs.url)]
                 for side, url in (order if r % 2 == 0 else order[::-1]):
-                    samples[side].append(one_round(url, "gemma", args.clients, args.requests, args.tokens))
+                    samples[side].append(one_round(url, gguf.stem, args.clients, args.requests, args.tokens))
                     log(f"round {r + 1}: {side} {samples[side][-1]:.1f} tok/s")
         finally:
             ours.stop()
