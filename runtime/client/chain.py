@@ -74,6 +74,9 @@ class Chain:
         except OSError as e:
             raise StageFailure(f"stage 0 at {self.addresses[0]}: send failed: {e}", True) from e
 
+    def retire(self, seq: int) -> None:
+        """Nothing to do: a paged sequence's blocks are the engine's block tables' alone."""
+
     def listen(self, deliver: Deliver) -> None:
         """Hand ``deliver`` every answer to a tick and this chain's failure (at once if it has failed)."""
         with self.lock:

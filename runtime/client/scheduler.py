@@ -4,8 +4,8 @@
 (client/admission.py: each request reserves its prompt plus its max_tokens), ``Scheduler(head, streams=N)``
 at most N; the rest wait in submission order. ``submit(prompt, config)`` returns a
 :class:`~ovshard.runtime.scheduling.requests.Request` at once; when admission lets it start, it goes to the
-head's engine (scheduling/engine.py), whose one loop runs every request over paged stages (on stateful stages,
-a thread of its own runs its decode loop). Tokens arrive on the Request as they are sampled (``tokens()``
+head's engine (scheduling/engine.py), whose one loop runs every request, over paged and stateful stages alike.
+Tokens arrive on the Request as they are sampled (``tokens()``
 iterates them), so an HTTP server can stream them to its client. ``cancel()`` ends a running request at the
 engine's next tick boundary (its KV blocks freed at once) and takes a waiting one out of the queue at once.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 
 from ovshard.errors import OvshardError
 from ovshard.runtime.client.admission import Admission, Pool, Refused
@@ -40,11 +40,13 @@ class Scheduler:
 
     ``streams``: at most this many at once (None: as many as the KV blocks the stages granted the head hold;
     client/admission.py); ``max_queue``: requests that may wait (None: no limit), beyond it ``submit`` raises
-    :class:`Busy`. Over stateful stages each running request has a thread of its own, which ends with it.
+    :class:`Busy`.
     """
 
     def __init__(self, head: Head, streams: int | None = None, speculation: Speculation | None = None,
                  max_queue: int | None = None) -> None:
+        if head.engine is None:
+            raise OvshardError("a scheduler needs a head with batching settings (an engine); this one is a probe's")
         self.head, self.speculation = head, speculation
         self.admission = Admission(streams, max_queue)
         self.lock = threading.Lock()
@@ -62,10 +64,9 @@ class Scheduler:
         return self.admission.running
 
     def pool(self) -> Pool | None:
-        """The KV blocks the head holds on its stages now (None: stateful stages, no pool)."""
+        """The KV blocks the head's planner holds now (over stateful stages: one a stream slot)."""
         engine = self.head.engine
-        if engine is None:
-            return None
+        assert engine is not None, "__init__ refuses a head without an engine"
         blocks = engine.blocks
         return Pool(blocks.num_blocks, blocks.block_size, engine.config.max_seqs,
                     self.head.manifest.runtime_hints.max_positions)
@@ -94,14 +95,12 @@ class Scheduler:
                 self.idle.wait()
 
     def _launch(self, requests: list[Request]) -> None:
-        """Each request that starts now to the head's engine (over stateful stages: to a thread of its own)."""
+        """Each request that starts now to the head's engine."""
+        engine = self.head.engine
+        assert engine is not None, "__init__ refuses a head without an engine"
         for request in requests:
             request.started = time.perf_counter()
-            if self.head.engine is not None:
-                self.head.engine.submit(request, self.speculation, self._finished)
-            else:
-                threading.Thread(target=self._serve, args=(request,), name=f"request-{request.index}",
-                                 daemon=True).start()
+            engine.submit(request, self.speculation, self._finished)
 
     def _finished(self, request: Request) -> None:
         """The engine ended ``request``: its place goes to the next ones."""
@@ -109,7 +108,7 @@ class Scheduler:
 
     def _withdraw(self, request: Request) -> None:
         """``request`` was cancelled: if it still waits, it leaves the queue and ends now (a running one ends
-        after its current step, on its own thread)."""
+        at the engine's next event)."""
         self._retire(request, self.admission.withdraw)
 
     def _retire(self, request: Request, leave: Callable[[int, Pool | None, float], list[int] | None]) -> None:
@@ -124,29 +123,6 @@ class Scheduler:
             self.idle.notify_all()
         request.end()
         self._launch(starting)
-
-    def _serve(self, request: Request) -> None:
-        """The thread of one running request: its generation, then its place handed on."""
-        try:
-            if not request.cancelled:
-                self._run(request)
-        except OvshardError as e:
-            request.error = e
-        except Exception as e:  # never let a request's thread die silently: the request carries what went wrong
-            request.error = OvshardError(f"request {request.index} failed: {type(e).__name__}: {e}")
-        finally:
-            self._retire(request, self.admission.finish)
-
-    def _run(self, request: Request) -> None:
-        tokens: Generator[int, None, None] = self.head.generate(request.prompt, request.config, request.stats,
-                                                                self.speculation)
-        try:
-            for token in tokens:
-                request.deliver(token)
-                if request.cancelled:
-                    break
-        finally:
-            tokens.close()  # closes the stream on every stage
 
     def run_all(self, prompts: list[list[int]], config: SamplingConfig) -> list[Request]:
         """Submit every prompt and wait for all of them; failed requests carry their error."""

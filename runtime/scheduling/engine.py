@@ -1,4 +1,7 @@
-"""The engine: one loop per chain of paged stages that schedules, sends ticks, and advances every request.
+"""The engine: one loop per chain of stages that schedules, sends ticks, and advances every request.
+
+Paged stages run a tick as one Batch; stateful ones run each row as a Step on its sequence's own stream
+(client/streams.py's Link), so every token a head produces comes from this loop.
 
 One thread runs it; requests are state machines (requests.py), not threads. Each turn of the loop::
 
@@ -46,8 +49,10 @@ Deliver = Callable[[p.Message | StageFailure], None]
 
 
 class Link(Protocol):
-    """A chain of stages as the engine sees it: its depth, the KV blocks it granted (None: stateful stages),
-    where a tick goes, and who hears the answers to ticks and the chain's failure."""
+    """A chain of stages as the engine sees it: its depth, the KV blocks its planner schedules in (None: a chain
+    no engine runs on), where a tick goes, who hears the answers to ticks and the chain's failure, and the
+    sequences the engine is done with (paged stages free their blocks by the block tables alone; stateful ones
+    close the sequence's stream: client/streams.py)."""
 
     depth: int
     blocks: BlockManager | None
@@ -55,6 +60,8 @@ class Link(Protocol):
     def send_tick(self, batch: p.Batch) -> None: ...  # raises StageFailure
 
     def listen(self, deliver: Deliver) -> None: ...
+
+    def retire(self, seq: int) -> None: ...
 
     def close(self) -> None: ...
 
@@ -246,6 +253,7 @@ class Engine:
         again = [(seq, self.by_seq.pop(seq)) for seq in refused if seq in self.by_seq]
         for _, run in again:
             self.planner.cancel(run.seq)  # none of its rows may commit: it starts again
+            self.link.retire(run.seq)
         answered = [(part, self.by_seq[part.seq]) for part in plan.parts if part.want and part.seq in self.by_seq]
         runs = [run for _, run in answered]
         scores = [_scores(answers[part.seq], done.timings) for part, _ in answered]  # type: ignore[index]
@@ -332,9 +340,6 @@ class Engine:
         except OvshardError as e:
             self._end_all(e)
             return
-        if link.blocks is None:
-            self._end_all(OvshardError("the stages restarted with a stateful KV cache; restart the head"))
-            return
         self._attach(link)
         for run in list(self.runs.values()):
             self._restart(run)
@@ -357,7 +362,7 @@ class Engine:
 
     def _attach(self, link: Link) -> None:
         """Serve from ``link``: a planner over its blocks, nothing in flight."""
-        assert link.blocks is not None, "an engine runs over paged stages"
+        assert link.blocks is not None, "an engine runs over a chain with a pool to plan in"
         self.link, self.link_id, self.depth = link, next(self.links), link.depth
         self.planner = TickPlanner(link.blocks, self.config)
         self.flight: deque[_Flight] = deque()
@@ -376,6 +381,8 @@ class Engine:
             del self.by_seq[run.seq]
         if run.seq in self.planner:
             self.planner.cancel(run.seq)
+        if run.seq >= 0:
+            self.link.retire(run.seq)
         request.stats.total_s = time.perf_counter() - run.start
         request.end(error)
         on_end = self.ends.pop(request.index, None)

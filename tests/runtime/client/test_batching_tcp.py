@@ -15,6 +15,7 @@ from ovshard.errors import OvshardError
 from ovshard.runtime.client.head import Head
 from ovshard.runtime.client.launch import WorkerProcess, local_workers, serve_command
 from ovshard.runtime.client.scheduler import Scheduler
+from ovshard.runtime.client.streams import StreamLink
 from ovshard.runtime.decoding.speculative import make_speculation
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.engine.stage import EXACT_HINTS
@@ -114,13 +115,16 @@ def test_a_stage_killed_under_eight_streams_replays_them_all(bundles: dict[int, 
 
 def test_stateful_workers_serve_streams_and_a_mixed_chain_is_a_clear_error(bundles: dict[int, Path],
                                                                           solo: list) -> None:
-    """Workers started with --kv stateful serve each stream on its own cache (no engine) with the same
-    tokens; a chain of one paged and one stateful stage is refused with what to do."""
+    """Workers started with --kv stateful serve every request through the same engine, each sequence on a
+    stream of its own (a StreamLink), with the same tokens; every stream is closed once its request ended; a
+    chain of one paged and one stateful stage is refused with what to do."""
     with local_workers(bundles[2], exact=True, kv="stateful") as addresses:
         head = Head(bundles[2], addresses)
         try:
-            assert head.engine is None
-            assert run_all(head, jobs=JOBS[:4]) == solo[:4]
+            assert isinstance(head.link, StreamLink) and head.engine is not None
+            assert run_all(head, jobs=JOBS) == solo
+            assert head.engine.stats.ticks > 0
+            assert not head.link.streams and not head.link.ticks
         finally:
             head.close()
         paged = WorkerProcess(serve_command(bundles[2], 1, "127.0.0.1:0", ["--exact"]), 1)

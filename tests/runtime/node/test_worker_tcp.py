@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import compile_fp32, hf_greedy, hf_sampled
 
@@ -374,7 +375,8 @@ def test_a_bad_request_is_answered_and_the_connection_stays(bundles: dict[int, P
         head = Head(bundles[1], addresses)
         try:
             with pytest.raises(OvshardError, match="stream 99 is not open at stage 0"):
-                head.step(head.chain, 99, 0, [1, 403], "argmax")
+                step = p.Step(99, 7, 0, "argmax", p.Tensor.from_array(np.array([[1, 403]], np.int64)))
+                head.chain.ask(("step", 7), 99, [(0, step)], 1)
             assert len(list(head.generate([1, 403], SamplingConfig(max_tokens=3)))) == 3
         finally:
             head.close()

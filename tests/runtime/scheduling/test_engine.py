@@ -54,6 +54,7 @@ class ScriptedLink:
         self.refuse: tuple[int, int] | None = None  # (tick, row index) to refuse
         self.deliver: Deliver | None = None
         self.closed = False
+        self.retired: list[int] = []  # sequences the engine said it is done with
         self.changed = threading.Condition()
 
     def listen(self, deliver: Deliver) -> None:
@@ -61,6 +62,9 @@ class ScriptedLink:
 
     def close(self) -> None:
         self.closed = True
+
+    def retire(self, seq: int) -> None:
+        self.retired.append(seq)
 
     def send_tick(self, batch: p.Batch) -> None:
         with self.changed:
