@@ -7,8 +7,7 @@ releases one by one.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +18,9 @@ from ovshard.errors import OvshardError
 from ovshard.runtime.client.admission import STATEFUL_STREAMS, Admission, Pool, Refused
 from ovshard.runtime.client.scheduler import Busy, Scheduler
 from ovshard.runtime.engine.sampler import SamplingConfig
+from ovshard.runtime.scheduling.block_tables import BlockManager
+from ovshard.runtime.scheduling.requests import Request
+from ovshard.runtime.scheduling.ticks import batch_config
 
 POOL = Pool(blocks=16, block_size=32, max_seqs=32, max_positions=512)  # 16 blocks: 8 requests of 37 positions
 
@@ -156,29 +158,34 @@ def test_requests_start_in_the_order_they_came_and_every_one_starts(jobs: list[t
     assert began == [i for i in range(len(jobs)) if i not in leaving]
 
 
-class FakeHead:
-    """A head whose streams each yield a token whenever the test sets ``tick``; stateful (no pool)."""
+class FakeEngine:
+    """The head's engine as the scheduler sees it: requests submitted, a token for each running one whenever the
+    test calls :meth:`step`, and a cancelled one ended at once (as the engine's next event does)."""
 
     def __init__(self) -> None:
-        self.engine = None  # stateful: a thread a request
-        self.manifest = SimpleNamespace(runtime_hints=SimpleNamespace(max_positions=512))
-        self.tick = threading.Semaphore(0)
-        self.open = 0
+        self.blocks, self.config = BlockManager(64, 16), batch_config(8)
+        self.running: dict[int, tuple[Request, Callable[[Request], None]]] = {}
 
-    def generate(self, prompt: list[int], config: SamplingConfig, stats: object, speculation: object) -> Iterator[int]:
-        self.open += 1
-        try:
-            for token in range(config.max_tokens):
-                self.tick.acquire()
-                yield token
-        finally:
-            self.open -= 1
+    def submit(self, request: Request, speculation: object, on_end: Callable[[Request], None]) -> None:
+        self.running[request.index] = (request, on_end)
+        request.on_cancel.append(self._cancel)
+
+    def _cancel(self, request: Request) -> None:
+        entry = self.running.pop(request.index, None)
+        if entry is not None:
+            request.end()
+            entry[1](request)
+
+    def step(self) -> None:
+        for request, _ in list(self.running.values()):
+            request.deliver(len(request.partial))
 
 
 def test_scheduler_cancels_a_waiting_request_at_once_and_leaks_no_thread() -> None:
-    """Over a fake head: a cancelled waiting request ends at once, a cancelled running one after its step,
-    the queue's limit raises Busy with a Retry-After, and every request's thread is gone at the end."""
-    head = FakeHead()
+    """Over a scripted engine: a cancelled waiting request ends at once, a cancelled running one at the engine's
+    next event, the queue's limit raises Busy with a Retry-After, and the scheduler starts no thread of its own."""
+    engine = FakeEngine()
+    head = SimpleNamespace(engine=engine, manifest=SimpleNamespace(runtime_hints=SimpleNamespace(max_positions=512)))
     before = threading.active_count()
     session = Scheduler(head, streams=1, max_queue=1)  # type: ignore[arg-type]
     config = SamplingConfig(max_tokens=3)
@@ -188,13 +195,9 @@ def test_scheduler_cancels_a_waiting_request_at_once_and_leaks_no_thread() -> No
     assert busy.value.retry_after >= 1 and "busy" in str(busy.value)
     waiting.cancel()
     assert waiting.done and waiting.partial == [] and (session.active, session.waiting) == (1, 0)
-    head.tick.release()
+    engine.step()
     assert next(running.tokens()) == 0
     running.cancel()
-    head.tick.release()
     session.close()
-    assert running.done and head.open == 0
-    deadline = time.monotonic() + 5
-    while threading.active_count() > before and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert running.done and not engine.running and running.finish_reason == "cancelled"
     assert threading.active_count() == before
