@@ -11,8 +11,9 @@ overtaken and none starves; a request that leaves the queue (its client went awa
 and starts once the reservations of the requests running plus its need fit the blocks every stage granted the
 head (``Pool.blocks``), while fewer than ``Pool.max_seqs`` run (the planner's sequences at once). One request
 always starts when none runs, even one larger than the pool (the engine's planner then preempts, or fails it with an
-error saying so; never an out-of-memory crash). Stateful stages grant no pool (``pool=None``):
-STATEFUL_STREAMS run at once there.
+error saying so; never an out-of-memory crash). Stateful stages grant no blocks: their head plans in one block
+of max_positions a stream slot (client/streams.py), so a request needs one there. With no pool at all
+(``pool=None``), STATEFUL_STREAMS run at once.
 
 **A fixed count** (``streams=N``, ``--streams``): at most N run, whatever their size; the planner makes the
 surplus wait for blocks, or preempts.
@@ -39,7 +40,7 @@ from ovshard.runtime.engine.paged import blocks_for
 
 __all__ = ["DEFAULT_QUEUE", "STATEFUL_STREAMS", "WINDOW_S", "Admission", "Pool", "Refused"]
 
-STATEFUL_STREAMS = 4  # requests at once over stateful stages, which grant no KV pool to size them by
+STATEFUL_STREAMS = 4  # requests at once when no pool is known to size them by
 # Requests that may wait by default: a waiting request holds only its connection and its prompt's ids, so a
 # burst this far past what runs is served in turn rather than refused
 DEFAULT_QUEUE = 1024

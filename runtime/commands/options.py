@@ -11,9 +11,10 @@ from pathlib import Path
 
 from ovshard.bundle.manifest import Manifest, read_manifest
 from ovshard.errors import OvshardError
-from ovshard.runtime.client.admission import DEFAULT_QUEUE, STATEFUL_STREAMS
+from ovshard.runtime.client.admission import DEFAULT_QUEUE
 from ovshard.runtime.client.head import BATCHING, Head
 from ovshard.runtime.client.launch import local_workers
+from ovshard.runtime.client.streams import STREAM_SLOTS
 from ovshard.runtime.decoding.speculative import Speculation, make_speculation
 from ovshard.runtime.engine.kv import CompactionPolicy
 from ovshard.runtime.engine.plugin import describe_plugin_config
@@ -92,8 +93,8 @@ def add_http(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=None, metavar="N",
                    help="requests generated at once (default: by memory, as many as the KV blocks the stages "
                    "granted this head hold, each reserving its prompt plus its max_tokens, at most "
-                   f"{BATCHING.max_seqs}, the planner's sequences at once; {STATEFUL_STREAMS} over stateful "
-                   "stages, which have no pool); N: at most N, whatever their size")
+                   f"{BATCHING.max_seqs}, the planner's sequences at once; {STREAM_SLOTS} over stateful "
+                   "stages, a stream each); N: at most N, whatever their size")
     p.add_argument("--queue", type=int, default=DEFAULT_QUEUE, metavar="N",
                    help="requests that may wait, in arrival order, for a place; beyond it 429 with Retry-After "
                    f"(default {DEFAULT_QUEUE}: a waiting request holds only its connection and prompt, so a burst "

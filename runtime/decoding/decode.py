@@ -8,7 +8,8 @@ of the target's own. The rejected drafts are hidden in every stage's cache by th
 next position id continues from the logical length. With no drafter, K = 0 and this is plain decoding.
 
 A target is anything with ``step(tokens, position, want, rewind, compact) -> Scores``,
-``max_positions`` and ``vocab_size``: the head over TCP, or the in-process LocalPipeline.
+``max_positions`` and ``vocab_size``: the in-process LocalPipeline (``run --local --in-process``). A head over TCP
+runs every request on its engine instead (scheduling/engine.py), stateful stages included.
 """
 
 from __future__ import annotations
