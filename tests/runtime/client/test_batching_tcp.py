@@ -116,13 +116,15 @@ def test_a_stage_killed_under_eight_streams_replays_them_all(bundles: dict[int, 
 def test_stateful_workers_serve_streams_and_a_mixed_chain_is_a_clear_error(bundles: dict[int, Path],
                                                                           solo: list) -> None:
     """Workers started with --kv stateful serve every request through the same engine, each sequence on a
-    stream of its own (a StreamLink), with the same tokens; every stream is closed once its request ended; a
+    stream of its own (a StreamLink), with the same tokens, plain and with prompt lookup; every stream is closed once its request ended; a
     chain of one paged and one stateful stage is refused with what to do."""
     with local_workers(bundles[2], exact=True, kv="stateful") as addresses:
         head = Head(bundles[2], addresses)
         try:
             assert isinstance(head.link, StreamLink) and head.engine is not None
             assert run_all(head, jobs=JOBS) == solo
+            spec = make_speculation("prompt-lookup", "auto", read_manifest(bundles[2]))
+            assert run_all(head, spec) == solo  # rejected drafts rewound on each stream
             assert head.engine.stats.ticks > 0
             assert not head.link.streams and not head.link.ticks
         finally:
