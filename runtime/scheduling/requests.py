@@ -119,7 +119,7 @@ class Request:
             raise self.error
         return list(self._tokens)
 
-    # ----- the side that runs it (the engine, or a thread on stateful stages) -----
+    # ----- the side that runs it (the engine) -----
     def move(self, phase: Phase) -> None:
         if self.phases[-1] is not phase:
             self.phases.append(phase)
