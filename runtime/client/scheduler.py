@@ -5,8 +5,8 @@
 at most N; the rest wait in submission order. ``submit(prompt, config)`` returns a
 :class:`~ovshard.runtime.scheduling.requests.Request` at once; when admission lets it start, it goes to the
 head's engine (scheduling/engine.py), whose one loop runs every request, over paged and stateful stages alike.
-Tokens arrive on the Request as they are sampled (``tokens()``
-iterates them), so an HTTP server can stream them to its client. ``cancel()`` ends a running request at the
+Tokens arrive on the Request as they are sampled (``tokens()`` iterates them), so an HTTP server can stream them
+to its client. ``cancel()`` ends a running request at the
 engine's next tick boundary (its KV blocks freed at once) and takes a waiting one out of the queue at once.
 
 Fairness: no waiting request is overtaken; the engine plans the oldest sequences first and splits them into
@@ -63,7 +63,7 @@ class Scheduler:
         """Requests running now."""
         return self.admission.running
 
-    def pool(self) -> Pool | None:
+    def pool(self) -> Pool:
         """The KV blocks the head's planner holds now (over stateful stages: one a stream slot)."""
         engine = self.head.engine
         assert engine is not None, "__init__ refuses a head without an engine"
