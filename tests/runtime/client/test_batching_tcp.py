@@ -123,8 +123,13 @@ def test_stateful_workers_serve_streams_and_a_mixed_chain_is_a_clear_error(bundl
         try:
             assert isinstance(head.link, StreamLink) and head.engine is not None
             assert run_all(head, jobs=JOBS) == solo
+            rewinds: list[int] = []
+            conn = head.link.chain.conns[0]
+            send = conn.send
+            conn.send = lambda msg: (rewinds.append(getattr(msg, "rewind", 0)), send(msg))[1]  # type: ignore[method-assign]  # the real send, counted
             spec = make_speculation("prompt-lookup", "auto", read_manifest(bundles[2]))
-            assert run_all(head, spec) == solo  # rejected drafts rewound on each stream
+            assert run_all(head, spec) == solo
+            assert any(rewinds)  # rejected drafts were rewound on their streams
             assert head.engine.stats.ticks > 0
             assert not head.link.streams and not head.link.ticks
         finally:
