@@ -177,7 +177,7 @@ def test_unsupported_model_type(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     (ckpt / "config.json").write_text(json.dumps({**llama_config(), "model_type": "gpt2"}))
     out = tmp_path / "out"
     code, _, err = cli(capsys, *compile_args(ckpt, out))
-    assert_refused(code, err, "compile", "model_type='gpt2'", "supports: gemma2", "llama", "qwen3")
+    assert_refused(code, err, "compile", "model_type='gpt2'", "supports: ", "gemma2", "llama", "qwen3", "deepseek_v3")
     assert_nothing_written(out)
 
 
