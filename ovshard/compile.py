@@ -38,7 +38,7 @@ from ovshard.bundle.manifest import (
 )
 from ovshard.bundle.plan import PartitionPlan
 from ovshard.bundle.stage import StageSpec
-from ovshard.bundle.weights import DEFAULT_DATA_AWARE, WeightFormat
+from ovshard.bundle.weights import DEFAULT_DATA_AWARE, DEFAULT_DATA_AWARE_ASYM, WeightFormat
 from ovshard.cache import PieceCache, tokenizer_key
 from ovshard.compile_config import CompileConfig, DumpOptions, check_calibration, default_calibration
 from ovshard.errors import BundleError, ConfigError, PlanError
@@ -83,7 +83,8 @@ def _calibrate(config: CompileConfig, ckpt: Checkpoint, workdir: Path,
                             workdir / ".pieces" / "calibration")
     log.info("calibration: %d samples (%s), %d tokens in all, sha256 %s", len(text.samples), text.source,
              sum(map(len, text.samples)), text.digest)
-    weights = replace(config.weights, methods=config.weights.methods or DEFAULT_DATA_AWARE, calibration=text.source,
+    default = DEFAULT_DATA_AWARE if config.weights.mode == "int4_sym" else DEFAULT_DATA_AWARE_ASYM
+    weights = replace(config.weights, methods=config.weights.methods or default, calibration=text.source,
                       calibration_digest=text.digest)
     if config.jobs > 1:
         log.warning("--jobs %d: a calibrated compile builds its layers one after another (each reads the "

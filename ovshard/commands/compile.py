@@ -48,16 +48,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--all-layers", action="store_true",
                    help="INT4 also for the embedding and the lm_head (default: those stay INT8)")
     p.add_argument("--calibration", default="default", metavar="text|auto|none|FILE",
-                   help="INT4: data-aware compression (NNCF's scale estimation, layer by layer in the streamed "
-                   "compile) on calibration text: text (the ~2,300 tokens of prose and code that ship with ovshard), "
-                   "auto (the model's own sampled text from neutral prompts), a UTF-8 text file, or none (data-free: "
-                   "faster). Default: text where the checkpoint has a tokenizer and the compile is streamed in one "
-                   "job, else none")
+                   help="INT4: data-aware compression, layer by layer in the streamed compile (ovshard's own scale fit "
+                   "for int4_sym, NNCF's scale estimation for int4_asym), on calibration text: text (the ~2,300 tokens "
+                   "of prose and code that ship with ovshard), auto (the model's own sampled text from neutral "
+                   "prompts), a UTF-8 text file, or none (data-free). Default: text where the checkpoint has a "
+                   "tokenizer and the compile is streamed in one job, else none")
     p.add_argument("--calibration-samples", type=int, default=16, help="calibration samples (default 16)")
     p.add_argument("--calibration-tokens", type=int, default=128, help="tokens per calibration sample (default 128)")
     p.add_argument("--calibration-methods", metavar="M[,M]",
-                   help="NNCF's data-aware methods: awq, scale_estimation, gptq, lora_correction (default: "
-                   "scale_estimation)")
+                   help="data-aware methods: scale_fit (ovshard's own, int4_sym, alone; the default there) or "
+                   "NNCF's awq, scale_estimation (the default for int4_asym), gptq, lora_correction")
     p.add_argument("--frontend", default="torchscript", choices=("torchscript", "onnx"),
                    help="torchscript: torch.jit.trace + OpenVINO's PyTorch front end (default); onnx: "
                    "torch.onnx.export at opset 23 + OpenVINO's ONNX front end")

@@ -1,0 +1,89 @@
+"""The calibrated INT4 scale fit: every group of a weight at once, on its calibration inputs (torch, float32).
+
+A weight ``W`` [out, in] is stored as symmetric INT4 codes ``q`` in [-8, 7], ``group`` inputs to a scale
+``s`` (one f16 a row and group), and read back as ``s * q``. Its output on calibration inputs ``X`` [tokens,
+in] errs by ``||(W - s q) X^T||^2``; with the error of each group counted on its own inputs alone (the cross
+terms between groups left out, as NNCF's scale estimation does), a row's group with weights ``w``, error
+``d = w - s q`` and the group's input second moments ``H = X_g^T X_g / tokens`` [group, group] errs by
+``d^T H d``. For each group the fit tries a few scales and keeps the one with the least such error:
+
+- the min-max scale, signed so that the weight of largest magnitude maps to -8 (NNCF's symmetric INT4) and
+  shrunk by each factor in ``SHRINK`` (clipping the largest weights can lower the error of all the others);
+- for each, the least-squares scale of its codes, ``s = q^T H w / q^T H q`` (the best scale for those
+  codes), and the codes that scale rounds to.
+
+Every candidate is evaluated after rounding its scale to f16, as stored, so the error compared is the stored
+weight's. All of it is batched matmuls and elementwise ops over [groups, rows, group] tensors, a row block
+at a time (``ROWS``), so memory stays a few blocks of a weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SHRINK = (1.0, 0.9, 0.8)  # min-max scale factors tried (each with its least-squares refit)
+LOW, HIGH = -8, 7  # symmetric INT4 codes
+ROWS = 256  # output rows fitted at once: a block stays in cache
+
+
+def second_moments(inputs: torch.Tensor, group: int) -> torch.Tensor:
+    """Per group of ``group`` input channels, ``X_g^T X_g / tokens`` of ``inputs`` [tokens, in]: [groups, g, g]."""
+    tokens, width = inputs.shape
+    x = inputs.reshape(tokens, width // group, group).transpose(0, 1)  # [groups, tokens, group]
+    return torch.bmm(x.transpose(1, 2), x) / tokens
+
+
+def fit(weight: torch.Tensor, moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (int8 in [-8, 7], [out, groups, group]) and f16 scales ([out, groups, 1]) of ``weight`` [out, in]
+    that minimise each group's ``d^T H d`` over the candidate scales; ``moments`` from :func:`second_moments`."""
+    out_features, width = weight.shape
+    groups, group, _ = moments.shape
+    if groups * group != width:
+        raise ValueError(f"a weight of {width} inputs and moments of {groups} groups of {group}")
+    codes = torch.empty(out_features, groups, group, dtype=torch.int8)
+    scales = torch.empty(out_features, groups, 1, dtype=torch.float16)
+    with torch.no_grad():
+        for start in range(0, out_features, ROWS):
+            w = weight[start:start + ROWS].float().reshape(-1, groups, group).transpose(0, 1)  # [groups, rows, g]
+            q, s = _fit_block(w.contiguous(), moments)
+            codes[start:start + ROWS] = q.transpose(0, 1)
+            scales[start:start + ROWS] = s.transpose(0, 1)
+    return codes, scales
+
+
+def _fit_block(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best codes and f16 scales of ``w`` [groups, rows, g] for the moments ``h`` [groups, g, g].
+
+    For codes ``q`` and a scale ``s`` the error expands to ``w^T H w - 2 s q^T H w + s^2 q^T H q``: with ``H w``
+    computed once, each set of codes costs one batched matmul (``H q``) and two dot products, and every
+    scale tried for them (the shrunk min-max one, the least-squares one) is a few ops on [groups, rows, 1]."""
+    high, low = w.amax(-1, keepdim=True), w.amin(-1, keepdim=True)
+    minmax = torch.where(-low >= high, -low, -high) / -LOW  # signed: the largest magnitude maps to -8
+    hw = torch.bmm(w, h)  # [groups, rows, g]
+    whw = (w * hw).sum(-1, keepdim=True)
+    best_err = best_s = best_base = None
+    for factor in SHRINK:
+        s = _f16(minmax * factor)
+        q = torch.clamp(torch.round(w / s), LOW, HIGH)
+        qhw = (q * hw).sum(-1, keepdim=True)
+        qhq = (q * torch.bmm(q, h)).sum(-1, keepdim=True)
+        refit = _f16(torch.where(qhq > 0, qhw / qhq, s))  # the least-squares scale of these codes
+        for cand in (s, refit):
+            err = whw - 2 * cand * qhw + cand * cand * qhq  # [groups, rows, 1]
+            if best_err is None:
+                best_err, best_s, best_base = err, cand, s
+                continue
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_s = torch.where(better, cand, best_s)
+            best_base = torch.where(better, s, best_base)
+    assert best_s is not None and best_base is not None
+    q = torch.clamp(torch.round(w / best_base), LOW, HIGH)  # the chosen codes again: rounded at the scale they came from
+    return q.to(torch.int8), best_s.to(torch.float16)
+
+
+def _f16(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` as stored: rounded to f16, a zero made the smallest normal f16 (a group of zeros keeps codes 0)."""
+    tiny = torch.finfo(torch.float16).tiny
+    s = scale.to(torch.float16).float()
+    return torch.where(s.abs() < tiny, torch.full_like(s, tiny), s)
