@@ -228,7 +228,7 @@ class CompressWeightsPass(GraphPass):
                                                  group)
             const.output(0).replace(int4_weight(const.get_friendly_name(), codes, scales, shape).output(0))
             done.add(op.get_friendly_name())
-        log.info("%s: %d INT4 weights fitted to the calibration inputs", where, len(done))
+        log.debug("%s: %d INT4 weights fitted to the calibration inputs", where, len(done))
         return done
 
     def _calibration(self, ctx: PassContext, where: str) -> Calibration:
