@@ -43,7 +43,8 @@ bench: setup
 	$(BIN)/python bench/api_load.py --models stories260K,llama-3.2-1b --requests 2  # ovshard api at 1-8 clients vs the bare Session
 	$(BIN)/python bench/placement.py --rounds 3  # ovshard up: measured placement vs equal split on an emulated unequal pair
 	$(BIN)/python bench/node_loss.py --rounds 2  # ovshard up: a node lost for good mid-stream -> every stream progressing again
-	CI=true $(BIN)/python bench/int4_frontier.py --llama-cpp  # weight formats on real models, llama.cpp's beside: bits, perplexity, compile memory
+	CI=true $(BIN)/python bench/int4_frontier.py --llama-cpp --texts apache-2.0,story,code,dialogue  # weight formats on real models, llama.cpp's beside: bits, perplexity on four kinds of text, compile memory
+	$(BIN)/python bench/int4_fit_cost.py --rounds 3  # the default (calibrated) INT4 compile against data-free, per layer, A/B interleaved
 	CI=true $(BIN)/python bench/nncf_options.py  # NNCF's own options (data-free and data-aware) on the real Gemma 3 270M
 	CI=true $(BIN)/python bench/nncf_formats.py  # NNCF's other 4-bit formats (NF4, CB4, MXFP4) on SmolLM2-135M: perplexity
 	$(BIN)/python bench/moe_step.py --out /tmp/ovshard-bench/moe-step  # a Qwen3-30B-A3B-shaped stage cut to 4 layers against a dense stage of its active parameters

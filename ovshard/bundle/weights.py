@@ -29,9 +29,8 @@ class WeightFormat:
     first while the bundle stays within ``budget`` times its all-INT4 size and at least ``ratio`` of the
     decoder's weights stay INT4. ``int8_weights`` is that choice (``"layer.projection"`` keys, e.g.
     ``"3.down"``), made by the compiler and recorded so that every stage and every part of a bundle
-    applies the same one. Default: int4_sym, group 128, budget 1.15, with scale estimation on the shipped text
-    where the compile can (``ovshard.compile``): within 4% of fp32 perplexity on every real model tried
-    (docs/results/2026-12-int4-accuracy.md).
+    applies the same one. Default: int4_sym, group 128, budget 1.15, with ovshard's own scale fit on the shipped
+    text where the compile can (``ovshard.compile``; docs/results/2026-12-int4-fit.md).
     """
 
     mode: str = "int4_sym"

@@ -1,4 +1,4 @@
-"""Calibration for data-aware INT4 (NNCF's AWQ, scale estimation, GPTQ, LoRA correction), layer by layer.
+"""Calibration for data-aware INT4 (ovshard's own scale fit; NNCF's AWQ, scale estimation, GPTQ, LoRA correction), layer by layer.
 
 The text: ``--calibration text``, the calibration text that ships with ovshard (``calibration.txt`` beside
 this module, written for it and Apache-2.0 like the rest: everyday prose of several kinds, technical prose

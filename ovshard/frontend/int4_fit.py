@@ -61,7 +61,8 @@ def _fit_block(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     minmax = torch.where(-low >= high, -low, -high) / -LOW  # signed: the largest magnitude maps to -8
     hw = torch.bmm(w, h)  # [groups, rows, g]
     whw = (w * hw).sum(-1, keepdim=True)
-    best_err = best_s = best_base = None
+    best_err = torch.full_like(whw, float("inf"))
+    best_s = best_base = _f16(minmax)  # the scale kept, and the one its codes came from
     for factor in SHRINK:
         s = _f16(minmax * factor)
         q = torch.clamp(torch.round(w / s), LOW, HIGH)
@@ -70,14 +71,10 @@ def _fit_block(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         refit = _f16(torch.where(qhq > 0, qhw / qhq, s))  # the least-squares scale of these codes
         for cand in (s, refit):
             err = whw - 2 * cand * qhw + cand * cand * qhq  # [groups, rows, 1]
-            if best_err is None:
-                best_err, best_s, best_base = err, cand, s
-                continue
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_s = torch.where(better, cand, best_s)
             best_base = torch.where(better, s, best_base)
-    assert best_s is not None and best_base is not None
     q = torch.clamp(torch.round(w / best_base), LOW, HIGH)  # the chosen codes again: rounded at the scale they came from
     return q.to(torch.int8), best_s.to(torch.float16)
 
