@@ -148,7 +148,10 @@ def int4_weight(name: str, codes: np.ndarray, scales: np.ndarray, shape: tuple[i
     """A symmetric INT4 weight in the form NNCF writes it, which the CPU plugin fuses into its compressed
     FullyConnected: i4 codes [out, groups, group] -> Convert f16 -> Multiply by the f16 scales [out, groups, 1]
     -> Reshape to [out, in] -> Convert f32."""
-    stored = ops.constant(codes, dtype=ov.Type.i4, name=name)
+    nibbles = (codes.view(np.uint8) & 0x0F).reshape(-1, 2)  # two codes a byte, the first in the low nibble
+    stored = ov.op.Constant(ov.Tensor(nibbles[:, 0] | (nibbles[:, 1] << 4), list(codes.shape), ov.Type.i4),
+                            shared_memory=False)  # packed here: OpenVINO's own packing of int8 codes is slow
+    stored.set_friendly_name(name)
     scale = ops.constant(scales, dtype=ov.Type.f16, name=f"{name}/scale")
     weight = ops.multiply(ops.convert(stored, ov.Type.f16), scale, name=f"{name}/fq_weights_1")
     weight = ops.reshape(weight, ops.constant(np.array(shape, np.int64)), special_zero=False)

@@ -14,16 +14,20 @@ terms between groups left out, as NNCF's scale estimation does), a row's group w
 
 Every candidate is evaluated after rounding its scale to f16, as stored, so the error compared is the stored
 weight's. All of it is batched matmuls and elementwise ops over [groups, rows, group] tensors, a row block
-at a time (``ROWS``), so memory stays a few blocks of a weight.
+at a time (``BLOCK_BYTES``), so memory stays a few blocks of a weight.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 SHRINK = (1.0, 0.9, 0.8)  # min-max scale factors tried (each with its least-squares refit)
 LOW, HIGH = -8, 7  # symmetric INT4 codes
-ROWS = 256  # output rows fitted at once: a block stays in cache
+BLOCK_BYTES = 512 << 10  # the rows fitted at once hold about this much f32: each temporary stays in cache, and under
+# the 1 MiB at which the compile has glibc serve (and zero-fill) every allocation by mmap (ovshard.memory)
 
 
 def second_moments(inputs: torch.Tensor, group: int) -> torch.Tensor:
@@ -42,12 +46,13 @@ def fit(weight: torch.Tensor, moments: torch.Tensor) -> tuple[torch.Tensor, torc
         raise ValueError(f"a weight of {width} inputs and moments of {groups} groups of {group}")
     codes = torch.empty(out_features, groups, group, dtype=torch.int8)
     scales = torch.empty(out_features, groups, 1, dtype=torch.float16)
-    with torch.no_grad():
-        for start in range(0, out_features, ROWS):
-            w = weight[start:start + ROWS].float().reshape(-1, groups, group).transpose(0, 1)  # [groups, rows, g]
+    rows = max(1, BLOCK_BYTES // (4 * width))
+    with torch.no_grad(), _one_thread():
+        for start in range(0, out_features, rows):
+            w = weight[start:start + rows].float().reshape(-1, groups, group).transpose(0, 1)  # [groups, rows, g]
             q, s = _fit_block(w.contiguous(), moments)
-            codes[start:start + ROWS] = q.transpose(0, 1)
-            scales[start:start + ROWS] = s.transpose(0, 1)
+            codes[start:start + rows] = q.transpose(0, 1)
+            scales[start:start + rows] = s.transpose(0, 1)
     return codes, scales
 
 
@@ -65,7 +70,7 @@ def _fit_block(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     best_s = best_base = _f16(minmax)  # the scale kept, and the one its codes came from
     for factor in SHRINK:
         s = _f16(minmax * factor)
-        q = torch.clamp(torch.round(w / s), LOW, HIGH)
+        q = torch.div(w, s).round_().clamp_(LOW, HIGH)
         qhw = (q * hw).sum(-1, keepdim=True)
         qhq = (q * torch.bmm(q, h)).sum(-1, keepdim=True)
         refit = _f16(torch.where(qhq > 0, qhw / qhq, s))  # the least-squares scale of these codes
@@ -77,6 +82,19 @@ def _fit_block(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Te
             best_base = torch.where(better, s, best_base)
     q = torch.clamp(torch.round(w / best_base), LOW, HIGH)  # the chosen codes again: rounded at the scale they came from
     return q.to(torch.int8), best_s.to(torch.float16)
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch on one thread: each op here is a block's worth, too small to share, and a thread pool waiting on a
+    thread the machine's other work preempted made the fit 4-6x slower on 2 loaded cores (and NNCF's data-free
+    INT4, numpy, runs on one thread too)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _f16(scale: torch.Tensor) -> torch.Tensor:
