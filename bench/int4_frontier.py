@@ -250,25 +250,31 @@ def llama_rows(model: Model, root: Path, texts: list[Path]) -> list[dict]:
         files[kind] = out / f"{kind}.gguf"
         subprocess.run([str(binaries / "llama-quantize"), str(full), str(files[kind]), kind], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    rows, base = [], {}
+    rows: list[dict] = []
+    base: dict[str, float | None] = {}
     for kind, path in files.items():
         found = {t.stem: _llama_perplexity(binaries, path, t, model.context) for t in dict.fromkeys([model.text, *texts])}
         base = base or found
-        ppl = found[model.text.stem]
+        ppl, ref = found[model.text.stem], base[model.text.stem]
+        assert ppl is not None and ref is not None, f"{model.text}: shorter than two contexts of {model.context} tokens"
         rows.append({"model": model.name, "weights": f"llama.cpp {kind}", "bits_per_parameter": round(_gguf_bits(path), 2),
                      "bundle_mb": round(path.stat().st_size / 1e6, 3), "perplexity": round(ppl, 4),
-                     "ppl_vs_fp32": round(ppl / base[model.text.stem] - 1, 4),
-                     "by_text": {name: round(p / base[name] - 1, 4) for name, p in found.items()}})
+                     "ppl_vs_fp32": round(ppl / ref - 1, 4),
+                     "by_text": {name: None if p is None or base[name] is None else round(p / base[name] - 1, 4)
+                                 for name, p in found.items()}})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
 
-def _llama_perplexity(binaries: Path, path: Path, text: Path, context: int) -> float:
+def _llama_perplexity(binaries: Path, path: Path, text: Path, context: int) -> float | None:
+    """``llama-perplexity``'s estimate, or None for a text shorter than two contexts (which it refuses)."""
     import re
 
     done = subprocess.run([str(binaries / "llama-perplexity"), "-m", str(path), "-f", str(text), "-c", str(context),
                            "-t", "2", "-b", str(context)], capture_output=True, text=True, check=True)
     found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
+    if found is None and "you need at least" in done.stderr:
+        return None
     if found is None:
         raise RuntimeError(f"llama-perplexity printed no estimate for {path} on {text}:\n{done.stderr[-2000:]}")
     return float(found.group(1))
@@ -348,7 +354,7 @@ def main() -> int:
     for r in rows:
         cells = [f"{r[c]:+.1%}" if c == "ppl_vs_fp32" else f"{r[c]:.1%}" if c == "top1_vs_fp32" and c in r
                  else str(r.get(c, "-")) for c in columns]
-        cells += [f"{r['by_text'][t]:+.1%}" for t in extra]
+        cells += ["-" if r["by_text"].get(t) is None else f"{r['by_text'][t]:+.1%}" for t in extra]
         cells[1] += " (default)" if r["weights"] == DEFAULT else ""
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)

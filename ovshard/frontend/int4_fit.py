@@ -5,12 +5,12 @@ A weight ``W`` [out, in] is stored as symmetric INT4 codes ``q`` in [-8, 7], ``g
 in] errs by ``||(W - s q) X^T||^2``; with the error of each group counted on its own inputs alone (the cross
 terms between groups left out, as NNCF's scale estimation does), a row's group with weights ``w``, error
 ``d = w - s q`` and the group's input second moments ``H = X_g^T X_g / tokens`` [group, group] errs by
-``d^T H d``. For each group the fit tries a few scales and keeps the one with the least such error:
-
-- the min-max scale, signed so that the weight of largest magnitude maps to -8 (NNCF's symmetric INT4) and
-  shrunk by each factor in ``SHRINK`` (clipping the largest weights can lower the error of all the others);
-- for each, the least-squares scale of its codes, ``s = q^T H w / q^T H q`` (the best scale for those
-  codes), and the codes that scale rounds to.
+``d^T H d``. For each group the fit starts from the min-max scale, signed so that the weight of largest
+magnitude maps to -8 (NNCF's symmetric INT4), and alternates: the least-squares scale of the codes,
+``s = q^T H w / q^T H q`` (the best scale for those codes), then the codes that scale rounds to (the nearest
+ones), ``ROUNDS`` times; of the scales and codes met on the way it keeps the pair of least error. It tries
+no grid of shrunk min-max scales: clipping the largest weights of a group that way fitted the calibration
+text and lost on other text (SmolLM2-135M, docs/results/2026-12-int4-fit.md).
 
 Every candidate is evaluated after rounding its scale to f16, as stored, so the error compared is the stored
 weight's. All of it is batched matmuls and elementwise ops over [groups, rows, group] tensors, a row block
@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-SHRINK = (1.0, 0.9, 0.8)  # min-max scale factors tried (each with its least-squares refit)
+ROUNDS = 1  # least-squares refits after the first (each: the codes its scale rounds to, and their own refit)
 LOW, HIGH = -8, 7  # symmetric INT4 codes
 BLOCK_BYTES = 512 << 10  # the rows fitted at once hold about this much f32: each temporary stays in cache, and under
 # the 1 MiB at which the compile has glibc serve (and zero-fill) every allocation by mmap (ovshard.memory)
@@ -60,17 +60,17 @@ def _fit_block(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     """The best codes and f16 scales of ``w`` [groups, rows, g] for the moments ``h`` [groups, g, g].
 
     For codes ``q`` and a scale ``s`` the error expands to ``w^T H w - 2 s q^T H w + s^2 q^T H q``: with ``H w``
-    computed once, each set of codes costs one batched matmul (``H q``) and two dot products, and every
-    scale tried for them (the shrunk min-max one, the least-squares one) is a few ops on [groups, rows, 1]."""
+    computed once, each set of codes costs one batched matmul (``H q``) and two dot products, and each scale
+    tried for them (the one they were rounded at, their least-squares one) a few ops on [groups, rows, 1]."""
     high, low = w.amax(-1, keepdim=True), w.amin(-1, keepdim=True)
     minmax = torch.where(-low >= high, -low, -high) / -LOW  # signed: the largest magnitude maps to -8
     hw = torch.bmm(w, h)  # [groups, rows, g]
     whw = (w * hw).sum(-1, keepdim=True)
     best_err = torch.full_like(whw, float("inf"))
     best_s = best_base = _f16(minmax)  # the scale kept, and the one its codes came from
-    for factor in SHRINK:
-        s = _f16(minmax * factor)
-        q = torch.div(w, s).round_().clamp_(LOW, HIGH)
+    s = best_s
+    q = torch.div(w, s).round_().clamp_(LOW, HIGH)
+    for step in range(ROUNDS + 1):
         qhw = (q * hw).sum(-1, keepdim=True)
         qhq = (q * torch.bmm(q, h)).sum(-1, keepdim=True)
         refit = _f16(torch.where(qhq > 0, qhw / qhq, s))  # the least-squares scale of these codes
@@ -80,6 +80,9 @@ def _fit_block(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Te
             best_err = torch.where(better, err, best_err)
             best_s = torch.where(better, cand, best_s)
             best_base = torch.where(better, s, best_base)
+        if step < ROUNDS:
+            s = refit
+            q = torch.div(w, s).round_().clamp_(LOW, HIGH)
     q = torch.clamp(torch.round(w / best_base), LOW, HIGH)  # the chosen codes again: rounded at the scale they came from
     return q.to(torch.int8), best_s.to(torch.float16)
 

@@ -33,11 +33,10 @@ def _direct(weight: np.ndarray, inputs: np.ndarray, group: int) -> tuple[np.ndar
         h = x.T @ x / len(x)
         for r in range(out_features):
             w = weight[r, g * group:(g + 1) * group].astype(np.float64)
-            minmax = -w[np.argmax(np.abs(w))] / 8  # signed: the weight of largest magnitude -> code -8
             best = None
-            for factor in int4_fit.SHRINK:
-                s = _as_stored(minmax * factor)
-                q = np.clip(np.round(w / s), -8, 7)
+            s = _as_stored(-w[np.argmax(np.abs(w))] / 8)  # signed min-max: the weight of largest magnitude -> -8
+            q = np.clip(np.round(w / s), -8, 7)
+            for step in range(int4_fit.ROUNDS + 1):
                 qhq = q @ h @ q
                 refit = _as_stored((q @ h @ w) / qhq) if qhq > 0 else s
                 for cand in (s, refit):
@@ -45,6 +44,8 @@ def _direct(weight: np.ndarray, inputs: np.ndarray, group: int) -> tuple[np.ndar
                     err = d @ h @ d
                     if best is None or err < best[0]:
                         best = (err, cand, q)
+                if step < int4_fit.ROUNDS:
+                    s, q = refit, np.clip(np.round(w / refit), -8, 7)
             assert best is not None
             errors[r, g], scales[r, g, 0], codes[r, g] = best[0], best[1], best[2]
     return codes, scales, errors
@@ -67,7 +68,7 @@ def test_the_vectorised_fit_matches_a_direct_one_group_at_a_time() -> None:
     rng = np.random.default_rng(0)
     group, out_features, width = 32, 40, 128
     weight = (rng.standard_normal((out_features, width)) * 0.05).astype(np.float32)
-    weight[3, 5] = 0.9  # an outlier: clipping it should pay in its group
+    weight[3, 5] = 0.9  # an outlier
     weight[7, 32:64] = 0.0  # a group of zeros: codes 0
     inputs = (rng.standard_normal((256, width)) * rng.uniform(0.1, 3.0, width)).astype(np.float32)  # uneven channels
     codes, scales = int4_fit.fit(torch.from_numpy(weight), int4_fit.second_moments(torch.from_numpy(inputs), group))
