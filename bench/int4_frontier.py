@@ -119,6 +119,7 @@ ROWS = {
     "int4_sym g128 b1.15 fit text all": ["--all-layers"],  # the default with an INT4 embedding and lm_head
     "int4_sym g128 b1.04 fit text": ["--budget", "1.04"],  # at llama.cpp Q4_0's size
     "int4_sym g128 b1.00 fit text": ["--budget", "1.0"],
+    "int4_sym g128 b1.15 fit text s8": ["--calibration-samples", "8"],  # half the samples: half the forward
     "int4_sym g128 b1.15 se text": NNCF_SE,  # the default before ovshard's own fit
     "int4_sym g128 b1.00 se text": ["--budget", "1.0", *NNCF_SE],
     "int4_sym g128 b1.00 awq+se": ["--weights", "int4_sym", "--budget", "1.0", "--calibration", "auto", *AWQ_SE],

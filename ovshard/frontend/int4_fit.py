@@ -20,6 +20,7 @@ at a time (``BLOCK_BYTES``), so memory stays a few blocks of a weight.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
@@ -47,12 +48,16 @@ def fit(weight: torch.Tensor, moments: torch.Tensor) -> tuple[torch.Tensor, torc
     codes = torch.empty(out_features, groups, group, dtype=torch.int8)
     scales = torch.empty(out_features, groups, 1, dtype=torch.float16)
     rows = max(1, BLOCK_BYTES // (4 * width))
-    with torch.no_grad(), _one_thread():
-        for start in range(0, out_features, rows):
-            w = weight[start:start + rows].float().reshape(-1, groups, group).transpose(0, 1)  # [groups, rows, g]
-            q, s = _fit_block(w.contiguous(), moments)
-            codes[start:start + rows] = q.transpose(0, 1)
-            scales[start:start + rows] = s.transpose(0, 1)
+
+    def fit_rows(start: int) -> None:
+        w = weight[start:start + rows].float().reshape(-1, groups, group).transpose(0, 1)  # [groups, rows, g]
+        q, s = _fit_block(w.contiguous(), moments)
+        codes[start:start + rows] = q.transpose(0, 1)
+        scales[start:start + rows] = s.transpose(0, 1)
+
+    workers = torch.get_num_threads()
+    with torch.no_grad(), _one_thread(), ThreadPoolExecutor(workers) as pool:
+        list(pool.map(fit_rows, range(0, out_features, rows)))  # each block on its own: the same bytes at any count
     return codes, scales
 
 
@@ -89,9 +94,9 @@ def _fit_block(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 @contextmanager
 def _one_thread() -> Iterator[None]:
-    """torch on one thread: each op here is a block's worth, too small to share, and a thread pool waiting on a
-    thread the machine's other work preempted made the fit 4-6x slower on 2 loaded cores (and NNCF's data-free
-    INT4, numpy, runs on one thread too)."""
+    """torch ops on one thread each, the blocks spread over torch's threads instead (:func:`fit`): each op here is
+    a block's worth, too small to share, and OpenMP's barrier waiting on a thread the machine's other work had
+    preempted made the fit 4-6x slower on 2 loaded cores."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
