@@ -94,9 +94,10 @@ def _gemma_gguf() -> Path:
 
 
 # name -> ovshard compile flags; "fp32" is every row's reference. "b" is --budget: 1.00 = every decoder weight
-# INT4. Data-free rows say --calibration none (the default calibrates); "se" is NNCF's scale estimation (the default
-# method: 2 rounds, no grid search), "awq+se" adds AWQ; "text" is the shipped calibration text (16 samples of 128
-# tokens over its whole length, the default); without "text", the model's own sampled text (--calibration auto).
+# INT4. Data-free rows say --calibration none (the default calibrates); "fit" is ovshard's own scale fit (the default
+# method), "se" NNCF's scale estimation (2 rounds, no grid search), "awq+se" adds AWQ; "text" is the shipped
+# calibration text (8 samples of 128 tokens over its whole length, the default); without "text", the model's own
+# sampled text (--calibration auto).
 FREE = ["--calibration", "none"]
 AWQ_SE = ["--calibration-methods", "awq,scale_estimation"]
 NNCF_SE = ["--calibration-methods", "scale_estimation"]
@@ -119,7 +120,7 @@ ROWS = {
     "int4_sym g128 b1.15 fit text all": ["--all-layers"],  # the default with an INT4 embedding and lm_head
     "int4_sym g128 b1.04 fit text": ["--budget", "1.04"],  # at llama.cpp Q4_0's size
     "int4_sym g128 b1.00 fit text": ["--budget", "1.0"],
-    "int4_sym g128 b1.15 fit text s8": ["--calibration-samples", "8"],  # half the samples: half the forward
+    "int4_sym g128 b1.15 fit text s16": ["--calibration-samples", "16"],  # twice the default's samples and forward
     "int4_sym g128 b1.15 se text": NNCF_SE,  # the default before ovshard's own fit
     "int4_sym g128 b1.00 se text": ["--budget", "1.0", *NNCF_SE],
     "int4_sym g128 b1.00 awq+se": ["--weights", "int4_sym", "--budget", "1.0", "--calibration", "auto", *AWQ_SE],
