@@ -283,12 +283,9 @@ class Activations:
         self._move_to(layer)
         self.caught, self.moments, self.caught_layer = {}, {}, None
         weights = load_layer(self.ckpt, layer, _all_layers(self.ckpt))
-        d = self.ckpt.dims
-        empty = torch.zeros(1, d.num_kv_heads, 0, d.head_dim)
         catch = _Inputs(weights)
         with torch.no_grad(), catch:
-            self.hidden = [_layer(self.ckpt, layer, h, self._context(range(layer, layer + 1), h.shape[1]),
-                                  (empty, empty), weights)[0] for h in self.hidden]
+            self._forward(layer, weights)
         self.caught, self.caught_layer, self.at = catch.inputs(), layer, layer + 1
         watchdog.beat(f"calibration: layer {layer} run in float32, its matmul inputs kept")
 
@@ -308,6 +305,22 @@ class Activations:
             items.append(item)
         return items
 
+    def _forward(self, i: int, weights: Weights) -> None:
+        """Every sample through layer ``i`` (its ``weights``), the samples of one length as one batch: one matmul of
+        a thousand rows runs ~3x faster than eight of 128 on 2 cores."""
+        d = self.ckpt.dims
+        out: list[torch.Tensor] = list(self.hidden)
+        by_length: dict[int, list[int]] = {}
+        for n, h in enumerate(self.hidden):
+            by_length.setdefault(h.shape[1], []).append(n)
+        for length, rows in by_length.items():
+            batch = torch.cat([self.hidden[n] for n in rows])  # [samples, seq, hidden]
+            empty = torch.zeros(len(rows), d.num_kv_heads, 0, d.head_dim)
+            h = _layer(self.ckpt, i, batch, self._context(range(i, i + 1), length), (empty, empty), weights)[0]
+            for k, n in enumerate(rows):
+                out[n] = h[k:k + 1]
+        self.hidden = out
+
     def _context(self, layers: range, length: int) -> list[torch.Tensor]:
         mask = torch.ones(1, length, dtype=torch.int64)
         positions = torch.arange(length, dtype=torch.int64)[None]
@@ -323,14 +336,11 @@ class Activations:
         if layer > self.at:
             log.info("calibration: running layers [%d, %d) in float32 for the inputs of layer %d", self.at, layer,
                      layer)
-        d = self.ckpt.dims
-        empty = torch.zeros(1, d.num_kv_heads, 0, d.head_dim)
         with torch.no_grad():
             while self.at < layer:
                 i = self.at
                 weights = load_layer(self.ckpt, i, _all_layers(self.ckpt))  # once for every sample
-                self.hidden = [_layer(self.ckpt, i, h, self._context(range(i, i + 1), h.shape[1]), (empty, empty),
-                                      weights)[0] for h in self.hidden]
+                self._forward(i, weights)
                 del weights
                 self.at += 1
                 watchdog.beat(f"calibration: layer {i} run in float32")
