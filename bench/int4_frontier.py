@@ -94,11 +94,13 @@ def _gemma_gguf() -> Path:
 
 
 # name -> ovshard compile flags; "fp32" is every row's reference. "b" is --budget: 1.00 = every decoder weight
-# INT4. Data-free rows say --calibration none (the default calibrates); "se" is NNCF's scale estimation (the default
-# method: 2 rounds, no grid search), "awq+se" adds AWQ; "text" is the shipped calibration text (16 samples of 128
-# tokens over its whole length, the default); without "text", the model's own sampled text (--calibration auto).
+# INT4. Data-free rows say --calibration none (the default calibrates); "fit" is ovshard's own scale fit (the default
+# method), "se" NNCF's scale estimation (2 rounds, no grid search), "awq+se" adds AWQ; "text" is the shipped
+# calibration text (8 samples of 128 tokens over its whole length, the default); without "text", the model's own
+# sampled text (--calibration auto).
 FREE = ["--calibration", "none"]
 AWQ_SE = ["--calibration-methods", "awq,scale_estimation"]
+NNCF_SE = ["--calibration-methods", "scale_estimation"]
 ROWS = {
     "fp32": ["--weights", "fp32"],
     "fp16": ["--weights", "fp16"],
@@ -114,10 +116,13 @@ ROWS = {
     "int4_asym g32 b1.15": ["--weights", "int4_asym", "--group-size", "32", "--budget", "1.15", *FREE],
     "int4_asym g128 b1.30": ["--weights", "int4_asym", "--group-size", "128", "--budget", "1.3", *FREE],
     # data-aware (NNCF, layer by layer in the streamed compile); "auto": the model's own text
-    "int4_sym g128 b1.15 se text": [],  # the default
-    "int4_sym g128 b1.15 se text all": ["--all-layers"],  # the default with an INT4 embedding and lm_head
-    "int4_sym g128 b1.04 se text": ["--budget", "1.04"],  # at llama.cpp Q4_0's size
-    "int4_sym g128 b1.00 se text": ["--budget", "1.0"],
+    "int4_sym g128 b1.15 fit text": [],  # the default
+    "int4_sym g128 b1.15 fit text all": ["--all-layers"],  # the default with an INT4 embedding and lm_head
+    "int4_sym g128 b1.04 fit text": ["--budget", "1.04"],  # at llama.cpp Q4_0's size
+    "int4_sym g128 b1.00 fit text": ["--budget", "1.0"],
+    "int4_sym g128 b1.15 fit text s16": ["--calibration-samples", "16"],  # twice the default's samples and forward
+    "int4_sym g128 b1.15 se text": NNCF_SE,  # the default before ovshard's own fit
+    "int4_sym g128 b1.00 se text": ["--budget", "1.0", *NNCF_SE],
     "int4_sym g128 b1.00 awq+se": ["--weights", "int4_sym", "--budget", "1.0", "--calibration", "auto", *AWQ_SE],
     "int4_asym g128 b1.00 awq+se": ["--weights", "int4_asym", "--budget", "1.0", "--calibration", "auto", *AWQ_SE],
     "int4_asym g64 b1.00 awq+se": ["--weights", "int4_asym", "--group-size", "64", "--budget", "1.0",
@@ -132,7 +137,7 @@ ROWS = {
     "int4_asym g128 b1.15 awq+se": ["--weights", "int4_asym", "--budget", "1.15", "--calibration", "auto", *AWQ_SE],
 }
 BEFORE = "int4_asym g128 b1.00"  # sizes are relative to it
-DEFAULT = "int4_sym g128 b1.15 se text"  # ovshard compile's default (docs/results/2026-12-int4-accuracy.md)
+DEFAULT = "int4_sym g128 b1.15 fit text"  # ovshard compile's default (docs/results/2026-12-int4-accuracy.md)
 
 
 def compile_row(model: Model, flags: list[str], out: Path) -> dict:
@@ -167,14 +172,15 @@ def tokenizer(bundle: Path):
     return lambda text: compiled([text])["input_ids"][0].tolist()
 
 
-def evaluate(bundle: Path, exact: bool, chunks: list[list[int]], prompts: list[list[int]]) -> dict:
+def evaluate(bundle: Path, exact: bool, chunks: dict[str, list[list[int]]], prompts: list[list[int]]) -> dict:
+    """Scores on each text (by name), greedy continuations of the prompts, the bundle's bytes."""
     pipe = LocalPipeline(bundle, config=EXACT_HINTS if exact else None)
 
     def logits_of(chunk: list[int]) -> np.ndarray:
         pipe.reset()
         return pipe.forward(chunk)[0]
 
-    scores = perplexity.score(logits_of, chunks)
+    scores = {name: perplexity.score(logits_of, text) for name, text in chunks.items()}
     greedy = [pipe.generate_greedy(p, NEW_TOKENS)[0] for p in prompts]
     return {"scores": scores, "greedy": greedy, "bytes": sum(p.stat().st_size for p in bundle.glob("*.bin"))}
 
@@ -183,8 +189,9 @@ def prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
-def measure(model: Model, wanted: list[str], root: Path) -> list[dict]:
-    rows, ref = [], None
+def measure(model: Model, wanted: list[str], root: Path, texts: list[Path]) -> list[dict]:
+    """Every wanted row of ``model``, scored on its own text and on ``texts`` (``by_text``: name -> vs fp32)."""
+    rows, ref, main = [], None, model.text.stem
     for name in ["fp32", *(r for r in wanted if r != "fp32")]:
         print(f"{model.name}: {name}", file=sys.stderr, flush=True)
         bundle = root / f"{model.name}-{len(rows)}"
@@ -192,7 +199,8 @@ def measure(model: Model, wanted: list[str], root: Path) -> list[dict]:
         if ref is None:
             encode = tokenizer(bundle)
             bos = read_manifest(bundle).generation.bos_token_id
-            chunks = perplexity.chunks(encode(perplexity.read_text(model.text)), model.context, bos)
+            chunks = {t.stem: perplexity.chunks(encode(perplexity.read_text(t)), model.context, bos)
+                      for t in dict.fromkeys([model.text, *texts])}
             prompts = [encode(p) for p in model.prompts]
         found = evaluate(bundle, name == "fp32", chunks, prompts)
         ref = ref or found
@@ -203,11 +211,13 @@ def measure(model: Model, wanted: list[str], root: Path) -> list[dict]:
         rows.append({
             "model": model.name, "weights": name, "int8_decoder_weights": len(m.weights.int8_weights),
             "bundle_mb": round(found["bytes"] / 1e6, 3), "size_vs_before": None, "bits_per_parameter": round(bits, 2),
-            "perplexity": round(found["scores"].perplexity, 4),
-            "ppl_vs_fp32": round(found["scores"].perplexity / ref["scores"].perplexity - 1, 4),
-            "top1_vs_fp32": round(float(np.mean(found["scores"].top1 == ref["scores"].top1)), 4),
+            "perplexity": round(found["scores"][main].perplexity, 4),
+            "ppl_vs_fp32": round(found["scores"][main].perplexity / ref["scores"][main].perplexity - 1, 4),
+            "top1_vs_fp32": round(float(np.mean(found["scores"][main].top1 == ref["scores"][main].top1)), 4),
+            "by_text": {name: round(score.perplexity / ref["scores"][name].perplexity - 1, 4)
+                        for name, score in found["scores"].items()},
             "greedy_prefix": f"{sum(same)}/{NEW_TOKENS * len(same)}", **figures,
-            "scored_tokens": len(found["scores"].nll),
+            "scored_tokens": len(found["scores"][main].nll),
         })
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     before = next((r for r in rows if r["weights"] == BEFORE), None)
@@ -219,11 +229,10 @@ def measure(model: Model, wanted: list[str], root: Path) -> list[dict]:
 LLAMA_KINDS = ("Q4_K_M", "Q4_0")  # llama.cpp's files beside ours, quantized from its own F32 file of the weights
 
 
-def llama_rows(model: Model, root: Path) -> list[dict]:
+def llama_rows(model: Model, root: Path, texts: list[Path]) -> list[dict]:
     """llama.cpp's F32, Q4_K_M and Q4_0 files of the same weights (a GGUF source is dequantized to F32 first,
     as ovshard's fp32 bundle dequantizes it), scored by ``llama-perplexity`` on the same text and context, and
     their bits per parameter (tensor bytes x 8 / parameters)."""
-    import re
 
     sys.path.insert(0, str(HERE))
     import peers  # bench/peers.py: builds llama.cpp once, converts a Hugging Face folder to GGUF
@@ -243,21 +252,35 @@ def llama_rows(model: Model, root: Path) -> list[dict]:
         files[kind] = out / f"{kind}.gguf"
         subprocess.run([str(binaries / "llama-quantize"), str(full), str(files[kind]), kind], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    rows, base = [], None
+    rows: list[dict] = []
+    base: dict[str, float | None] = {}
     for kind, path in files.items():
-        done = subprocess.run([str(binaries / "llama-perplexity"), "-m", str(path), "-f", str(model.text), "-c",
-                               str(model.context), "-t", "2", "-b", str(model.context)], capture_output=True, text=True,
-                              check=True)
-        found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
-        if found is None:
-            raise RuntimeError(f"llama-perplexity printed no estimate for {path}:\n{done.stderr[-2000:]}")
-        ppl = float(found.group(1))
-        base = base or ppl
+        found = {t.stem: _llama_perplexity(binaries, path, t, model.context) for t in dict.fromkeys([model.text, *texts])}
+        base = base or found
+        ppl, ref = found[model.text.stem], base[model.text.stem]
+        assert ppl is not None and ref is not None, f"{model.text}: shorter than two contexts of {model.context} tokens"
         rows.append({"model": model.name, "weights": f"llama.cpp {kind}", "bits_per_parameter": round(_gguf_bits(path), 2),
                      "bundle_mb": round(path.stat().st_size / 1e6, 3), "perplexity": round(ppl, 4),
-                     "ppl_vs_fp32": round(ppl / base - 1, 4)})
+                     "ppl_vs_fp32": round(ppl / ref - 1, 4),
+                     "by_text": {name: None if p is None or base[name] is None else round(p / base[name] - 1, 4)
+                                 for name, p in found.items()}})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
+
+
+def _llama_perplexity(binaries: Path, path: Path, text: Path, context: int) -> float | None:
+    """``llama-perplexity``'s estimate, or None (with its last words on stderr) for a text shorter than two contexts,
+    which it refuses, or where it reports no finite estimate."""
+    import re
+
+    done = subprocess.run([str(binaries / "llama-perplexity"), "-m", str(path), "-f", str(text), "-c", str(context),
+                           "-t", "2", "-b", str(context)], capture_output=True, text=True, check=True)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
+    if found is None:  # too short a text ("you need at least"), or no finite estimate (nan on a tiny model's vocabulary)
+        print(f"llama-perplexity: no estimate for {path.name} on {text.name}: {(done.stdout + done.stderr)[-300:]}",
+              file=sys.stderr, flush=True)
+        return None
+    return float(found.group(1))
 
 
 def _gguf_bits(path: Path) -> float:
@@ -303,6 +326,9 @@ def main() -> int:
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's Q4_K_M and Q4_0 of the same weights, "
                         "scored by llama-perplexity on the same text (builds llama.cpp once, as make bench-peers does)")
     parser.add_argument("--rows", default=",".join(ROWS), help="row names, comma-separated (fp32 always runs)")
+    parser.add_argument("--texts", default="",
+                        help="more texts to score every row on, by name in bench/texts/ (e.g. apache-2.0,story,code,"
+                        "dialogue): a column each, perplexity vs fp32")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     known = models()
@@ -310,21 +336,28 @@ def main() -> int:
     unknown = [r for r in wanted if r not in ROWS] + [m for m in args.models.split(",") if m not in known]
     if unknown:
         parser.error(f"unknown rows or models {unknown}; rows: {list(ROWS)}; models: {list(known)}")
+    texts = [HERE / "texts" / f"{t}.txt" for t in args.texts.split(",") if t]
+    missing = [str(t) for t in texts if not t.is_file()]
+    if missing:
+        parser.error(f"no such texts {missing}; have {sorted(p.stem for p in (HERE / 'texts').glob('*.txt'))}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="ovshard-frontier-") as tmp:
         for name in args.models.split(","):
-            rows += measure(known[name], wanted, Path(tmp))
+            rows += measure(known[name], wanted, Path(tmp), texts)
             if args.llama_cpp:
-                rows += llama_rows(known[name], Path(tmp))
+                rows += llama_rows(known[name], Path(tmp), texts)
     args.out.mkdir(parents=True, exist_ok=True)
     command = "CI=true .venv/bin/python bench/int4_frontier.py " + " ".join(sys.argv[1:])
     (args.out / "int4_frontier.json").write_text(json.dumps({"command": command.strip(), "rows": rows}, indent=2))
     columns = ["model", "weights", "int8_decoder_weights", "bits_per_parameter", "bundle_mb", "perplexity",
                "ppl_vs_fp32", "top1_vs_fp32", "greedy_prefix", "compile_s", "compile_peak_mb"]
-    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    extra = [t.stem for t in texts]
+    lines = ["| " + " | ".join(columns + [f"vs fp32 on {t}" for t in extra]) + " |",
+             "|" + " --- |" * (len(columns) + len(extra))]
     for r in rows:
         cells = [f"{r[c]:+.1%}" if c == "ppl_vs_fp32" else f"{r[c]:.1%}" if c == "top1_vs_fp32" and c in r
                  else str(r.get(c, "-")) for c in columns]
+        cells += ["-" if r["by_text"].get(t) is None else f"{r['by_text'][t]:+.1%}" for t in extra]
         cells[1] += " (default)" if r["weights"] == DEFAULT else ""
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)

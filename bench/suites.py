@@ -97,7 +97,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
         Step("ttft", "time to the first token, cold and warm, against llama-completion", (), None),
         Step("server_peers", "8 chat clients: ovshard api against llama-server -np 8", ("--tokens", "128"), None),
         Step("api_load", "8 openai clients at once against one, the Gemma bundle server_peers compiled",
-             ("--bundle", "/tmp/ovshard-bench/bundles/gemma3-270m-q4km-2st-default", "--clients", "1,8",
+             ("--bundle", "/tmp/ovshard-bench/bundles/gemma-3-270m-q4_k_m-2st-default", "--clients", "1,8",
               "--requests", "2", "--tokens", "64", "--rounds", "3"), None),
     )),
 )}

@@ -38,7 +38,7 @@ from ovshard.bundle.manifest import (
 )
 from ovshard.bundle.plan import PartitionPlan
 from ovshard.bundle.stage import StageSpec
-from ovshard.bundle.weights import DEFAULT_DATA_AWARE, WeightFormat
+from ovshard.bundle.weights import DEFAULT_DATA_AWARE, DEFAULT_DATA_AWARE_ASYM, WeightFormat
 from ovshard.cache import PieceCache, tokenizer_key
 from ovshard.compile_config import CompileConfig, DumpOptions, check_calibration, default_calibration
 from ovshard.errors import BundleError, ConfigError, PlanError
@@ -60,7 +60,7 @@ from ovshard.passes import pipeline
 from ovshard.plan.costs import model_costs, rotary_table_bytes
 from ovshard.plan.partition import plan_balanced, plan_budgets, plan_layers
 from ovshard.plan.precision import choose_int8
-from ovshard.report import StageFigures, format_report, stage_done
+from ovshard.report import LayerProgress, StageFigures, format_report, stage_done
 from ovshard.verify.predict import PredictFusionInstrument
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,8 @@ def _calibrate(config: CompileConfig, ckpt: Checkpoint, workdir: Path,
                             workdir / ".pieces" / "calibration")
     log.info("calibration: %d samples (%s), %d tokens in all, sha256 %s", len(text.samples), text.source,
              sum(map(len, text.samples)), text.digest)
-    weights = replace(config.weights, methods=config.weights.methods or DEFAULT_DATA_AWARE, calibration=text.source,
+    default = DEFAULT_DATA_AWARE if config.weights.mode == "int4_sym" else DEFAULT_DATA_AWARE_ASYM
+    weights = replace(config.weights, methods=config.weights.methods or default, calibration=text.source,
                       calibration_digest=text.digest)
     if config.jobs > 1:
         log.warning("--jobs %d: a calibrated compile builds its layers one after another (each reads the "
@@ -114,7 +115,8 @@ def _instruments(config: CompileConfig) -> list[Instrument]:
 
 
 def compile_stage(ckpt: Checkpoint, stage: StageSpec, config: CompileConfig, max_positions: int,
-                  workdir: Path, calibration: Activations | None = None) -> tuple[StageEntry, list[PassRecord]]:
+                  workdir: Path, calibration: Activations | None = None,
+                  progress: LayerProgress | None = None) -> tuple[StageEntry, list[PassRecord]]:
     """Build one stage (streamed or whole), save it; free everything before returning."""
     start = time.perf_counter()
     log.info("stage %d (%d of %d): layers [%d, %d), %s", stage.index, stage.index + 1, stage.num_stages,
@@ -123,7 +125,7 @@ def compile_stage(ckpt: Checkpoint, stage: StageSpec, config: CompileConfig, max
     if config.streamed:
         build = StageBuild(ckpt, stage, config.passes(), _instruments(config), max_positions, scratch,
                            keep_raw=config.dumping, cache=_piece_cache(config, workdir),
-                           piece_bytes=_piece_bytes(config), calibration=calibration)
+                           piece_bytes=_piece_bytes(config), calibration=calibration, progress=progress)
         model, records = build_stage(build)
     else:
         build = None
@@ -289,15 +291,16 @@ def _chosen_stages(plan: PartitionPlan, only_stage: int | None) -> tuple[StageSp
     return (plan.specs[only_stage],)
 
 
-def compile_bundle(config: CompileConfig) -> Manifest:
-    """Compile ``config.checkpoint`` into a stage bundle at ``config.output``; return its manifest."""
+def compile_bundle(config: CompileConfig, progress: LayerProgress | None = None) -> Manifest:
+    """Compile ``config.checkpoint`` into a stage bundle at ``config.output``; return its manifest. ``progress``,
+    if given, counts the layers built and their seconds (a streamed compile)."""
     libraries = ("torch", "transformers", *(("nncf",) if config.weights.mode not in ("fp32", "fp16") else ()))
     # the compile's collections walk the compile's own objects; numpy's BLAS on one thread, a heartbeat watched
     with libraries_spared_from_gc(*libraries), watchdog.guarded():
-        return _compile_bundle(config)
+        return _compile_bundle(config, progress or LayerProgress())
 
 
-def _compile_bundle(config: CompileConfig) -> Manifest:
+def _compile_bundle(config: CompileConfig, progress: LayerProgress) -> Manifest:
     started = time.perf_counter()
     return_freed_blocks()  # layer-sized buffers go back to the kernel when freed: memory follows one layer
     ckpt = open_source(config.checkpoint)
@@ -308,6 +311,7 @@ def _compile_bundle(config: CompileConfig) -> Manifest:
     plan = make_plan(config, ckpt)
     log.info("partition plan (%s):\n%s", plan.strategy, plan.format_table())
     chosen = _chosen_stages(plan, config.only_stage)
+    progress.total = sum(len(s.layers) for s in chosen)
     max_positions = config.max_positions or ckpt.dims.max_position_embeddings
     needed = staging.space_needed(plan, ckpt.dims.head_dim, max_positions)
     workdir, figures = _workdir(config.output, needed), []
@@ -318,7 +322,7 @@ def _compile_bundle(config: CompileConfig) -> Manifest:
         entries, log_records = [], []
         for stage in chosen:
             with PeakSampler() as memory:
-                entry, records = compile_stage(ckpt, stage, config, max_positions, workdir, activations)
+                entry, records = compile_stage(ckpt, stage, config, max_positions, workdir, activations, progress)
             figures.append(StageFigures(stage, memory.seconds, memory.peak))
             log.info("%s", stage_done(figures, chosen))
             watchdog.beat(f"stage {stage.index} compiled")

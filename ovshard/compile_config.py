@@ -63,7 +63,7 @@ class CompileConfig:
     # data-aware INT4: "default" (the shipped text where the compile can use it, else none: default_calibration), "text",
     # "auto" (the model's own text), a text file's path or "none"
     calibration: str = "default"
-    calibration_samples: int = 16
+    calibration_samples: int = 8
     calibration_tokens: int = 128  # tokens per calibration sample
 
     def __post_init__(self) -> None:

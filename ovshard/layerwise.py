@@ -32,6 +32,7 @@ from ovshard.frontend.checkpoint import Checkpoint
 from ovshard.frontend.tensors import layer_tensors
 from ovshard.ir.pass_manager import Calibration, GraphPass, Instrument, PassContext, PassManager, Piece
 from ovshard.ir.splice import Assembler, RowSplicer
+from ovshard.report import LayerProgress
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class StageBuild:
     buffers: list = field(default_factory=list)  # chunk splicers' file-backed buffers: the graph's weights
     last_records: list[PassRecord] = field(default_factory=list)  # of the piece built last
     calibration: Calibration | None = None  # a piece's calibration inputs (PassContext)
+    progress: LayerProgress | None = None  # the whole compile's layers: one line a layer piece
     core: ov.Core = field(default_factory=ov.Core)
 
     @property
@@ -91,16 +93,14 @@ def build_stage(b: StageBuild) -> tuple[ov.Model, list[PassRecord]]:
             _stage_input(asm, names.piece_hidden(stage.start), dims.hidden_size)
     for asm in filter(None, (joined, raw)):
         asm.add(pieces.prologue_piece(b.ckpt, stage, b.max_positions))
-    start = time.perf_counter()  # the rate of the layers alone: the embedding before them is timed apart
+    progress = b.progress or LayerProgress(len(stage.layers))  # the rate of the layers alone, not the embedding's
     for a, z in layer_groups(b.ckpt, stage, b.piece_bytes):
         began = time.perf_counter()
         piece = Piece("layers", a, z)
         trace = functools.partial(pieces.layers_piece, b.ckpt, a, z, stage)
         _add_piece(b, trace, piece, joined, raw, f"layers_{a}_{z}")
-        done, left = z - stage.start, stage.end - z
-        eta = f"; about {(time.perf_counter() - start) / done * left:.0f} s for {left} more" if left else ""
-        log.info("stage %d: %s done (%d of %d layers) in %.1f s%s", stage.index, piece, done, len(stage.layers),
-                 time.perf_counter() - began, eta)
+        log.info("stage %d: %s done in %.1f s; %s", stage.index, piece, time.perf_counter() - began,
+                 progress.add(z - a, time.perf_counter() - began))
         watchdog.beat(f"stage {stage.index}: {piece} compiled")
     if stage.last:
         for asm in filter(None, (joined, raw)):

@@ -36,9 +36,9 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from ovshard.bundle import names
-from ovshard.bundle.weights import WeightFormat
+from ovshard.bundle.weights import OWN_FIT, WeightFormat
 from ovshard.errors import PassError
-from ovshard.ir.pass_manager import GraphPass, PassContext, PassResult
+from ovshard.ir.pass_manager import Calibration, GraphPass, PassContext, PassResult
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,20 @@ def _ignored(ops_names: list[str]) -> object:
     return nncf.IgnoredScope(names=sorted(ops_names)) if ops_names else None
 
 
+def int4_weight(name: str, codes: np.ndarray, scales: np.ndarray, shape: tuple[int, ...]) -> ov.Node:
+    """A symmetric INT4 weight in the form NNCF writes it, which the CPU plugin fuses into its compressed
+    FullyConnected: i4 codes [out, groups, group] -> Convert f16 -> Multiply by the f16 scales [out, groups, 1]
+    -> Reshape to [out, in] -> Convert f32."""
+    nibbles = (codes.view(np.uint8) & 0x0F).reshape(-1, 2)  # two codes a byte, the first in the low nibble
+    stored = ov.op.Constant(ov.Tensor(nibbles[:, 0] | (nibbles[:, 1] << 4), list(codes.shape), ov.Type.i4),
+                            shared_memory=False)  # packed here: OpenVINO's own packing of int8 codes is slow
+    stored.set_friendly_name(name)
+    scale = ops.constant(scales, dtype=ov.Type.f16, name=f"{name}/scale")
+    weight = ops.multiply(ops.convert(stored, ov.Type.f16), scale, name=f"{name}/fq_weights_1")
+    weight = ops.reshape(weight, ops.constant(np.array(shape, np.int64)), special_zero=False)
+    return ops.convert(weight, ov.Type.f32, name=f"{name}/fq_weights_1/convert")
+
+
 def _to_fp16(model: ov.Model, weights: list[ov.Node]) -> None:
     for const in weights:
         half = ops.constant(const.get_data().astype(np.float16))
@@ -184,6 +198,10 @@ class CompressWeightsPass(GraphPass):
             if backup:
                 nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM,
                                       ignored_scope=_ignored([*rest, *routers]))
+            if rest and OWN_FIT in self.fmt.methods:
+                fitted = self._fit(model, ctx, set(rest), where)
+                rest = [name for name in rest if name not in fitted]
+                backup |= fitted  # NNCF leaves them alone: they are INT4 already
             if rest:
                 data_aware = self._data_aware(ctx, where)
                 nncf.compress_weights(model, **self._nncf_args(), **data_aware,
@@ -192,21 +210,52 @@ class CompressWeightsPass(GraphPass):
                     del data_aware
                     gc.collect()
 
+    def _fit(self, model: ov.Model, ctx: PassContext, ops_wanted: set[str], where: str) -> set[str]:
+        """Symmetric INT4 of the decoder weights among ``ops_wanted`` fitted to their calibration inputs
+        (``Calibration.fit_int4``), written as NNCF writes INT4 (:func:`int4_weight`); returns the ops done. A
+        weight no INT4 group fits, or not of the [out, in] form, is left to NNCF (data-free)."""
+        calibration = self._calibration(ctx, where)
+        assert ctx.piece is not None and ctx.piece.start is not None
+        done = set()
+        for op in weight_ops(model):
+            const = op.input_value(1).get_node()
+            match = _DECODER_WEIGHT.search(const.get_friendly_name())
+            shape = tuple(const.get_output_shape(0))
+            if (op.get_friendly_name() not in ops_wanted or op.get_type_name() != "MatMul" or match is None
+                    or len(shape) != 2 or not op.get_attributes()["transpose_b"]):
+                continue
+            group = self.fmt.group_for(shape[1])
+            if group is None:
+                continue
+            codes, scales = calibration.fit_int4(f"{ctx.piece.start + int(match[1])}.{match[2]}", const.get_data(),
+                                                 group)
+            const.output(0).replace(int4_weight(const.get_friendly_name(), codes, scales, shape).output(0))
+            done.add(op.get_friendly_name())
+        log.debug("%s: %d INT4 weights fitted to the calibration inputs", where, len(done))
+        return done
+
+    def _calibration(self, ctx: PassContext, where: str) -> Calibration:
+        if ctx.calibration is None or ctx.piece is None or ctx.piece.kind != "layers":
+            raise PassError(f"{where}: --calibration-methods {','.join(self.fmt.methods)} need calibration inputs "
+                            "and this compile has none (a whole-stage or parallel compile); compile streamed, "
+                            "one job, or with --calibration none")
+        return ctx.calibration
+
     def _data_aware(self, ctx: PassContext, where: str) -> dict:
         """NNCF's data-aware arguments for a layer piece of a calibrated compile: the piece's calibration inputs
         (the float32 layers' activations, ``ovshard.frontend.calibration``) and the chosen methods."""
         import nncf
 
-        if not self.fmt.methods or ctx.piece is None or ctx.piece.kind != "layers":
+        nncf_methods = [m for m in self.fmt.methods if m != OWN_FIT]
+        if not nncf_methods or ctx.piece is None or ctx.piece.kind != "layers":
             return {}
-        items = ctx.calibration(ctx.piece) if ctx.calibration is not None else None
+        items = self._calibration(ctx, where)(ctx.piece)
         if not items:
             raise PassError(f"{where}: --calibration-methods {','.join(self.fmt.methods)} need calibration inputs "
                             "and this compile has none (a whole-stage or parallel compile); compile streamed, "
                             "one job, or with --calibration none")
         log.info("%s: NNCF %s with %d calibration samples", where, "+".join(self.fmt.methods), len(items))
-        return {"dataset": nncf.Dataset(items), "subset_size": len(items),
-                **{method: True for method in self.fmt.methods}}
+        return {"dataset": nncf.Dataset(items), "subset_size": len(items), **{method: True for method in nncf_methods}}
 
     def _scale_estimation(self) -> dict:
         """``AdvancedCompressionParameters`` arguments for NNCF's scale estimation, where the format asks for it."""

@@ -8,10 +8,13 @@ from ovshard.errors import ConfigError
 
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4_sym", "int4_asym")
 MIN_INT4_GROUP = 32  # NNCF's ADJUST fallback: below this power-of-two group a weight is stored in INT8
-DATA_AWARE = ("awq", "scale_estimation", "gptq", "lora_correction")  # NNCF's methods that need calibration text
-# NNCF's scale estimation alone: AWQ added nothing on any real model (NNCF applies it to one MatMul a layer, the
-# down projection, and there only to the groups of the 0.2% most active channels); docs/results/2026-12-int4-accuracy.md
-DEFAULT_DATA_AWARE = ("scale_estimation",)
+OWN_FIT = "scale_fit"  # ovshard's own scale fit of symmetric INT4 (ovshard.frontend.int4_fit), alone
+NNCF_DATA_AWARE = ("awq", "scale_estimation", "gptq", "lora_correction")  # NNCF's methods that need calibration text
+DATA_AWARE = (*NNCF_DATA_AWARE, OWN_FIT)
+# ovshard's own scale fit: NNCF's scale estimation's accuracy or better at a fraction of its cost
+# (docs/results/2026-12-int4-fit.md); NNCF's scale estimation for int4_asym, which the fit does not cover
+DEFAULT_DATA_AWARE = (OWN_FIT,)
+DEFAULT_DATA_AWARE_ASYM = ("scale_estimation",)
 
 
 @dataclass(frozen=True)
@@ -26,9 +29,8 @@ class WeightFormat:
     first while the bundle stays within ``budget`` times its all-INT4 size and at least ``ratio`` of the
     decoder's weights stay INT4. ``int8_weights`` is that choice (``"layer.projection"`` keys, e.g.
     ``"3.down"``), made by the compiler and recorded so that every stage and every part of a bundle
-    applies the same one. Default: int4_sym, group 128, budget 1.15, with scale estimation on the shipped text
-    where the compile can (``ovshard.compile``): within 4% of fp32 perplexity on every real model tried
-    (docs/results/2026-12-int4-accuracy.md).
+    applies the same one. Default: int4_sym, group 128, budget 1.15, with ovshard's own scale fit on the shipped
+    text where the compile can (``ovshard.compile``; docs/results/2026-12-int4-fit.md).
     """
 
     mode: str = "int4_sym"
@@ -60,6 +62,10 @@ class WeightFormat:
         unknown = [m for m in self.methods if m not in DATA_AWARE]
         if unknown:
             raise ConfigError(f"--calibration-methods {','.join(unknown)}: expected some of {', '.join(DATA_AWARE)}")
+        if OWN_FIT in self.methods and (self.mode != "int4_sym" or len(self.methods) > 1):
+            raise ConfigError(f"--calibration-methods {','.join(self.methods)} with --weights {self.mode}: {OWN_FIT} "
+                              "fits symmetric INT4 and runs alone; use --weights int4_sym with it, or NNCF's "
+                              "methods (e.g. scale_estimation) instead")
         if self.methods and not self.is_int4:
             raise ConfigError(f"--calibration calibrates INT4 weights; --weights {self.mode} has none: use "
                               "--weights int4_sym or int4_asym, or --calibration none")

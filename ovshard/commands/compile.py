@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,6 +13,7 @@ from ovshard.errors import OvshardError
 
 if TYPE_CHECKING:
     from ovshard.compile import CompileConfig
+    from ovshard.report import LayerProgress
 
 WEIGHT_HELP = """weight format: fp32 (exact; for parity tests), fp16, int8 (per channel),
 int4_sym (default: with the sensitive weights in INT8 it measured ahead of int4_asym on the real models,
@@ -48,16 +51,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--all-layers", action="store_true",
                    help="INT4 also for the embedding and the lm_head (default: those stay INT8)")
     p.add_argument("--calibration", default="default", metavar="text|auto|none|FILE",
-                   help="INT4: data-aware compression (NNCF's scale estimation, layer by layer in the streamed "
-                   "compile) on calibration text: text (the ~2,300 tokens of prose and code that ship with ovshard), "
-                   "auto (the model's own sampled text from neutral prompts), a UTF-8 text file, or none (data-free: "
-                   "faster). Default: text where the checkpoint has a tokenizer and the compile is streamed in one "
-                   "job, else none")
-    p.add_argument("--calibration-samples", type=int, default=16, help="calibration samples (default 16)")
+                   help="INT4: data-aware compression, layer by layer in the streamed compile (ovshard's own scale fit "
+                   "for int4_sym, NNCF's scale estimation for int4_asym), on calibration text: text (the ~2,300 tokens "
+                   "of prose and code that ship with ovshard), auto (the model's own sampled text from neutral "
+                   "prompts), a UTF-8 text file, or none (data-free). Default: text where the checkpoint has a "
+                   "tokenizer and the compile is streamed in one job, else none")
+    p.add_argument("--calibration-samples", type=int, default=8, help="calibration samples (default 8)")
     p.add_argument("--calibration-tokens", type=int, default=128, help="tokens per calibration sample (default 128)")
     p.add_argument("--calibration-methods", metavar="M[,M]",
-                   help="NNCF's data-aware methods: awq, scale_estimation, gptq, lora_correction (default: "
-                   "scale_estimation)")
+                   help="data-aware methods: scale_fit (ovshard's own, int4_sym, alone; the default there) or "
+                   "NNCF's awq, scale_estimation (the default for int4_asym), gptq, lora_correction")
     p.add_argument("--frontend", default="torchscript", choices=("torchscript", "onnx"),
                    help="torchscript: torch.jit.trace + OpenVINO's PyTorch front end (default); onnx: "
                    "torch.onnx.export at opset 23 + OpenVINO's ONNX front end")
@@ -82,6 +85,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-memory", metavar="SIZE",
                    help="cap on the compile's memory, e.g. 8GB: fewer parallel jobs, or a clear refusal when "
                    "one layer alone does not fit")
+    p.add_argument("--json", action="store_true",
+                   help="print a JSON summary on stdout instead of the bundle table: bundle, stages, layers, seconds, "
+                   "seconds a layer, peak RSS, bits per parameter (progress still goes to stderr)")
     p.add_argument("--print-after-change", action="store_true",
                    help="print the graph text after every pass that changed it")
     p.set_defaults(func=run)
@@ -143,8 +149,33 @@ def compile_config(args: argparse.Namespace) -> CompileConfig:
 def run(args: argparse.Namespace) -> int:
     from ovshard.bundle.manifest import read_part_manifest
     from ovshard.compile import compile_bundle
+    from ovshard.report import LayerProgress
     from ovshard.verify.inspect import summary
 
-    compile_bundle(compile_config(args))
-    print(summary(args.output, read_part_manifest(args.output)))  # with --only-stage, a part bundle
+    progress, started = LayerProgress(), time.perf_counter()
+    compile_bundle(compile_config(args), progress)
+    if args.json:
+        print(json.dumps(json_summary(args.output, progress, time.perf_counter() - started)))
+    else:
+        print(summary(args.output, read_part_manifest(args.output)))  # with --only-stage, a part bundle
     return 0
+
+
+def json_summary(bundle: Path, progress: LayerProgress, seconds: float) -> dict:
+    """What ``--json`` prints: the bundle, its size in layers, the compile's time and peak memory, and stored bits
+    per parameter (every parameter once, as llama.cpp's files are measured; null for a part bundle)."""
+    from ovshard.bundle.manifest import read_part_manifest
+    from ovshard.frontend.arch import ARCHITECTURES
+    from ovshard.memory import read_status
+    from ovshard.plan.costs import bits_per_parameter
+    from ovshard.verify.reference import weight_bytes
+
+    part = read_part_manifest(bundle)
+    bits = bits_per_parameter(weight_bytes(bundle, part), ARCHITECTURES[part.architecture.model_type],
+                              part.architecture, part.weights, part.num_stages) if part.complete else None
+    per_layer = progress.seconds_per_layer
+    return {"bundle": str(bundle.resolve()), "stages": len(part.stages), "layers": progress.total or
+            sum(e.layers[1] - e.layers[0] for e in part.stages), "seconds": round(seconds, 2),
+            "seconds_per_layer": None if per_layer is None else round(per_layer, 3),
+            "peak_rss_bytes": read_status().get("hwm"), "bits_per_parameter": None if bits is None else round(bits, 3),
+            "weights": part.weights.describe()}

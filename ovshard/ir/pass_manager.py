@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import openvino as ov
@@ -53,7 +54,16 @@ class Piece:
         return f"layer {self.start}" if self.end == (self.start or 0) + 1 else f"layers [{self.start}, {self.end})"
 
 
-Calibration = Callable[["Piece"], "list[dict[str, np.ndarray]] | None"]  # a piece -> its calibration inputs
+class Calibration(Protocol):
+    """What a calibrated streamed compile knows about a piece's inputs (``ovshard.frontend.calibration``)."""
+
+    def __call__(self, piece: Piece) -> list[dict[str, np.ndarray]] | None:
+        """The piece's calibration inputs for NNCF: one dict of input name -> array per sample (None for a piece
+        that has none, such as the embedding)."""
+
+    def fit_int4(self, key: str, weight: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+        """Symmetric INT4 of decoder weight ``key`` (``"3.down"``; ``weight`` [out, in] f32) fitted to its inputs:
+        int8 codes in [-8, 7] [out, in / group, group] and f16 scales [out, in / group, 1]."""
 
 
 @dataclass
@@ -61,8 +71,8 @@ class PassContext:
     """What a pass may know about the stage it runs on. ``history`` lists the passes run so far.
 
     ``piece`` is set when a layer-scoped pass runs on one piece of the stage (a streamed compile).
-    ``calibration``, in a calibrated streamed compile, gives a piece's calibration inputs: one dict of input
-    name -> array per sample (None for a piece that has none, such as the embedding).
+    ``calibration``, in a calibrated streamed compile, gives a piece's calibration inputs, or fits its INT4
+    weights to them (:class:`Calibration`).
     """
 
     stage: StageSpec

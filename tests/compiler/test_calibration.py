@@ -1,6 +1,6 @@
 """Data-aware INT4: calibration text, layer-by-layer activations, the same weights at every split.
 
-``--calibration auto|FILE`` runs NNCF's AWQ and scale estimation on each layer piece of the streamed
+``--calibration auto|FILE`` runs the calibrated INT4 (ovshard's scale fit by default) on each layer piece of the streamed
 compile, fed the activations the float32 layers before it produce. Those are checked against Hugging
 Face's hidden states; a calibrated checkpoint compiled into 1 or 2 stages, or one stage alone with
 ``--only-stage``, stores the same bytes for every weight. The memory bound is in test_compile_memory.py.

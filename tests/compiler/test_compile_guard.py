@@ -51,7 +51,7 @@ def test_a_silence_is_reported_when_it_reaches_the_stall_time_then_every_stall_t
 
 
 def test_the_default_compile_ends_under_a_load_of_numpy_threads(stories: Path, tmp_path: Path) -> None:
-    """stories260K's default compile (calibrated: NNCF's scale estimation in numpy) finishes while two other
+    """stories260K's default compile (calibrated: the scale fit in torch) finishes while two other
     threads of the process multiply matrices in numpy without pause (bounded time; no assertion on speed)."""
     stop, errors = threading.Event(), []
 

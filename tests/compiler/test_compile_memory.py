@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from ovshard.compile import CompileConfig, compile_bundle
 checkpoint, output, mode = sys.argv[1:]
-calibration = "auto" if mode == "calibrated" else "none"  # AWQ + scale estimation on the model's own text
+calibration = "auto" if mode == "calibrated" else "none"  # the default method (the scale fit) on the model's own text
 compile_bundle(CompileConfig(Path(checkpoint), Path(output), stages=1, streaming=mode != "whole", piece_bytes=1,
                              calibration=calibration, calibration_samples=4, calibration_tokens=32))
 """
@@ -108,8 +108,8 @@ def test_streamed_peak_anon_is_flat_in_layers_per_stage(peaks: dict[tuple[int, s
 
 
 def test_calibrated_peak_anon_is_flat_in_layers_per_stage(peaks: dict[tuple[int, str], int]) -> None:
-    """--calibration auto (the model writes its text one layer in memory at a time, then AWQ and scale
-    estimation run on each layer with the activations of the layers before it): the same bound."""
+    """--calibration auto (the model writes its text one layer in memory at a time, then the scale fit runs on
+    each layer with the activations of the layers before it): the same bound."""
     _assert_flat(peaks, "calibrated", "calibration holds more than a layer at a time")
 
 

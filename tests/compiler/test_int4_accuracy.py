@@ -68,7 +68,7 @@ def int4_bundles(stories: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
 
 def test_the_default_calibrates_on_the_shipped_text_where_it_can(int4_bundles: dict[int, Path],
                                                                   tmp_path: Path) -> None:
-    """A checkpoint with a tokenizer: scale estimation on the shipped text; without one (a random-weight shape), or
+    """A checkpoint with a tokenizer: the scale fit on the shipped text; without one (a random-weight shape), or
     in a compile that cannot calibrate (--jobs 2, --whole-stage): data-free, and the log says why."""
     for bundle in int4_bundles.values():
         weights = read_manifest(bundle).weights

@@ -1,0 +1,112 @@
+"""The calibrated INT4 scale fit: every group of a weight at once, on its calibration inputs (torch, float32).
+
+A weight ``W`` [out, in] is stored as symmetric INT4 codes ``q`` in [-8, 7], ``group`` inputs to a scale
+``s`` (one f16 a row and group), and read back as ``s * q``. Its output on calibration inputs ``X`` [tokens,
+in] errs by ``||(W - s q) X^T||^2``; with the error of each group counted on its own inputs alone (the cross
+terms between groups left out, as NNCF's scale estimation does), a row's group with weights ``w``, error
+``d = w - s q`` and the group's input second moments ``H = X_g^T X_g / tokens`` [group, group] errs by
+``d^T H d``. For each group the fit starts from the min-max scale, signed so that the weight of largest
+magnitude maps to -8 (NNCF's symmetric INT4), and alternates: the least-squares scale of the codes,
+``s = q^T H w / q^T H q`` (the best scale for those codes), then the codes that scale rounds to (the nearest
+ones), ``ROUNDS`` times; of the scales and codes met on the way it keeps the pair of least error. It tries
+no grid of shrunk min-max scales: clipping the largest weights of a group that way fitted the calibration
+text and lost on other text (SmolLM2-135M, docs/results/2026-12-int4-fit.md).
+
+Every candidate is evaluated after rounding its scale to f16, as stored, so the error compared is the stored
+weight's. All of it is batched matmuls and elementwise ops over [groups, rows, group] tensors, a row block
+at a time (``BLOCK_BYTES``), so memory stays a few blocks of a weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import torch
+
+ROUNDS = 1  # least-squares refits after the first (each: the codes its scale rounds to, and their own refit)
+LOW, HIGH = -8, 7  # symmetric INT4 codes
+BLOCK_BYTES = 512 << 10  # the rows fitted at once hold about this much f32: each temporary stays in cache, and under
+# the 1 MiB at which the compile has glibc serve (and zero-fill) every allocation by mmap (ovshard.memory)
+
+
+def second_moments(inputs: torch.Tensor, group: int) -> torch.Tensor:
+    """Per group of ``group`` input channels, ``X_g^T X_g / tokens`` of ``inputs`` [tokens, in]: [groups, g, g]."""
+    tokens, width = inputs.shape
+    x = inputs.reshape(tokens, width // group, group).transpose(0, 1)  # [groups, tokens, group]
+    return torch.bmm(x.transpose(1, 2), x) / tokens
+
+
+def fit(weight: torch.Tensor, moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (int8 in [-8, 7], [out, groups, group]) and f16 scales ([out, groups, 1]) of ``weight`` [out, in]
+    that minimise each group's ``d^T H d`` over the candidate scales; ``moments`` from :func:`second_moments`."""
+    out_features, width = weight.shape
+    groups, group, _ = moments.shape
+    if groups * group != width:
+        raise ValueError(f"a weight of {width} inputs and moments of {groups} groups of {group}")
+    codes = torch.empty(out_features, groups, group, dtype=torch.int8)
+    scales = torch.empty(out_features, groups, 1, dtype=torch.float16)
+    rows = max(1, BLOCK_BYTES // (4 * width))
+
+    def fit_rows(start: int) -> None:
+        w = weight[start:start + rows].float().reshape(-1, groups, group).transpose(0, 1)  # [groups, rows, g]
+        q, s = _fit_block(w.contiguous(), moments)
+        codes[start:start + rows] = q.transpose(0, 1)
+        scales[start:start + rows] = s.transpose(0, 1)
+
+    workers = torch.get_num_threads()
+    with torch.no_grad(), _one_thread(), ThreadPoolExecutor(workers) as pool:
+        list(pool.map(fit_rows, range(0, out_features, rows)))  # each block on its own: the same bytes at any count
+    return codes, scales
+
+
+def _fit_block(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best codes and f16 scales of ``w`` [groups, rows, g] for the moments ``h`` [groups, g, g].
+
+    For codes ``q`` and a scale ``s`` the error expands to ``w^T H w - 2 s q^T H w + s^2 q^T H q``: with ``H w``
+    computed once, each set of codes costs one batched matmul (``H q``) and two dot products, and each scale
+    tried for them (the one they were rounded at, their least-squares one) a few ops on [groups, rows, 1]."""
+    high, low = w.amax(-1, keepdim=True), w.amin(-1, keepdim=True)
+    minmax = torch.where(-low >= high, -low, -high) / -LOW  # signed: the largest magnitude maps to -8
+    hw = torch.bmm(w, h)  # [groups, rows, g]
+    whw = (w * hw).sum(-1, keepdim=True)
+    best_err = torch.full_like(whw, float("inf"))
+    best_s = best_base = _f16(minmax)  # the scale kept, and the one its codes came from
+    s = best_s
+    q = torch.div(w, s).round_().clamp_(LOW, HIGH)
+    for step in range(ROUNDS + 1):
+        qhw = (q * hw).sum(-1, keepdim=True)
+        qhq = (q * torch.bmm(q, h)).sum(-1, keepdim=True)
+        refit = _f16(torch.where(qhq > 0, qhw / qhq, s))  # the least-squares scale of these codes
+        for cand in (s, refit):
+            err = whw - 2 * cand * qhw + cand * cand * qhq  # [groups, rows, 1]
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_s = torch.where(better, cand, best_s)
+            best_base = torch.where(better, s, best_base)
+        if step < ROUNDS:
+            s = refit
+            q = torch.div(w, s).round_().clamp_(LOW, HIGH)
+    q = torch.clamp(torch.round(w / best_base), LOW, HIGH)  # the chosen codes again: rounded at the scale they came from
+    return q.to(torch.int8), best_s.to(torch.float16)
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch ops on one thread each, the blocks spread over torch's threads instead (:func:`fit`): each op here is
+    a block's worth, too small to share, and OpenMP's barrier waiting on a thread the machine's other work had
+    preempted made the fit 4-6x slower on 2 loaded cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _f16(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` as stored: rounded to f16, a zero made the smallest normal f16 (a group of zeros keeps codes 0)."""
+    tiny = torch.finfo(torch.float16).tiny
+    s = scale.to(torch.float16).float()
+    return torch.where(s.abs() < tiny, torch.full_like(s, tiny), s)
