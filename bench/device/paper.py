@@ -20,8 +20,8 @@ keeps what it measured):
            class (manifest runtime_hints.cpu_plugin_by_isa), so the phases after run as a user would.
   profile  bench/op_profile.py on each one-stage bundle: a decode step per op type and per layer, and the
            largest shape's 512-token prompt.
-  cost     compile cost per decoder layer at the 8B shape: data-free (the default) against calibrated
-           compiles (scale estimation on the shipped text), wall seconds and peak RSS at 2 and 4 layers.
+  cost     compile cost per decoder layer at the last shape: data-free against the default (calibrated: the
+           scale fit on the shipped text), wall seconds and peak RSS at 2 and 4 layers.
   one      one node: decode tokens/s of ``ovshard run --local --threads T`` against ``llama-bench -t T`` on the
            Q4_K_M and Q4_0 files, both pinned (taskset) to the same T cores, rounds interleaved; the time to
            the first token of a 512-token prompt (llama-bench -p 512 against ovshard's prefill).
@@ -211,8 +211,7 @@ def setup(work: Path, llama_src: Path, shapes: list[str], results: Results) -> d
 def cost(work: Path, results: Results, shape: str) -> None:
     """Per-layer compile cost at ``shape``: (4-layer - 2-layer) / 2 for each variant, wall and peak RSS."""
     variants = {"data-free": ("--calibration", "none"),
-                "scale estimation (2 rounds), shipped text, 16 samples": (
-                    "--calibration", "text", "--calibration-samples", "16", "--calibration-methods", "scale_estimation")}
+                "the default (scale fit on the shipped text)": ()}
     rows = []
     for name, extra in variants.items():
         got = {}
