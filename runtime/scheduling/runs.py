@@ -88,6 +88,9 @@ class Run:
         stats.stage_s.append(dict(timings))
         stats.drafted += verified
         stats.accepted += kept
+        if verified > kept:  # the rejected drafts' positions are taken back (the planner shortens the table)
+            stats.rewinds += 1
+            stats.rewound_positions += verified - kept
         if self.speculation:
             self.speculation.observe(verified, kept, elapsed, verified + 1, 0.0)
         if not self.emitted:

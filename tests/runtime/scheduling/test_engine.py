@@ -222,6 +222,8 @@ def test_a_draft_rejected_at_every_position_keeps_the_solo_tokens(right: int) ->
     stats = request.stats
     full = [n for n in stats.step_tokens[:-1]]  # the last step may stop early at max_tokens
     assert set(full) == {right + 1} and stats.accepted == sum(n - 1 for n in stats.step_tokens)
+    assert stats.rewound_positions == stats.drafted - stats.accepted  # every rejected draft taken back
+    assert (stats.rewinds > 0) == (right < 4)  # a row that rejected a draft counts one rewind
     assert all(len(b.rows) == 1 for b in engine.link.sent)  # type: ignore[attr-defined]
     engine.close()
 
