@@ -19,8 +19,11 @@ import pytest
 # several times slower here. Set before any test module loads openvino; subprocesses inherit it.
 os.environ.setdefault("CI", "true")
 
-# CLI compiles in tests use a layer cache of their own, never the user's ~/.cache/ovshard
-os.environ.setdefault("OVSHARD_CACHE_DIR", tempfile.mkdtemp(prefix="ovshard-test-cache-"))
+# CLI compiles in tests use a layer cache of their own, never the user's ~/.cache/ovshard; it goes when
+# the session ends
+if "OVSHARD_CACHE_DIR" not in os.environ:
+    os.environ["OVSHARD_CACHE_DIR"] = tempfile.mkdtemp(prefix="ovshard-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["OVSHARD_CACHE_DIR"], ignore_errors=True)
 
 # The Ctrl-C tests send SIGINT to ovshard processes as a terminal would. A background job of a
 # non-interactive shell starts with SIGINT ignored, and an ignored signal stays ignored in every child:
