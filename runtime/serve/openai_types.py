@@ -6,6 +6,7 @@ for something else gets an :class:`ApiError` naming the field (HTTP 400), never 
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -15,6 +16,7 @@ from typing import Any
 from ovshard.errors import OvshardError
 
 MAX_STOP = 4  # as OpenAI: up to 4 stop strings
+_MARK = "\x00text\x00"  # where a chunk's text goes in the template of its event (in no model name or id)
 
 
 class ApiError(OvshardError):
@@ -119,6 +121,13 @@ class Answer:
         self.model, self.chat = model, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+        event = f"data: {json.dumps(self.chunk(_MARK, None))}\n\n".encode()
+        self._around = event.split(json.dumps(_MARK).encode())  # a text chunk's event before and after its text
+
+    def text_event(self, text: str) -> bytes:
+        """The server-sent event of a chunk of ``text``: :meth:`chunk`'s JSON, only the text encoded anew."""
+        before, after = self._around
+        return before + json.dumps(text).encode() + after
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
