@@ -210,6 +210,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """End of stream: return everything not yet emitted, incomplete characters included (as U+FFFD)."""
+        if self._read == len(self._ids):
+            return ""  # every id's text was emitted: the two decodes would be the same text
         sent = self._text(self._prefix, self._read)
         text = self._text(self._prefix, len(self._ids))
         self._prefix = self._read = len(self._ids)
