@@ -274,6 +274,38 @@ def test_a_send_that_fails_replays_every_request_without_waiting_for_another_eve
     engine.close()
 
 
+class SlowHost(ScriptedHost):
+    """A host whose reconnect waits until ``go`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked, self.go = threading.Event(), threading.Event()
+
+    def reconnect(self, stale: ScriptedLink, deadline: float, cause: OvshardError) -> ScriptedLink:
+        self.asked.set()
+        assert self.go.wait(30), "the test never let the reconnect finish"
+        return super().reconnect(stale, deadline, cause)
+
+
+def test_submissions_and_cancels_go_on_while_a_reconnect_is_pending() -> None:
+    """While the host is still reconnecting a broken chain, a cancel ends its request at once and a new request is
+    taken in; once the chain is back, the survivor replays and the newcomer starts, each with its solo tokens."""
+    link, host = ScriptedLink(), SlowHost()
+    link.fail_tick = 2
+    engine = engine_over(link, host)
+    kept, dropped = run(engine, [2, 3], 10), run(engine, [9, 8, 7], 10)
+    assert host.asked.wait(30)
+    dropped.cancel()
+    assert dropped._done.wait(30) and dropped.finish_reason == "cancelled"
+    late = run(engine, [5], 6)
+    settle(engine, lambda: late.index in engine.runs)
+    assert not kept.done and not late.done and late.phases == [W]
+    host.go.set()
+    assert [kept.result(30), late.result(30)] == [solo([2, 3], 10), solo([5], 6)]
+    assert host.reconnects == 1 and kept.stats.replays == 1 and late.stats.replays == 0 and RE not in late.phases
+    engine.close()
+
+
 def test_a_refused_row_starts_that_request_again_on_the_same_chain() -> None:
     """A stage refuses one row: that request replays on the same chain (no reconnect), the other is untouched."""
     link, host = ScriptedLink(), ScriptedHost()
