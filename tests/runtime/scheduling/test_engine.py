@@ -403,7 +403,7 @@ def test_closing_the_engine_ends_running_requests_with_an_error() -> None:
 # ----- stateful stages: the engine over a StreamLink, a Step a row on the sequence's own stream -----
 
 class ScriptedStreams:
-    """A chain of stateful stages in process, as a StreamLink sees it (``conns[0]``, ``ask`` for Opens,
+    """A chain of stateful stages in process, as a StreamLink sees it (``conns[0]``, ``open_stream``,
     ``listen``): it keeps each open stream's cache as a stage does and refuses what a stage refuses
     (node/steps.check_step: the position after the rewind, the physical cache past max_positions without
     compact), answers each Step's rows by ``NEXT``; ``hold`` keeps answers, ``refuse_step`` / ``fail_step``
@@ -421,13 +421,18 @@ class ScriptedStreams:
         self.fail_step: int | None = None
         self.deliver: Deliver | None = None
         self.max_open = 0
+        self.hold_opens = False  # every stage's OpenOk held until the test calls self.opening's callbacks
+        self.opening: list[Callable[[], None]] = []
 
-    def ask(self, key: tuple[str, int], stream: int, sends: list, answers: int) -> list[p.OpenOk]:
-        assert key == ("open", stream) and len(sends) == answers == self.depth and stream not in self.caches
+    def open_stream(self, stream: int, opened: Callable[[StageFailure | None], None]) -> None:
+        assert stream not in self.caches
         self.caches[stream] = []
         self.opened.append(stream)
         self.max_open = max(self.max_open, len(self.caches))
-        return [p.OpenOk(stream)] * answers
+        if self.hold_opens:
+            self.opening.append(lambda: opened(None))
+        else:
+            opened(None)
 
     def listen(self, deliver: Deliver) -> None:
         self.deliver = deliver
@@ -542,6 +547,29 @@ def test_a_cancelled_stateful_request_closes_its_stream_once_its_step_is_answere
     chain.answer_held()
     settle(engine, lambda: chain.closed_streams == chain.opened)
     assert request.finish_reason == "cancelled"
+    engine.close()
+
+
+def test_a_stream_waits_for_its_open_while_the_loop_takes_cancels_and_new_requests() -> None:
+    """Every stage's OpenOk held: no Step goes before its stream's Open is acknowledged, yet the loop meanwhile
+    ends a cancelled request and takes a new one in; once acknowledged, each request gets its solo tokens and
+    every stream closes."""
+    engine, host = streams_engine()
+    chain = host.chains[0]
+    chain.hold_opens = True
+    first, dropped = run(engine, [4, 8], 6), run(engine, [3], 6)
+    settle(engine, lambda: len(chain.opening) == 2)
+    assert chain.steps == []
+    dropped.cancel()
+    settle(engine, lambda: dropped.done)
+    late = run(engine, [5, 5], 6)
+    settle(engine, lambda: late.index in engine.runs)
+    acks, chain.opening, chain.hold_opens = chain.opening, [], False
+    for ack in acks:
+        ack()
+    assert [first.result(30), late.result(30)] == [solo([4, 8], 6), solo([5, 5], 6)]
+    assert dropped.finish_reason == "cancelled"
+    settle(engine, lambda: sorted(chain.closed_streams) == sorted(chain.opened))
     engine.close()
 
 
