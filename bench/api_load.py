@@ -30,7 +30,8 @@ in a subprocess on first use: ~15 s and ~2 min). ``--bundle PATH`` measures a bu
 
 Besides the rates and latencies it records CPU time per generated token: of the `ovshard api` process and
 of this one during api rounds (the load generator), of this one during session rounds (head + Scheduler),
-and of the incremental detokenizer alone; on a 2-core machine every ms of it is taken from the workers.
+and of the incremental detokenizer alone (with the plain pieces the server builds at start); on a 2-core
+machine every ms of it is taken from the workers.
 
 Writes bench/results/api_load.json (every figure, each round's samples, machine, versions, bundles and
 arguments) and bench/results/api_load.png; prints the table on stdout, progress on stderr.
@@ -286,6 +287,7 @@ def measure(name: str, bundle: Path, model: ModelSpec | None, plan: Plan) -> dic
     """Every round of one bundle (of the suite's ``model``, or --bundle): samples[clients][side], one Round a round."""
     manifest = read_manifest(bundle)
     text = Text(bundle, manifest)
+    text.pieces()  # as `ovshard api` does at start: the detokenizer's figure is the server's
     prompts, tokens = prompts_for(model, text, manifest.architecture.vocab_size), plan.max_tokens(model)
     config = SamplingConfig(max_tokens=tokens, eos_token_ids=tuple(manifest.generation.eos_token_ids))
     samples: dict[int, dict[str, list[Round]]] = {c: {s: [] for s in SIDES} for c in plan.clients}

@@ -15,6 +15,8 @@ import queue
 import secrets
 import ssl
 import threading
+from collections.abc import Callable
+from typing import Protocol
 
 from ovshard.errors import OvshardError, StageFailure
 from ovshard.runtime.scheduling.block_tables import BlockManager
@@ -25,6 +27,12 @@ from ovshard.runtime.wire.transport import Connection, connect
 log = logging.getLogger(__name__)
 
 Reply = p.Result | p.OpenOk | p.Pong | StageFailure  # what a waiting step or open is handed
+
+
+class _Box(Protocol):
+    """Where a reader hands an answer: a waiting asker's queue, or an Open's counter of acknowledgements."""
+
+    def put(self, item: Reply, /) -> None: ...
 
 
 class Chain:
@@ -48,7 +56,7 @@ class Chain:
             self.close()
             raise
         self.lock = threading.Lock()  # guards waiting and broken
-        self.waiting: dict[tuple[str, int], tuple[int, queue.Queue[Reply]]] = {}  # (what, seq|stream) -> ...
+        self.waiting: dict[tuple[str, int], tuple[int, _Box]] = {}  # (what, seq|stream) -> ...
         self.broken: StageFailure | None = None
         self.sink: Deliver | None = None  # the engine's: answers to ticks, and this chain's failure
         self.depth = len(self.conns)
@@ -96,7 +104,7 @@ class Chain:
                 return ("step", msg.seq) not in self.waiting
         return False
 
-    def _targets(self, msg: p.Message) -> list[queue.Queue[Reply]]:
+    def _targets(self, msg: p.Message) -> list[_Box]:
         if isinstance(msg, p.Result):
             found = self.waiting.get(("step", msg.seq))
         elif isinstance(msg, p.OpenOk):
@@ -129,13 +137,15 @@ class Chain:
                 for target in targets:
                     target.put(answer)
         except (p.ConnectionClosed, p.ProtocolError, OSError) as e:
+            broken = StageFailure(f"{where} closed the connection: {e}", recoverable=True)
             with self.lock:
-                self.broken = StageFailure(f"{where} closed the connection: {e}", recoverable=True)
-                for _, target in self.waiting.values():
-                    target.put(self.broken)
+                self.broken = broken
+                targets = [target for _, target in self.waiting.values()]
                 sink = self.sink
+            for target in targets:  # outside the lock: an Open's counter takes it to call back
+                target.put(broken)
             if sink is not None:
-                sink(self.broken)
+                sink(broken)
 
     def ask(self, key: tuple[str, int], stream: int, sends: list[tuple[int, p.Message]],
             answers: int, timeout: float | None = None) -> list[p.Result | p.OpenOk | p.Pong]:
@@ -175,6 +185,47 @@ class Chain:
                 for key in keys:
                     self.waiting.pop(key, None)
 
+    def open_stream(self, stream: int, opened: Callable[[StageFailure | None], None]) -> None:
+        """Send Open ``stream`` to every stage and return at once; ``opened(None)`` (on a reader's thread) once
+        every stage acknowledged it, or ``opened(failure)`` once one failed. Raises StageFailure if a send fails."""
+        key = ("open", stream)
+        box = _Acks(self.depth, lambda failure: self._opened(key, opened, failure))
+        with self.lock:
+            if self.broken is not None:
+                raise self.broken
+            self.waiting[key] = (stream, box)
+        for stage, conn in enumerate(self.conns):
+            try:
+                conn.send(p.Open(stream))
+            except OSError as e:
+                with self.lock:
+                    self.waiting.pop(key, None)
+                raise StageFailure(f"stage {stage} at {self.addresses[stage]}: send failed: {e}", True) from e
+
+    def _opened(self, key: tuple[str, int], opened: Callable[[StageFailure | None], None],
+                failure: StageFailure | None) -> None:
+        with self.lock:
+            self.waiting.pop(key, None)
+        opened(failure)
+
     def close(self) -> None:
         for conn in self.conns:
             conn.close()
+
+
+class _Acks:
+    """Counts the answers to an Open sent to every stage; calls ``done`` once: with None after ``count`` OpenOks,
+    or with the first failure."""
+
+    def __init__(self, count: int, done: Callable[[StageFailure | None], None]) -> None:
+        self.count, self.done, self.lock, self.over = count, done, threading.Lock(), False
+
+    def put(self, answer: Reply, /) -> None:
+        with self.lock:
+            if self.over:
+                return
+            self.count -= not isinstance(answer, StageFailure)
+            self.over = isinstance(answer, StageFailure) or self.count == 0
+            if not self.over:
+                return
+        self.done(answer if isinstance(answer, StageFailure) else None)

@@ -7,8 +7,8 @@ stages, so the engine is the only way a head produces tokens::
     pool      STREAM_SLOTS blocks of max_positions positions: one block is one stream's whole cache, so the
               planner admits a sequence only while a stream slot is free; no prefix cache (a stream's cache is its
               own: the planner never admits a sequence on a cached prefix, every row starts at its position 0)
-    send      each row of a tick as a p.Step on stream = the row's sequence id: Open (every stage acknowledges)
-              before its first row; rewind = the stream's visible length - the row's position (the drafts the
+    send      each row of a tick as a p.Step on stream = the row's sequence id: Open before its first row, which
+              waits (on no thread: held by the stream) until every stage acknowledged the Open; rewind = the stream's visible length - the row's position (the drafts the
               accept rule rejected); compact when the hidden positions would take the cache past max_positions
               (decoding/decode.py's CompactionPolicy); a row that wants no scores asks one argmax, read by nobody
     answers   each Step's Result is held until every Step of the tick is answered; then the engine is handed the
@@ -24,6 +24,7 @@ which wraps the new chain in a new StreamLink, and every request replays its his
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections import deque
@@ -46,6 +47,7 @@ class _Stream:
     mask: CacheMask = field(default_factory=CacheMask)  # a mirror of every stage's mask for this stream
     in_flight: int = 0  # its Steps not answered yet
     released: bool = False  # the engine is done with it: Close once nothing of it is in flight
+    opening: list[p.Step] | None = field(default_factory=list)  # its Steps held until every stage opened it
 
 
 @dataclass
@@ -76,16 +78,18 @@ class StreamLink:
         self.chain.listen(self._on_message)
 
     def send_tick(self, batch: p.Batch) -> None:
-        """Every row of ``batch`` as a Step on its sequence's stream (opened first if new). Raises StageFailure."""
+        """Every row of ``batch`` as a Step on its sequence's stream; a new stream's Steps wait for its Open (the
+        module docstring), the others go at once. Raises StageFailure."""
         ids = batch.tensor.to_array(np.int64)
-        for row in batch.rows:
-            if row.stream not in self.streams:
-                self._open(row.stream)
         tick = _Tick({})
         steps: list[p.Step] = []
+        new: list[int] = []
         start = 0
         with self.lock:
             for row in batch.rows:
+                if row.stream not in self.streams:
+                    self.streams[row.stream] = _Stream()
+                    new.append(row.stream)
                 stream = self.streams[row.stream]
                 rewind = stream.mask.visible - row.position
                 if rewind < 0:
@@ -101,28 +105,39 @@ class StreamLink:
                 tick.rows[seq] = (row.stream, bool(row.want))
                 self.steps[seq] = batch.seq
                 tokens = p.Tensor.from_array(ids[None, start:start + row.count])  # [1, T]
-                steps.append(p.Step(row.stream, seq, row.position, row.want or "argmax@1", tokens, {}, rewind,
-                                    compact))
+                step = p.Step(row.stream, seq, row.position, row.want or "argmax@1", tokens, {}, rewind, compact)
+                if stream.opening is not None:
+                    stream.opening.append(step)
+                else:
+                    steps.append(step)
                 start += row.count
             self.ticks[batch.seq] = tick
             self.order.append(batch.seq)
+        self._send(steps)
+        for stream_id in new:
+            self.chain.open_stream(stream_id, functools.partial(self._opened, stream_id))
+
+    def _send(self, steps: list[p.Step]) -> None:
         for step in steps:
             try:
                 self.chain.conns[0].send(step)
             except (OSError, OvshardError) as e:
                 raise StageFailure(f"stage 0 at {self.chain.addresses[0]}: send failed: {e}", True) from e
 
-    def _open(self, stream: int) -> None:
-        """Open ``stream`` on every stage and wait until each has (a Step must never reach a stage before its Open)."""
-        stages = range(self.depth)
-        try:
-            self.chain.ask(("open", stream), stream, [(i, p.Open(stream)) for i in stages], self.depth)
-        except StageFailure:
-            raise
-        except OvshardError as e:  # no answer in time
-            raise StageFailure(str(e), recoverable=True) from e
+    def _opened(self, stream_id: int, failure: StageFailure | None) -> None:
+        """Every stage opened ``stream_id`` (or one failed: the chain is broken): its held Steps go now."""
         with self.lock:
-            self.streams[stream] = _Stream()
+            stream = self.streams.get(stream_id)
+            held = (stream.opening or []) if stream is not None else []
+            if stream is not None:
+                stream.opening = None
+        try:
+            if failure is not None:
+                raise failure
+            self._send(held)
+        except StageFailure as e:
+            if self.deliver is not None:
+                self.deliver(e)
 
     def retire(self, seq: int) -> None:
         """The engine is done with sequence ``seq``: its stream closes once none of its Steps is in flight."""

@@ -15,9 +15,10 @@ One thread runs it; requests are state machines (requests.py), not threads. Each
 
 A cancelled request leaves at the next event (its blocks freed at once; its rows in flight are ignored). A tick
 that fails or a chain that breaks sends every request to *replaying*: the engine reconnects through its host
-(``Head.reconnect``: once, with backoff, within ``retry_s``) and starts each again as a new sequence holding its
-whole history, so a greedy request finishes with the tokens of an uninterrupted run. A row a stage refused does
-the same for that request alone, on the same chain.
+(``Head.reconnect``: once, with backoff, within ``retry_s``; on a thread of its own, so that submissions and
+cancels are handled meanwhile) and starts each again as a new sequence holding its whole history, so a greedy
+request finishes with the tokens of an uninterrupted run. A row a stage refused does the same for that request
+alone, on the same chain.
 """
 
 from __future__ import annotations
@@ -104,6 +105,11 @@ class _Close:
 
 
 @dataclass
+class _Reconnected:
+    outcome: Link | OvshardError  # the new chain, or why there is none
+
+
+@dataclass
 class _Flight:
     plan: TickPlan
     sent: float
@@ -123,6 +129,9 @@ class Engine:
         self.seq_ids = itertools.count()  # a new sequence id for every (re)start
         self.links = itertools.count()
         self.broken: StageFailure | None = None
+        self.reconnecting = False  # a thread is asking the host for a new chain
+        self.closed = False
+        self._closing = threading.Lock()  # a reconnect that ends after the loop closed closes its chain itself
         self._attach(link)
         self._stats = self.planner.stats
         self.send: Callable[[p.Batch], None] = self._send
@@ -156,7 +165,7 @@ class Engine:
     # ----- the loop's thread -----
     def _loop(self) -> None:
         while True:
-            if self.broken is not None and self.runs:
+            if self.broken is not None and self.runs and not self.reconnecting:
                 wait: float | None = 0.0  # recover before anything else
             elif self.flight:
                 wait = max(0.0, self.flight[0].sent + self.timeout - time.perf_counter())
@@ -169,6 +178,8 @@ class Engine:
             try:
                 while event is not None:
                     if isinstance(event, _Close):
+                        with self._closing:
+                            self.closed = True
                         self._end_all(OvshardError("the head closed"))
                         return
                     self._handle(event)
@@ -176,7 +187,7 @@ class Engine:
                 if self.flight and time.perf_counter() - self.flight[0].sent > self.timeout:
                     self._break(StageFailure(f"no answer to tick {self.flight[0].plan.tick} within "
                                              f"{self.timeout:.0f} s", recoverable=True))
-                if self.broken is not None and self.runs:
+                if self.broken is not None and self.runs and not self.reconnecting:
                     self._recover()
                 if self.broken is None:
                     self._fill()
@@ -201,6 +212,8 @@ class Engine:
                 self.planner.resume(run.seq, sampled)
         elif isinstance(event, _Answer) and event.link == self.link_id:
             self._answer(event.message)
+        elif isinstance(event, _Reconnected):
+            self._reconnected(event.outcome)
 
     def _start(self, event: _Submit) -> None:
         request = event.request
@@ -214,7 +227,8 @@ class Engine:
             self._end(run, OvshardError(why) if why else None)
             return
         run.propose()
-        self._add(run)
+        if self.broken is None:
+            self._add(run)  # else it starts once the chain is back (_reconnected)
 
     def _add(self, run: Run) -> None:
         """``run`` as a new sequence of the planner, holding its whole history and its drafts."""
@@ -322,27 +336,53 @@ class Engine:
         self.answers.clear()
 
     def _recover(self) -> None:
-        """Reconnect (through the host) and start every request again as a new sequence."""
+        """Reconnect (through the host, on a thread: :meth:`_reconnect`); :meth:`_reconnected` starts every
+        request again as a new sequence."""
         failure = self.broken
         assert failure is not None
         now = time.monotonic()
         for run in list(self.runs.values()):
             run.deadline = run.deadline or now + self.retry_s
-            run.request.move(Phase.REPLAYING)
+            if run.seq >= 0:  # not one that came after the break, which has nothing to replay yet
+                run.request.move(Phase.REPLAYING)
             if not failure.recoverable or self.host.expired(run.deadline):
                 self._end(run, failure if not failure.recoverable else
                           OvshardError(f"{failure}; gave up after {self.retry_s:.0f} s (--retry-s)"))
         if not self.runs:
             return
         deadline = max(run.deadline or now for run in self.runs.values())
+        self.reconnecting = True
+        stale = self.link
+        threading.Thread(target=self._reconnect, args=(stale, deadline, failure), name="engine-reconnect",
+                         daemon=True).start()
+
+    def _reconnect(self, stale: Link, deadline: float, failure: StageFailure) -> None:
+        """On a thread of its own, so that submissions and cancels go on meanwhile: a new chain from the host."""
+        outcome: Link | OvshardError
         try:
-            link = self.host.reconnect(self.link, deadline, failure)
+            outcome = self.host.reconnect(stale, deadline, failure)
         except OvshardError as e:
-            self._end_all(e)
+            outcome = e
+        with self._closing:
+            if not self.closed:
+                self.inbox.put(_Reconnected(outcome))
+                return
+        if not isinstance(outcome, OvshardError):
+            outcome.close()
+
+    def _reconnected(self, outcome: Link | OvshardError) -> None:
+        """The host answered: serve from the new chain, every request starting again on it (those that came
+        meanwhile for the first time), or end them all with why there is none."""
+        self.reconnecting = False
+        if isinstance(outcome, OvshardError):
+            self._end_all(outcome)
             return
-        self._attach(link)
+        self._attach(outcome)
         for run in list(self.runs.values()):
-            self._restart(run)
+            if run.seq < 0:
+                self._add(run)
+            else:
+                self._restart(run)
 
     def _replay(self, run: Run, cause: StageFailure) -> None:
         """``run`` starts again on this chain (a stage refused its rows), within its retry window."""
@@ -381,7 +421,7 @@ class Engine:
             del self.by_seq[run.seq]
         if run.seq in self.planner:
             self.planner.cancel(run.seq)
-        if run.seq >= 0:
+        if run.seq >= 0 and self.broken is None:  # a broken chain's sequences went with it
             self.link.retire(run.seq)
         request.stats.total_s = time.perf_counter() - run.start
         request.end(error)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -52,6 +53,15 @@ class ApiService:
         self._view, self._view_of = PipelineView(manifest, list(head.addresses)), head.retargets
         self.eos_ids = tuple(manifest.generation.eos_token_ids)
         self.chat_stop_ids = tuple(text.stops) if text.chat is not None else self.eos_ids
+        text.pieces()  # every stream's detokenizer looks plain tokens up instead of decoding them
+        self._mailbox: Mailbox | None = None
+
+    def events(self) -> Events:
+        """A new run's events, delivered through the running event loop's mailbox."""
+        loop = asyncio.get_running_loop()
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = Mailbox(loop)
+        return Events(self._mailbox)
 
     @property
     def view(self) -> PipelineView:
@@ -103,17 +113,50 @@ class ApiService:
         return run
 
 
-class Events:
-    """Thread-safe delivery of a run's events (text deltas, the end) into the event loop's queue."""
+class Mailbox:
+    """Events handed from the engine's thread to one event loop: the first event since the loop last looked wakes
+    it; those that follow ride along, so a tick of tokens for every client costs the loop one wakeup."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop, self.queue = loop, asyncio.Queue[tuple[str, Any]]()
+        self.loop, self.lock = loop, threading.Lock()
+        self.pending: list[tuple[Events, str, Any]] = []
 
-    def put(self, kind: str, value: Any = None) -> None:
+    def put(self, events: Events, kind: str, value: Any) -> None:
+        with self.lock:
+            self.pending.append((events, kind, value))
+            if len(self.pending) > 1:
+                return  # a wakeup is on its way already
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+            self.loop.call_soon_threadsafe(self._drain)
         except RuntimeError:  # the server is shutting down: nobody listens any more
             pass
+
+    def _drain(self) -> None:
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for events, kind, value in pending:
+            events.items.append((kind, value))
+            events.ready.set()
+
+
+class Events:
+    """One run's events (text deltas, the end) as the event loop reads them: :meth:`take` waits for some and
+    returns every one that arrived (put from any thread through the loop's :class:`Mailbox`)."""
+
+    def __init__(self, mailbox: Mailbox) -> None:
+        self.mailbox = mailbox
+        self.items: list[tuple[str, Any]] = []
+        self.ready = asyncio.Event()
+
+    def put(self, kind: str, value: Any = None) -> None:
+        self.mailbox.put(self, kind, value)
+
+    async def take(self) -> list[tuple[str, Any]]:
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        items, self.items = self.items, []
+        return items
 
 
 class Run:
@@ -198,9 +241,7 @@ async def _stream(run: Run, answer: Answer) -> AsyncIterator[bytes]:
     try:
         yield _sse(answer.chunk(None, None, first=True))
         while True:
-            events = [await run.events.queue.get()]
-            while not run.events.queue.empty():
-                events.append(run.events.queue.get_nowait())
+            events = await run.events.take()
             out, ended = _events(run, answer, [e for kind, value in events for e in run.absorb(kind, value)])
             if out:
                 yield out
@@ -216,7 +257,7 @@ def _events(run: Run, answer: Answer, events: list[tuple[str, Any]]) -> tuple[by
     out: list[bytes] = []
     for kind, value in events:
         if kind == "text":
-            out.append(_sse(answer.chunk(value, None)))
+            out.append(answer.text_event(value))
         elif kind == "error":
             return b"".join([*out, _sse(value.body()), _sse("[DONE]")]), True
         else:
@@ -236,13 +277,13 @@ async def _whole(run: Run, answer: Answer, http: Any) -> dict:
     event: asyncio.Future | None = None
     try:
         while True:
-            event = asyncio.ensure_future(run.events.queue.get())
+            event = asyncio.ensure_future(run.events.take())
             await asyncio.wait((event, gone), return_when=asyncio.FIRST_COMPLETED)
             if not event.done():
                 assert run.request is not None
                 run.request.cancel()
                 raise ApiError(499, "the client went away")
-            for kind, value in run.absorb(*event.result()):
+            for kind, value in [e for item in event.result() for e in run.absorb(*item)]:
                 if kind == "text":
                     parts.append(value)
                 elif kind == "error":
@@ -311,7 +352,7 @@ def make_app(service: ApiService, api_key: str | None = None) -> Any:
                 ids = await asyncio.to_thread(service.encode_chat, messages)
             else:
                 ids = await asyncio.to_thread(service.prompt_ids, body.get("prompt"))
-            run = service.start(ids, params, Events(asyncio.get_running_loop()), chat)
+            run = service.start(ids, params, service.events(), chat)
             answer = Answer(service.model, chat)
             if params.stream:
                 service.metrics.requests.labels(endpoint, "200").inc()

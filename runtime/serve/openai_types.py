@@ -6,6 +6,7 @@ for something else gets an :class:`ApiError` naming the field (HTTP 400), never 
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -15,6 +16,7 @@ from typing import Any
 from ovshard.errors import OvshardError
 
 MAX_STOP = 4  # as OpenAI: up to 4 stop strings
+_MARK = "\x00text\x00"  # where a chunk's text goes in the template of its event
 
 
 class ApiError(OvshardError):
@@ -119,6 +121,18 @@ class Answer:
         self.model, self.chat = model, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+        around = self._event(_MARK).split(json.dumps(_MARK).encode())
+        self._around = around if len(around) == 2 else None  # a text chunk's event before and after its text
+
+    def text_event(self, text: str) -> bytes:
+        """The server-sent event of a chunk of ``text``: :meth:`chunk`'s JSON, only the text encoded anew."""
+        if not text or self._around is None:  # no text: a chat delta without content; a model named like _MARK
+            return self._event(text)
+        before, after = self._around
+        return before + json.dumps(text).encode() + after
+
+    def _event(self, text: str) -> bytes:
+        return f"data: {json.dumps(self.chunk(text, None))}\n\n".encode()
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}

@@ -274,6 +274,38 @@ def test_a_send_that_fails_replays_every_request_without_waiting_for_another_eve
     engine.close()
 
 
+class SlowHost(ScriptedHost):
+    """A host whose reconnect waits until ``go`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked, self.go = threading.Event(), threading.Event()
+
+    def reconnect(self, stale: ScriptedLink, deadline: float, cause: OvshardError) -> ScriptedLink:
+        self.asked.set()
+        assert self.go.wait(30), "the test never let the reconnect finish"
+        return super().reconnect(stale, deadline, cause)
+
+
+def test_submissions_and_cancels_go_on_while_a_reconnect_is_pending() -> None:
+    """While the host is still reconnecting a broken chain, a cancel ends its request at once and a new request is
+    taken in; once the chain is back, the survivor replays and the newcomer starts, each with its solo tokens."""
+    link, host = ScriptedLink(), SlowHost()
+    link.fail_tick = 2
+    engine = engine_over(link, host)
+    kept, dropped = run(engine, [2, 3], 10), run(engine, [9, 8, 7], 10)
+    assert host.asked.wait(30)
+    dropped.cancel()
+    assert dropped._done.wait(30) and dropped.finish_reason == "cancelled"
+    late = run(engine, [5], 6)
+    settle(engine, lambda: late.index in engine.runs)
+    assert not kept.done and not late.done and late.phases == [W]
+    host.go.set()
+    assert [kept.result(30), late.result(30)] == [solo([2, 3], 10), solo([5], 6)]
+    assert host.reconnects == 1 and kept.stats.replays == 1 and late.stats.replays == 0 and RE not in late.phases
+    engine.close()
+
+
 def test_a_refused_row_starts_that_request_again_on_the_same_chain() -> None:
     """A stage refuses one row: that request replays on the same chain (no reconnect), the other is untouched."""
     link, host = ScriptedLink(), ScriptedHost()
@@ -371,7 +403,7 @@ def test_closing_the_engine_ends_running_requests_with_an_error() -> None:
 # ----- stateful stages: the engine over a StreamLink, a Step a row on the sequence's own stream -----
 
 class ScriptedStreams:
-    """A chain of stateful stages in process, as a StreamLink sees it (``conns[0]``, ``ask`` for Opens,
+    """A chain of stateful stages in process, as a StreamLink sees it (``conns[0]``, ``open_stream``,
     ``listen``): it keeps each open stream's cache as a stage does and refuses what a stage refuses
     (node/steps.check_step: the position after the rewind, the physical cache past max_positions without
     compact), answers each Step's rows by ``NEXT``; ``hold`` keeps answers, ``refuse_step`` / ``fail_step``
@@ -389,13 +421,18 @@ class ScriptedStreams:
         self.fail_step: int | None = None
         self.deliver: Deliver | None = None
         self.max_open = 0
+        self.hold_opens = False  # every stage's OpenOk held until the test calls self.opening's callbacks
+        self.opening: list[Callable[[], None]] = []
 
-    def ask(self, key: tuple[str, int], stream: int, sends: list, answers: int) -> list[p.OpenOk]:
-        assert key == ("open", stream) and len(sends) == answers == self.depth and stream not in self.caches
+    def open_stream(self, stream: int, opened: Callable[[StageFailure | None], None]) -> None:
+        assert stream not in self.caches
         self.caches[stream] = []
         self.opened.append(stream)
         self.max_open = max(self.max_open, len(self.caches))
-        return [p.OpenOk(stream)] * answers
+        if self.hold_opens:
+            self.opening.append(lambda: opened(None))
+        else:
+            opened(None)
 
     def listen(self, deliver: Deliver) -> None:
         self.deliver = deliver
@@ -510,6 +547,29 @@ def test_a_cancelled_stateful_request_closes_its_stream_once_its_step_is_answere
     chain.answer_held()
     settle(engine, lambda: chain.closed_streams == chain.opened)
     assert request.finish_reason == "cancelled"
+    engine.close()
+
+
+def test_a_stream_waits_for_its_open_while_the_loop_takes_cancels_and_new_requests() -> None:
+    """Every stage's OpenOk held: no Step goes before its stream's Open is acknowledged, yet the loop meanwhile
+    ends a cancelled request and takes a new one in; once acknowledged, each request gets its solo tokens and
+    every stream closes."""
+    engine, host = streams_engine()
+    chain = host.chains[0]
+    chain.hold_opens = True
+    first, dropped = run(engine, [4, 8], 6), run(engine, [3], 6)
+    settle(engine, lambda: len(chain.opening) == 2)
+    assert chain.steps == []
+    dropped.cancel()
+    settle(engine, lambda: dropped.done)
+    late = run(engine, [5, 5], 6)
+    settle(engine, lambda: late.index in engine.runs)
+    acks, chain.opening, chain.hold_opens = chain.opening, [], False
+    for ack in acks:
+        ack()
+    assert [first.result(30), late.result(30)] == [solo([4, 8], 6), solo([5, 5], 6)]
+    assert dropped.finish_reason == "cancelled"
+    settle(engine, lambda: sorted(chain.closed_streams) == sorted(chain.opened))
     engine.close()
 
 
