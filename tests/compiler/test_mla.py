@@ -58,7 +58,8 @@ def test_fewer_key_value_heads_than_heads_is_refused() -> None:
 
 def test_stages_cache_keys_and_values_of_their_own_widths(tmp_path: Path) -> None:
     """A 2-stage bundle's KV states are keys [batch, heads, ?, 16 + 8] and values [batch, heads, ?, 12], and
-    `ovshard inspect` shows each stage's planned KV bytes per token: layers x heads x (24 + 12) x 2."""
+    `ovshard inspect` shows each stage's planned KV bytes per token (layers x heads x (24 + 12) x 2) and a layer's
+    per token, beside what the compressed latent (16) and rotary key (8) would hold."""
     checkpoint = write_random_checkpoint(FAMILIES["deepseek_v3"], tmp_path / "ckpt")
     bundle = compile_fp32(checkpoint, tmp_path / "b", stages=2)
     manifest = read_manifest(bundle)
@@ -74,6 +75,9 @@ def test_stages_cache_keys_and_values_of_their_own_widths(tmp_path: Path) -> Non
         assert planned.kv_bytes_per_token == len(layers) * 4 * (24 + 12) * KV_ELEMENT_BYTES
     shown = summary(bundle, manifest)
     assert all(format_bytes(s.kv_bytes_per_token) in shown for s in manifest.plan.stages), shown
+    assert (f"KV cache: {4 * (24 + 12) * KV_ELEMENT_BYTES} B a token a layer (4 heads x (keys 24 + values 12) x 2 B); "
+            f"latent attention held expanded: the compressed latent 16 + rotary key 8 would be "
+            f"{(16 + 8) * KV_ELEMENT_BYTES} B") in shown, shown
 
 
 def test_whole_stage_trace_equals_the_streamed_compile(tmp_path: Path) -> None:
