@@ -94,6 +94,19 @@ def test_whole_stage_trace_equals_the_streamed_compile(tmp_path: Path) -> None:
     assert float(np.abs(found[True][1] - found[False][1]).max()) <= 1e-5
 
 
+def test_latent_projections_the_int8_choice_names_stay_int8(tmp_path: Path) -> None:
+    """An INT4 compile whose INT8 share names a layer's q_a, q_b, kv_a and kv_b (as the budget's choice does at
+    DeepSeek-V3's width) keeps those four INT8 (q_a and kv_a fused: they read one input) and o INT4."""
+    checkpoint = write_random_checkpoint(FAMILIES["deepseek_v3"], tmp_path / "ckpt")
+    fmt = WeightFormat("int4_sym", group_size=8, budget=1.15, int8_weights=("1.q_a", "1.q_b", "1.kv_a", "1.kv_b"))
+    manifest = compile_bundle(CompileConfig(checkpoint, tmp_path / "b", stages=1, weights=fmt))
+    types = {op.get_friendly_name().split("layers.")[-1]: op.get_output_element_type(0).get_type_name()
+             for op in ov.Core().read_model(tmp_path / "b" / manifest.stages[0].model_xml).get_ordered_ops()
+             if op.get_type_name() == "Constant" and "layers.1." in op.get_friendly_name()}
+    assert {types["1.kv_a_weight+q_a_weight"], types["1.q_b_weight"], types["1.kv_b_weight"]} == {"u8"}, types
+    assert types["1.o_weight"] == "i4", types
+
+
 def test_calibrated_int4_default_fuses_attention_and_gathers_the_sparse_layers(stories: Path, tmp_path: Path) -> None:
     """The default compile (INT4, calibrated on the shipped text through stories260K's tokenizer) of an MLA model:
     every stage fuses its KV cache into one SDPA a layer, and each sparse layer's experts become 3 GatherMatmuls."""
