@@ -62,6 +62,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
         Step("moe_step", "a Qwen3-30B-A3B-shaped stage cut to 4 layers against a dense stage of its active "
              "parameters", ("--out", "/tmp/ovshard-bench/moe-step"),
              ("--out", "{cache}/moe-step-small", "--small", "--layers", "1", "--rounds", "1", "--steps", "2")),
+        Step("mla_step", "a DeepSeek-V3-shaped stage's decode step against context, cached expanded, beside the "
+             "compressed form's attention core", None, None),
         Step("int4_kernels", "decode speed of weight formats on the 1B shape (INT4 sym/asym, groups, INT8 share)",
              (), None),
         Step("fc_kernels", "the CPU plugin's fully connected kernels alone: formats x settings x threads", None,

@@ -85,8 +85,8 @@ def weight_ops(model: ov.Model) -> list[ov.Node]:
 
 
 _DECODER_WEIGHT = re.compile(
-    r"layers\.(\d+)\.(q|k|v|o|gate|up|down|experts_gate|experts_up|experts_down|experts_gate_up|shared_gate|shared_up"
-    r"|shared_down)_weight$")
+    r"layers\.(\d+)\.(q|k|v|o|q_a|q_b|kv_a|kv_b|gate|up|down|experts_gate|experts_up|experts_down|experts_gate_up"
+    r"|shared_gate|shared_up|shared_down)_weight$")  # q_a, q_b, kv_a, kv_b: latent attention's projections
 
 
 def backup_ops(model: ov.Model, ctx: PassContext, fmt: WeightFormat) -> set[str]:

@@ -33,8 +33,8 @@ class ModelDims:
     expert_size: int = 0
     shared_expert_size: int = 0  # an expert every token runs (Qwen2-MoE, GLM-4.5); 0: none
     expert_projections: int = 0  # an expert's weight matrices: 3 (gate, up, down) or 2 (gate and up fused, down)
-    # Llama 4: the top-k router logits' sigmoids scale each chosen expert's input, so the experts are no tiled block
-    # the CPU plugin gathers (every expert runs on every token, weighted 0 where not chosen)
+    # Llama 4: the top-k router logits' sigmoids scale each chosen expert's input; with top-1 the token is scaled
+    # before the tiled block the CPU plugin gathers, with more every expert runs on every token (0 where not chosen)
     expert_input_scores: bool = False
     # Llama 4: its rotary layers attend within chunks of this many positions (0: none); no PagedAttention form
     attention_chunk: int = 0

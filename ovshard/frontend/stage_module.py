@@ -205,19 +205,20 @@ def experts_mlp(m: torch.Tensor, layer: Weights, d: ModelDims, blk: Block) -> to
     top-k experts' weights only: the dense math here is what the graph means, not what the plugin runs.
     A shared expert (``d.shared_expert_size``), which every token runs, is added after, scaled by the
     sigmoid of its own one-output gate where it has one (Qwen2-MoE; GLM-4.5's is not scaled). Llama 4
-    (``blk.expert_input_scores``) scales each expert's input by its routing weight instead of its output: an
-    expert is not linear, so this is another graph, and every expert runs on every token (a 0 input where not
-    chosen) as written; the plugin gathers none of it.
+    (``blk.expert_input_scores``) scales an expert's input, not its output: top-1 scales the token before the
+    tiling (map 1 at its expert: gathered); top-k > 1 runs every expert on every token (0 input where not chosen).
     """
     b, t, hidden = m.shape
     experts = d.num_experts
     flat = m.reshape(-1, hidden)  # [tokens, hidden]
     logits = F.linear(flat, layer.router_weight, layer.router_bias)  # [tokens, experts]
     top_weights, top_index = route(logits, layer, d, blk)
+    if scaled_once := blk.expert_input_scores and d.experts_per_token == 1:  # Llama 4, top-1 (exact)
+        flat, top_weights = flat * top_weights, torch.ones_like(top_weights)
     routing = torch.zeros_like(logits).scatter(1, top_index, top_weights)  # [tokens, experts]
     tiled = flat.repeat(experts, 1).view(experts, -1, hidden)  # [experts, tokens, hidden]
     weights = routing.transpose(0, 1).reshape(experts, b, t)[..., None]  # [experts, batch, seq, 1]
-    if blk.expert_input_scores:  # Llama 4 scales each expert's input: no tiled block the plugin gathers
+    if blk.expert_input_scores and not scaled_once:  # Llama 4, top-k > 1: no tiled block the plugin gathers
         tiled = tiled * weights.reshape(experts, -1, 1)
         weights = torch.ones_like(weights)
     if blk.swiglu_limit is not None:

@@ -86,8 +86,9 @@ def explicit_attention_layers(manifest, layers: int) -> int:
 
 def moe_layers(manifest, layers: tuple[int, int]) -> int:
     """How many of the layers [start, end) hold a mixture of experts (a MoE model's dense layers do not) in the tiled
-    form the CPU plugin gathers; Llama 4's experts scale their inputs, not their outputs: none, by design."""
-    if manifest.architecture.expert_input_scores:
+    form the CPU plugin gathers; Llama 4's experts scale their inputs, not their outputs, which that form holds only
+    with one expert a token: with more, none, by design."""
+    if manifest.architecture.expert_input_scores and manifest.architecture.experts_per_token > 1:
         return 0
     return sum(manifest.architecture.sparse(i) for i in range(*layers))
 

@@ -11,6 +11,7 @@ from ovshard.bundle.manifest import Manifest, read_manifest
 from ovshard.errors import BundleError
 from ovshard.ir.dot import graph_dot, write_svg
 from ovshard.ir.printer import graph_text, text_diff
+from ovshard.plan.costs import KV_ELEMENT_BYTES
 
 FORMATS = ("text", "dot", "svg", "xml")
 
@@ -56,8 +57,22 @@ def summary(bundle: Path, m: Manifest) -> str:
             f"{m.num_stages} stages, {m.plan.strategy} plan{_part_note(m)})\nweights: {weights}\ntokenizer: {tok}\n"
             f"source: {m.source.path} ({m.source.frontend} front end)\nfingerprint: {m.source.fingerprint}")
     plan = f"partition plan ({m.plan.strategy}; memory at {m.plan.context_tokens} tokens of context):\n"
-    return "\n\n".join([head, _table(stages), plan + m.plan.format_table(),
+    return "\n\n".join([head + "\n" + kv_line(m), _table(stages), plan + m.plan.format_table(),
                         "pass log (pipeline order per stage):\n" + _table(log), "\n".join(io)])
+
+
+def kv_line(m: Manifest) -> str:
+    """The KV cache's bytes a token and layer as the plan counts them (f16 elements); an MLA model's cache is held
+    expanded, so its line also gives what the compressed latent and rotary key would hold."""
+    d = m.architecture
+    keys, values = d.cache_dims
+    line = (f"KV cache: {d.kv_elements_per_token * KV_ELEMENT_BYTES:,} B a token a layer ({d.num_kv_heads} heads x "
+            f"(keys {keys} + values {values}) x {KV_ELEMENT_BYTES} B)")
+    if d.mla:
+        latent = (d.kv_lora_rank + d.rope_head_dim) * KV_ELEMENT_BYTES
+        line += (f"; latent attention held expanded: the compressed latent {d.kv_lora_rank} + rotary key "
+                 f"{d.rope_head_dim} would be {latent:,} B")
+    return line
 
 
 def _part_note(m: Manifest) -> str:

@@ -58,7 +58,8 @@ def test_fewer_key_value_heads_than_heads_is_refused() -> None:
 
 def test_stages_cache_keys_and_values_of_their_own_widths(tmp_path: Path) -> None:
     """A 2-stage bundle's KV states are keys [batch, heads, ?, 16 + 8] and values [batch, heads, ?, 12], and
-    `ovshard inspect` shows each stage's planned KV bytes per token: layers x heads x (24 + 12) x 2."""
+    `ovshard inspect` shows each stage's planned KV bytes per token (layers x heads x (24 + 12) x 2) and a layer's
+    per token, beside what the compressed latent (16) and rotary key (8) would hold."""
     checkpoint = write_random_checkpoint(FAMILIES["deepseek_v3"], tmp_path / "ckpt")
     bundle = compile_fp32(checkpoint, tmp_path / "b", stages=2)
     manifest = read_manifest(bundle)
@@ -74,6 +75,9 @@ def test_stages_cache_keys_and_values_of_their_own_widths(tmp_path: Path) -> Non
         assert planned.kv_bytes_per_token == len(layers) * 4 * (24 + 12) * KV_ELEMENT_BYTES
     shown = summary(bundle, manifest)
     assert all(format_bytes(s.kv_bytes_per_token) in shown for s in manifest.plan.stages), shown
+    assert (f"KV cache: {4 * (24 + 12) * KV_ELEMENT_BYTES} B a token a layer (4 heads x (keys 24 + values 12) x 2 B); "
+            f"latent attention held expanded: the compressed latent 16 + rotary key 8 would be "
+            f"{(16 + 8) * KV_ELEMENT_BYTES} B") in shown, shown
 
 
 def test_whole_stage_trace_equals_the_streamed_compile(tmp_path: Path) -> None:
@@ -88,6 +92,19 @@ def test_whole_stage_trace_equals_the_streamed_compile(tmp_path: Path) -> None:
         found[streaming] = ids, np.stack(rows)
     assert found[True][0] == found[False][0]
     assert float(np.abs(found[True][1] - found[False][1]).max()) <= 1e-5
+
+
+def test_latent_projections_the_int8_choice_names_stay_int8(tmp_path: Path) -> None:
+    """An INT4 compile whose INT8 share names a layer's q_a, q_b, kv_a and kv_b (as the budget's choice does at
+    DeepSeek-V3's width) keeps those four INT8 (q_a and kv_a fused: they read one input) and o INT4."""
+    checkpoint = write_random_checkpoint(FAMILIES["deepseek_v3"], tmp_path / "ckpt")
+    fmt = WeightFormat("int4_sym", group_size=8, budget=1.15, int8_weights=("1.q_a", "1.q_b", "1.kv_a", "1.kv_b"))
+    manifest = compile_bundle(CompileConfig(checkpoint, tmp_path / "b", stages=1, weights=fmt))
+    types = {op.get_friendly_name().split("layers.")[-1]: op.get_output_element_type(0).get_type_name()
+             for op in ov.Core().read_model(tmp_path / "b" / manifest.stages[0].model_xml).get_ordered_ops()
+             if op.get_type_name() == "Constant" and "layers.1." in op.get_friendly_name()}
+    assert {types["1.kv_a_weight+q_a_weight"], types["1.q_b_weight"], types["1.kv_b_weight"]} == {"u8"}, types
+    assert types["1.o_weight"] == "i4", types
 
 
 def test_calibrated_int4_default_fuses_attention_and_gathers_the_sparse_layers(stories: Path, tmp_path: Path) -> None:

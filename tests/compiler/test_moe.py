@@ -14,7 +14,7 @@ from pathlib import Path
 import openvino as ov
 import pytest
 import torch
-from conftest import compile_fp32
+from conftest import compile_fp32, generate_concurrently
 from families import FAMILIES, write_random_checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -193,21 +193,37 @@ def test_a_one_layer_cut_of_qwen3_30b_a3b_compiles_with_its_experts_gathered(tmp
     assert math.prod(weights["0.experts_gate_weight"][1]) == 128 * 64 * 256
 
 
+# Prompts that repeat themselves (prompt lookup drafts from them) of different lengths, with different budgets;
+# in every family below each greedy step's best logit leads the next by >= 2e-3 (no near-tie that paged and
+# stateful float sums may order differently)
+JOBS = (([2, 17, 42, 17, 42, 17, 42], 40), ([2, 9, 33, 9, 33, 9], 28), ([2, 100, 3, 100, 3, 100], 34),
+        ([2, 8, 8, 8, 8, 8, 8, 8, 8], 22))
+
+
 @pytest.mark.slow
-def test_speculative_greedy_over_worker_processes_equals_plain_greedy(tmp_path: Path) -> None:
-    """A 2-stage fp32 Qwen3-MoE bundle over `ovshard serve` processes: plain and prompt-lookup greedy (K=3,
-    rewinds by mask) give the one-stage in-process greedy tokens, which test_families ties to HF."""
-    checkpoint = write_random_checkpoint(FAMILIES["qwen3_moe"], tmp_path / "ckpt")
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "deepseek_v3", "llama4_text"])
+def test_batched_and_speculative_streams_over_worker_processes_equal_plain_greedy(tmp_path: Path,
+                                                                                 family: str) -> None:
+    """A 2-stage fp32 MoE bundle (Qwen3-MoE; GLM-4.5's block; DeepSeek-V3's latent attention; Llama 4, stateful)
+    over `ovshard serve` processes: one stream plain and with prompt lookup (K=3, rejected drafts rewound), then
+    four streams at once through the engine, plain and speculative, each give the one-stage in-process greedy
+    tokens, which test_families ties to HF; drafts were proposed and the engine's ticks carried several rows."""
+    checkpoint = write_random_checkpoint(FAMILIES[family], tmp_path / "ckpt")
     one, two = compile_fp32(checkpoint, tmp_path / "b1", stages=1), compile_fp32(checkpoint, tmp_path / "b2", stages=2)
-    prompt, config = [2, 17, 42, 17, 42, 17, 42], SamplingConfig(max_tokens=40)
-    plain = list(LocalPipeline(one, config=EXACT_HINTS).generate(prompt, config))
-    with local_workers(two, exact=True) as addresses:
+    pipe = LocalPipeline(one, config=EXACT_HINTS)
+    alone = [list(pipe.generate(prompt, SamplingConfig(max_tokens=n))) for prompt, n in JOBS]
+    with local_workers(two, exact=True, threads=1) as addresses:
         head = Head(two, addresses)
         try:
-            assert list(head.generate(prompt, config)) == plain
+            prompt, config = JOBS[0][0], SamplingConfig(max_tokens=JOBS[0][1])
+            assert list(head.generate(prompt, config)) == alone[0]
             stats = Stats()
             speculation = make_speculation("prompt-lookup", 3, read_manifest(two), config=EXACT_HINTS)
-            assert list(head.generate(prompt, config, stats, speculation)) == plain
+            assert list(head.generate(prompt, config, stats, speculation)) == alone[0]
             assert stats.drafted > 0
+            assert generate_concurrently(head, JOBS, timeout=300) == alone
+            assert generate_concurrently(head, JOBS, speculation, timeout=300) == alone
+            batching = head.batch_stats()
+            assert batching is not None and batching.seqs > batching.ticks, batching
         finally:
             head.close()

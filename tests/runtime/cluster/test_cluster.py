@@ -190,13 +190,16 @@ def test_a_killed_stage_actor_is_restarted_by_ray_and_the_stream_finishes_the_sa
         assert pipeline["process"].wait(60) == 0
 
 
-def test_up_serves_an_moe_bundle_over_the_api_to_concurrent_clients(cluster: str, stories: Path,
-                                                                   tmp_path: Path) -> None:
-    """A 2-stage fp32 Qwen3-MoE bundle (stories260K's tokenizer) under `ovshard up --api` on the two nodes: two
-    clients at once each get the answer they get alone, and the first is what `run --local` prints."""
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "glm4_moe", "deepseek_v3", "llama4_text"])
+def test_up_serves_an_moe_bundle_over_the_api_to_concurrent_clients(cluster: str, stories: Path, tmp_path: Path,
+                                                                   model_type: str) -> None:
+    """A 2-stage fp32 MoE bundle (stories260K's tokenizer; Qwen3-MoE, GLM-4.5's block, DeepSeek-V3's latent
+    attention, Llama 4's chunked layers on stateful stages) under `ovshard up --api` on the two nodes: two clients
+    at once each get the answer they get alone, and the first is what `run --local` prints."""
     import openai
 
-    bundle = compile_fp32(moe_with_tokenizer(stories, tmp_path / "ckpt"), tmp_path / "moe", stages=2)
+    checkpoint = moe_with_tokenizer(stories, tmp_path / "ckpt", model_type)
+    bundle = compile_fp32(checkpoint, tmp_path / "moe", stages=2)
     prompts = ["Once upon a time", "The cat"]
     with up(bundle, cluster, free_port_base(2), "--placement", "bundle", "--api", "127.0.0.1:0") as pipeline:
         process = pipeline["process"]

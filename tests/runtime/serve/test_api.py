@@ -102,13 +102,14 @@ def _batch_totals(url: str) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "glm4_moe", "deepseek_v3", "llama4_text"])
 def test_an_moe_bundle_serves_concurrent_requests_batched_each_as_alone(stories: Path, tmp_path: Path,
                                                                         model_type: str) -> None:
-    """A 2-stage fp32 MoE bundle (Qwen3-MoE; GLM-4.5's block with a dense first layer and grouped sigmoid routing)
-    behind `ovshard api` over stage worker processes: the first answer is what `ovshard run --local` prints, four
-    clients at once each get their solo answer, and the engine put several sequences in one inference (the paged
-    path runs the expert layers unchanged)."""
+    """A 2-stage fp32 MoE bundle (Qwen3-MoE; GLM-4.5's block with a dense first layer and grouped sigmoid routing;
+    DeepSeek-V3's with latent attention; Llama 4's with chunked and NoPE layers, which run stateful) behind
+    `ovshard api` over stage worker processes: the first answer is what `ovshard run --local` prints, four clients
+    at once each get their solo answer, and the engine's ticks carried several sequences (paged: in one
+    inference; stateful: one Step a sequence, every stream advanced by one loop)."""
     checkpoint = moe_with_tokenizer(stories, tmp_path / "moe", model_type)
     bundle = compile_fp32(checkpoint, tmp_path / "moe-bundle", stages=2)
     prompts = [PROMPT, "The cat", "Lily saw", "One day"]
