@@ -68,6 +68,24 @@ def test_paged_speculation_with_rejected_drafts_equals_stateful(bundles: dict[in
             assert stats.rewinds > 0 and stats.drafted > stats.accepted > 0
 
 
+@pytest.mark.parametrize(("stages", "hints"), [(1, EXACT_HINTS), (2, EXACT_HINTS), (1, None)])
+def test_static_decode_steps_choose_the_dynamic_models_tokens(bundles: dict[int, Path], stages: int,
+                                                              hints: dict[str, str] | None) -> None:
+    """Every one-token step runs each paged stage's static copy, and it chooses the dynamic model's greedy tokens
+    from logits within 1e-4, under f32 hints and under the bundle's own."""
+    static = LocalPipeline(bundles[stages], config=hints, slice_logits=True, paged=True)
+    dynamic = LocalPipeline(bundles[stages], config=hints, slice_logits=True, paged=True, static_decode=False)
+    assert all(s.paged.decode is not None for s in static.stages)
+    assert all(s.paged.decode is None for s in dynamic.stages)
+    for prompt in PROMPTS:
+        before = [s.paged.decode.steps for s in static.stages]
+        want, want_rows = dynamic.generate_greedy(prompt, NEW_TOKENS)
+        got, got_rows = static.generate_greedy(prompt, NEW_TOKENS)
+        assert got == want, f"prompt {prompt}"
+        np.testing.assert_allclose(np.stack(got_rows), np.stack(want_rows), rtol=0, atol=1e-4)
+        assert [s.paged.decode.steps - b for s, b in zip(static.stages, before, strict=True)] == [NEW_TOKENS] * stages
+
+
 def test_a_stage_refused_in_paged_form_runs_stateful(bundles: dict[int, Path], monkeypatch: pytest.MonkeyPatch,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     """A stage whose paged form is refused runs stateful beside a paged one (rows converted at the boundary),
