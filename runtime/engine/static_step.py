@@ -66,7 +66,7 @@ class DecodeStep:
 
     def __init__(self, compiled: ov.CompiledModel, primary: str, hidden: int | None, num_blocks: int,
                  caches: Mapping[str, ov.Tensor]) -> None:
-        self.request = compiled.create_infer_request()
+        self.compiled, self.request = compiled, compiled.create_infer_request()
         self.primary, self.num_blocks, self.steps = primary, num_blocks, 0
         for name, tensor in caches.items():
             self.request.set_tensor(name, tensor)
