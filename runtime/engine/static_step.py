@@ -14,7 +14,8 @@ The table's first ``ceil((p + 1) / block_size)`` entries are the sequence's bloc
 is [0, that count]: the kernel reads only those, the rest of the array is padding it never reads. The copy
 binds the paged stage's own cache tensors, so both compiled models read and write the same KV blocks, and its
 input arrays are bound once and written in place each step. The cost: a second compile at load and the plugin's
-own copy of the weights it packs (SmolLM2-135M: 145 MiB more; docs/results/2026-12-one-node.md).
+own copy of the weights it packs, about the stage's weight file again (docs/results/2026-12-one-node.md), so the
+copy is made only where the memory available holds twice that (``room_for_copy``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import openvino as ov
 from ovshard.bundle import names
 from ovshard.errors import PagedUnsupportedError
 
-__all__ = ["DecodeStep", "static_decode_model"]
+__all__ = ["DecodeStep", "room_for_copy", "static_decode_model"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,25 @@ def _shapes(primary: str, hidden: int | None, num_blocks: int) -> dict[str, tupl
             names.SUBSEQUENCE_BEGINS: ([2], np.int32), names.BLOCK_INDICES: ([num_blocks], np.int32),
             names.BLOCK_INDICES_BEGINS: ([2], np.int32), names.MAX_CONTEXT_LEN: ([], np.int32),
             names.SAMPLED_ROWS: ([1], np.int64)}
+
+
+def available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    return None
+
+
+def room_for_copy(weight_bytes: int) -> bool:
+    """Whether the memory available now holds a static copy of a stage with ``weight_bytes`` of weights with as
+    much again to spare (unknown: assumed so)."""
+    available = available_bytes()
+    return available is None or available >= 2 * weight_bytes
 
 
 def static_decode_model(model: ov.Model, primary: str, hidden: int | None, num_blocks: int) -> ov.Model:

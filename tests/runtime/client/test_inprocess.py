@@ -20,6 +20,8 @@ from ovshard.runtime.client import inprocess
 from ovshard.runtime.client.inprocess import LocalPipeline, OneSequence
 from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.decoding.speculative import make_speculation
+from ovshard.runtime.engine import paged as paged_module
+from ovshard.runtime.engine import static_step
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.engine.stage import EXACT_HINTS, Stage
 
@@ -84,6 +86,20 @@ def test_static_decode_steps_choose_the_dynamic_models_tokens(bundles: dict[int,
         assert got == want, f"prompt {prompt}"
         np.testing.assert_allclose(np.stack(got_rows), np.stack(want_rows), rtol=0, atol=1e-4)
         assert [s.paged.decode.steps - b for s, b in zip(static.stages, before, strict=True)] == [NEW_TOKENS] * stages
+
+
+def test_without_memory_for_a_static_copy_decode_runs_dynamic(bundles: dict[int, Path],
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Where the memory available cannot hold a static copy, none is made (logged at INFO) and decode still
+    chooses the stateful tokens."""
+    monkeypatch.setattr(static_step, "available_bytes", lambda: 0)
+    with caplog.at_level(logging.INFO, logger=paged_module.__name__):
+        pipe = LocalPipeline(bundles[1], config=EXACT_HINTS, slice_logits=True, paged=True)
+    assert pipe.stages[0].paged.decode is None
+    assert "too little memory available for a static copy" in caplog.text
+    want, _ = LocalPipeline(bundles[1], config=EXACT_HINTS).generate_greedy(PROMPTS[1], 16)
+    assert pipe.generate_greedy(PROMPTS[1], 16)[0] == want
 
 
 def test_a_stage_refused_in_paged_form_runs_stateful(bundles: dict[int, Path], monkeypatch: pytest.MonkeyPatch,
