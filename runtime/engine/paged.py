@@ -316,7 +316,9 @@ class PagedStage:
     """A compiled paged stage and its KV caches: ``num_blocks`` blocks a layer, bound once with set_tensor.
 
     Each cache is a uint8 array [num_blocks, bytes_per_block] that this object owns (the bound tensors share
-    its memory and the plugin's type and shape); ``cache(name)`` views it typed."""
+    its memory and the plugin's type and shape); ``cache(name)`` views it typed. With ``decode`` (the paged model
+    compiled again with a one-row step's static shapes, static_step.py) a step of one sequence and one row runs
+    that copy on the same caches."""
 
     def __init__(self, compiled: ov.CompiledModel, primary: str, num_blocks: int, max_positions: int,
                  sliced: bool = False, decode: ov.CompiledModel | None = None) -> None:
