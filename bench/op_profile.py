@@ -14,7 +14,7 @@ embedding and q/k/v of layer 0; layer i its own q/k/v and the o/MLP projections 
 layer's o/MLP, the final norm and the lm_head.
 
     CI=true .venv/bin/python bench/op_profile.py BUNDLE [--threads 2] [--context 64] [--steps 32]
-        [--prefill 512] [--prop KEY=VALUE ...] [--out bench/results] [--name op_profile]
+        [--prefill 512] [--static-decode] [--prop KEY=VALUE ...] [--out bench/results] [--name op_profile]
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def _totals(request: ov.InferRequest, inferences: int, kinds: dict[str, str] | N
     return found
 
 
-def profile(bundle: Path, threads: int, context: int, steps: int, prefill: int, props: dict[str, str]) -> dict:
+def profile(bundle: Path, threads: int, context: int, steps: int, prefill: int, props: dict[str, str],
+            static: bool = False) -> dict:
     from ovshard.bundle.manifest import read_manifest
     from ovshard.runtime.engine.paged import PagedRows, compile_paged
     from ovshard.runtime.engine.stage import plugin_config
@@ -76,7 +77,8 @@ def profile(bundle: Path, threads: int, context: int, steps: int, prefill: int, 
     config = {"PERF_COUNT": "YES", "INFERENCE_NUM_THREADS": str(threads), **props}
     length = context + max(prefill, steps) + 1
     blocks = list(range(-(-length // 32)))
-    stage = compile_paged(ov.Core(), bundle, manifest, 0, config=config, num_blocks=len(blocks), slice_logits=True)
+    stage = compile_paged(ov.Core(), bundle, manifest, 0, config=config, num_blocks=len(blocks), slice_logits=True,
+                          static_decode=static)
     vocab = manifest.architecture.vocab_size
     ids = np.random.default_rng(0).integers(0, vocab, length).astype(np.int64)
     if prefill:  # the same prompt again and again (each run rewrites the positions the last one wrote)
@@ -89,19 +91,25 @@ def profile(bundle: Path, threads: int, context: int, steps: int, prefill: int, 
     kinds, order, walls = {}, {}, []
     # The plugin's counters are each node's mean over every inference since the model was compiled: the profiled
     # runs' own mean is (total after them - total before them) / their count, totals being mean x inferences.
-    before = _totals(stage.request, len(warm))
+    # A decode step with --static-decode runs on the static copy's request (it counts its steps); every other
+    # step on the dynamic one, whose inferences are the load's 2-token warm-up step (and its 1-token one when
+    # no static copy takes it) and the warm runs here.
+    decode = stage.decode if static and not prefill else None
+    request, compiled = (stage.request, stage.compiled) if decode is None else (decode.request, decode.compiled)
+    done = decode.steps if decode is not None else len(warm) + (1 if stage.decode else 2)
+    before = _totals(request, done)
     for x, position in runs:
         start = time.perf_counter()
         stage.run([PagedRows(x, position, blocks, 1)])
         walls.append(time.perf_counter() - start)
-    after = _totals(stage.request, len(warm) + len(runs), kinds)
+    after = _totals(request, done + len(runs), kinds)
     times = {name: max(0.0, (total - before.get(name, 0.0)) / len(runs)) for name, total in after.items()}
-    for n, op in enumerate(stage.compiled.get_runtime_model().get_ordered_ops()):
+    for n, op in enumerate(compiled.get_runtime_model().get_ordered_ops()):
         order[op.get_friendly_name()] = n
-    reads = weight_bytes(stage.compiled.get_runtime_model())
+    reads = weight_bytes(compiled.get_runtime_model())
     applied = plugin_config(manifest, "CPU", config)
     return {"times": dict(times), "kinds": kinds, "order": order, "reads": reads, "wall_s": statistics.median(walls),
-            "properties": {k: str(stage.compiled.get_property(k)) for k in (
+            "properties": {k: str(compiled.get_property(k)) for k in (
                 "INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "DYNAMIC_QUANTIZATION_GROUP_SIZE",
                 "INFERENCE_NUM_THREADS", "ENABLE_CPU_PINNING")}, "asked": applied}
 
@@ -140,12 +148,13 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=64, help="tokens cached before the profiled steps")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prefill", type=int, default=0, help="profile one step of this many new tokens instead")
+    ap.add_argument("--static-decode", action="store_true", help="decode steps on the static copy (static_step.py)")
     ap.add_argument("--prop", action="append", default=[], help="KEY=VALUE: a CPU plugin property over the hints")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--name", default="op_profile")
     args = ap.parse_args()
     props = dict(p.split("=", 1) for p in args.prop)
-    found = profile(args.bundle, args.threads, args.context, args.steps, args.prefill, props)
+    found = profile(args.bundle, args.threads, args.context, args.steps, args.prefill, props, args.static_decode)
     by_type, by_layer, summary = tables(found)
     doc = {"command": command_line(), "machine": machine(), "bundle": str(args.bundle), "threads": args.threads, "context": args.context,
            "step": f"prefill of {args.prefill}" if args.prefill else f"decode, mean of {args.steps} steps",

@@ -73,6 +73,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
              "layer", None, ("{bundle1}", "--threads", "1", "--steps", "2")),
         Step("step_parts", "a decode step's parts outside the kernels: detokenizer, sampler, inputs, infer call",
              None, ("{bundle1}", "--repeats", "20", "--threads", "1")),
+        Step("static_decode", "a one-stage decode step on the dynamic paged model against its static copy, "
+             "interleaved", None, ("{bundle1}", "--threads", "1", "--steps", "4", "--rounds", "1", "--context", "8")),
     )),
     Suite("cluster", "ovshard up and the wire: placement, a node lost, TLS, the probe", (
         Step("placement", "measured placement against an equal split on an emulated unequal pair",

@@ -59,12 +59,15 @@ class OneSequence:
 
 
 def load_stage(bundle: Path, manifest: Manifest, index: int, core: ov.Core, device: str,
-               config: dict[str, str] | None, slice_logits: bool, paged: bool) -> Stage | OneSequence:
-    """Stage ``index`` in paged form for one sequence when ``paged`` and it converts, else stateful."""
+               config: dict[str, str] | None, slice_logits: bool, paged: bool,
+               static_decode: bool = True) -> Stage | OneSequence:
+    """Stage ``index`` in paged form for one sequence when ``paged`` and it converts, else stateful;
+    ``static_decode``: its one-token steps run a copy compiled with static shapes (engine/static_step.py)."""
     if paged:
         blocks = blocks_for(manifest.runtime_hints.max_positions, BLOCK_SIZE)
         try:
-            return OneSequence(compile_paged(core, bundle, manifest, index, device, config, blocks, slice_logits))
+            return OneSequence(compile_paged(core, bundle, manifest, index, device, config, blocks, slice_logits,
+                                             static_decode))
         except PagedUnsupportedError as e:
             log.info("stage %d: stateful KV cache (its paged form is refused): %s", index, e)
     return Stage(bundle, manifest, index, core, device, config, slice_logits)
@@ -75,10 +78,12 @@ class LocalPipeline:
 
     def __init__(self, bundle: str | Path, device: str = "CPU", config: dict[str, str] | None = None,
                  verify: bool = True, slice_logits: bool = False, cache_dir: Path | None = None,
-                 paged: bool = False) -> None:
+                 paged: bool = False, static_decode: bool = True) -> None:
         """``slice_logits``: the last stage computes logits only for the rows ``step``'s want reads (as a
         worker does; ``forward`` then returns every row still). ``cache_dir``: OpenVINO's compiled-model cache.
-        ``paged``: each stage in paged form (a stage that cannot be converted stays stateful, logged)."""
+        ``paged``: each stage in paged form (a stage that cannot be converted stays stateful, logged), its
+        one-token steps on a copy compiled with static shapes unless ``static_decode`` is False (that copy
+        costs a second compile and the plugin's packed weights again: engine/static_step.py)."""
         self.bundle = Path(bundle)
         self.manifest = read_manifest(self.bundle)
         if verify:
@@ -88,7 +93,8 @@ class LocalPipeline:
         if cache_dir is not None:
             core.set_property({"CACHE_DIR": str(cache_dir)})
         log.info("every stage: %s", describe_plugin_config(self.manifest, device, config))
-        self.stages = [load_stage(self.bundle, self.manifest, i, core, device, config, slice_logits, paged)
+        self.stages = [load_stage(self.bundle, self.manifest, i, core, device, config, slice_logits, paged,
+                                  static_decode)
                        for i in range(self.manifest.num_stages)]
         self.position = 0
         self.max_positions = self.manifest.runtime_hints.max_positions

@@ -56,6 +56,7 @@ from ovshard.bundle.stage import StageSpec
 from ovshard.errors import BundleError, PagedUnsupportedError
 from ovshard.runtime.engine.logit_rows import lm_head
 from ovshard.runtime.engine.plugin import plugin_config
+from ovshard.runtime.engine.static_step import DecodeStep, room_for_copy, static_decode_model
 
 __all__ = ["CacheSpec", "PagedRows", "PagedStage", "blocks_for", "compile_paged", "gather_logit_rows",
            "paged_inputs", "to_paged"]
@@ -237,9 +238,11 @@ def gather_logit_rows(model: ov.Model, vocab: int) -> ov.Model:
 
 def compile_paged(core: ov.Core, bundle: Path, manifest: Manifest, index: int, device: str = "CPU",
                   config: dict[str, str] | None = None, num_blocks: int = 256,
-                  slice_logits: bool = False) -> PagedStage:
+                  slice_logits: bool = False, static_decode: bool = False) -> PagedStage:
     """Stage ``index`` read, converted to paged attention, compiled with ``plugin_config`` and given caches of
-    ``num_blocks`` blocks; ``slice_logits``: a last stage computes only the rows each step wants.
+    ``num_blocks`` blocks; ``slice_logits``: a last stage computes only the rows each step wants;
+    ``static_decode``: a step of one sequence and one row runs a copy compiled with static shapes
+    (static_step.py; where that copy is refused, logged, every step runs the dynamic model).
     PagedUnsupportedError: run the stage with stage.Stage instead."""
     if not 0 <= index < manifest.num_stages:
         raise BundleError(f"stage {index} does not exist: the bundle has stages 0..{manifest.num_stages - 1}")
@@ -257,16 +260,36 @@ def compile_paged(core: ov.Core, bundle: Path, manifest: Manifest, index: int, d
     sliced = slice_logits and entry.stage.last
     if sliced:
         gather_logit_rows(model, manifest.architecture.vocab_size)
+    properties = plugin_config(manifest, device, config)
     try:
-        compiled = core.compile_model(model, device, plugin_config(manifest, device, config))
+        compiled = core.compile_model(model, device, properties)
     except RuntimeError as e:
         reason = str(e).strip().splitlines()[-1]
         raise PagedUnsupportedError(f"stage {index}: the paged form does not compile on {device} ({reason}); "
                                     "run this stage on the stateful path") from e
     primary = names.INPUT_IDS if entry.stage.first else names.INPUTS_EMBEDS
-    stage = PagedStage(compiled, primary, num_blocks, manifest.runtime_hints.max_positions, sliced)
+    decode = None
+    if static_decode:
+        weights = (Path(bundle) / entry.model_xml).with_suffix(".bin").stat().st_size
+        if room_for_copy(weights):
+            decode = _compile_decode(core, model, primary, num_blocks, device, properties, index)
+        else:
+            log.info("stage %d: decode steps run the dynamic paged model (too little memory available for a static "
+                     "copy of %d MB of weights)", index, weights // 10**6)
+    stage = PagedStage(compiled, primary, num_blocks, manifest.runtime_hints.max_positions, sliced, decode)
     stage.warm()
     return stage
+
+
+def _compile_decode(core: ov.Core, model: ov.Model, primary: str, num_blocks: int, device: str,
+                    properties: dict[str, str], index: int) -> ov.CompiledModel | None:
+    """The static one-row copy of paged ``model`` compiled, or None (logged) where it is refused."""
+    hidden = None if primary == names.INPUT_IDS else model.input(primary).get_partial_shape()[-1].get_length()
+    try:
+        return core.compile_model(static_decode_model(model, primary, hidden, num_blocks), device, properties)
+    except (PagedUnsupportedError, RuntimeError) as e:
+        log.info("stage %d: decode steps run the dynamic paged model (%s)", index, str(e).strip().splitlines()[-1])
+        return None
 
 
 def paged_inputs(primary: str, seqs: Sequence[PagedRows], block_size: int, sliced: bool) -> dict[str, np.ndarray]:
@@ -293,10 +316,12 @@ class PagedStage:
     """A compiled paged stage and its KV caches: ``num_blocks`` blocks a layer, bound once with set_tensor.
 
     Each cache is a uint8 array [num_blocks, bytes_per_block] that this object owns (the bound tensors share
-    its memory and the plugin's type and shape); ``cache(name)`` views it typed."""
+    its memory and the plugin's type and shape); ``cache(name)`` views it typed. With ``decode`` (the paged model
+    compiled again with a one-row step's static shapes, static_step.py) a step of one sequence and one row runs
+    that copy on the same caches."""
 
     def __init__(self, compiled: ov.CompiledModel, primary: str, num_blocks: int, max_positions: int,
-                 sliced: bool = False) -> None:
+                 sliced: bool = False, decode: ov.CompiledModel | None = None) -> None:
         self.compiled, self.primary, self.max_positions, self.sliced = compiled, primary, max_positions, sliced
         self.request = compiled.create_infer_request()
         self.specs = _cache_specs(compiled)
@@ -312,6 +337,7 @@ class PagedStage:
         self.hidden = None  # the width of a later stage's rows
         if primary == names.INPUTS_EMBEDS:
             self.hidden = compiled.input(names.INPUTS_EMBEDS).get_partial_shape()[-1].get_length()
+        self.decode = None if decode is None else DecodeStep(decode, primary, self.hidden, num_blocks, self._tensors)
         log.info("paged stage: %d caches of %d blocks x %d positions, %d bytes a token", len(self.specs),
                  num_blocks, self.block_size, self.bytes_per_token)
 
@@ -349,6 +375,9 @@ class PagedStage:
         """One inference over every sequence's new rows; returns each sequence's output rows:
         hidden [T, H] (or logits [T, V]; [want, V] on a sliced last stage)."""
         self._check(seqs)
+        if self.decode is not None and len(seqs) == 1 and seqs[0].count == 1:  # a decode step: static shapes
+            rows = seqs[0]
+            return [self.decode.run(rows.x, rows.position, rows.blocks[:-(-rows.end // self.block_size)])]
         self.request.infer(paged_inputs(self.primary, seqs, self.block_size, self.sliced))
         out = self.request.get_output_tensor(0).data
         out = out.reshape(out.shape[0], -1)  # [N or R, 1, H|V] -> [N or R, H|V]

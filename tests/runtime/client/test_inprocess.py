@@ -20,6 +20,8 @@ from ovshard.runtime.client import inprocess
 from ovshard.runtime.client.inprocess import LocalPipeline, OneSequence
 from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.decoding.speculative import make_speculation
+from ovshard.runtime.engine import paged as paged_module
+from ovshard.runtime.engine import static_step
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.engine.stage import EXACT_HINTS, Stage
 
@@ -66,6 +68,38 @@ def test_paged_speculation_with_rejected_drafts_equals_stateful(bundles: dict[in
         assert got == plain == _speculative(stateful, bundles[stages], prompt)[0], f"prompt {prompt}"
         if prompt == PROMPTS[0]:
             assert stats.rewinds > 0 and stats.drafted > stats.accepted > 0
+
+
+@pytest.mark.parametrize(("stages", "hints"), [(1, EXACT_HINTS), (2, EXACT_HINTS), (1, None)])
+def test_static_decode_steps_choose_the_dynamic_models_tokens(bundles: dict[int, Path], stages: int,
+                                                              hints: dict[str, str] | None) -> None:
+    """Every one-token step runs each paged stage's static copy, and it chooses the dynamic model's greedy tokens
+    from logits within 1e-4, under f32 hints and under the bundle's own."""
+    static = LocalPipeline(bundles[stages], config=hints, slice_logits=True, paged=True)
+    dynamic = LocalPipeline(bundles[stages], config=hints, slice_logits=True, paged=True, static_decode=False)
+    assert all(s.paged.decode is not None for s in static.stages)
+    assert all(s.paged.decode is None for s in dynamic.stages)
+    for prompt in PROMPTS:
+        before = [s.paged.decode.steps for s in static.stages]
+        want, want_rows = dynamic.generate_greedy(prompt, NEW_TOKENS)
+        got, got_rows = static.generate_greedy(prompt, NEW_TOKENS)
+        assert got == want, f"prompt {prompt}"
+        np.testing.assert_allclose(np.stack(got_rows), np.stack(want_rows), rtol=0, atol=1e-4)
+        assert [s.paged.decode.steps - b for s, b in zip(static.stages, before, strict=True)] == [NEW_TOKENS] * stages
+
+
+def test_without_memory_for_a_static_copy_decode_runs_dynamic(bundles: dict[int, Path],
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Where the memory available cannot hold a static copy, none is made (logged at INFO) and decode still
+    chooses the stateful tokens."""
+    monkeypatch.setattr(static_step, "available_bytes", lambda: 0)
+    with caplog.at_level(logging.INFO, logger=paged_module.__name__):
+        pipe = LocalPipeline(bundles[1], config=EXACT_HINTS, slice_logits=True, paged=True)
+    assert pipe.stages[0].paged.decode is None
+    assert "too little memory available for a static copy" in caplog.text
+    want, _ = LocalPipeline(bundles[1], config=EXACT_HINTS).generate_greedy(PROMPTS[1], 16)
+    assert pipe.generate_greedy(PROMPTS[1], 16)[0] == want
 
 
 def test_a_stage_refused_in_paged_form_runs_stateful(bundles: dict[int, Path], monkeypatch: pytest.MonkeyPatch,

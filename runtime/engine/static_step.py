@@ -1,0 +1,115 @@
+"""A paged stage's one-row step (one sequence, one new token: a decode step) compiled again with static shapes.
+
+Why: the CPU plugin runs a graph with any dynamic input on its dynamic path, which before every inference
+infers each node's shapes and prepares its parameters (on two TBB tasks, with a wait at each node whose shapes
+depend on data), even when no shape changed since the last one; a graph whose every input shape is static runs
+its nodes and nothing else. A decode step of one sequence has the same shapes step after step once the block
+table is padded to the pool's size, so it gets a copy of the paged model reshaped to them:
+
+    input_ids [1] | inputs_embeds [1, H]    position_ids [1]    past_lens [1]    subsequence_begins [2]
+    block_indices [num_blocks]              block_indices_begins [2]             max_context_len []
+    sampled_tokens_indices [1] (a sliced last stage)
+
+The table's first ``ceil((p + 1) / block_size)`` entries are the sequence's blocks and ``block_indices_begins``
+is [0, that count]: the kernel reads only those, the rest of the array is padding it never reads. The copy
+binds the paged stage's own cache tensors, so both compiled models read and write the same KV blocks, and its
+input arrays are bound once and written in place each step. The cost: a second compile at load and the plugin's
+own copy of the weights it packs, about the stage's weight file again (docs/results/2026-12-one-node.md), so the
+copy is made only where the memory available holds twice that (``room_for_copy``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import openvino as ov
+
+from ovshard.bundle import names
+from ovshard.errors import PagedUnsupportedError
+
+__all__ = ["DecodeStep", "room_for_copy", "static_decode_model"]
+
+log = logging.getLogger(__name__)
+
+CACHE_PREFIXES = ("key_cache.", "value_cache.")
+
+
+def _shapes(primary: str, hidden: int | None, num_blocks: int) -> dict[str, tuple[list[int], type]]:
+    """Each non-cache input of a one-row step: its static shape and numpy type."""
+    return {primary: ([1] if hidden is None else [1, hidden], np.int64 if hidden is None else np.float32),
+            names.POSITION_IDS: ([1], np.int64), names.PAST_LENS: ([1], np.int32),
+            names.SUBSEQUENCE_BEGINS: ([2], np.int32), names.BLOCK_INDICES: ([num_blocks], np.int32),
+            names.BLOCK_INDICES_BEGINS: ([2], np.int32), names.MAX_CONTEXT_LEN: ([], np.int32),
+            names.SAMPLED_ROWS: ([1], np.int64)}
+
+
+def available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    return None
+
+
+def room_for_copy(weight_bytes: int) -> bool:
+    """Whether the memory available now holds a static copy of a stage with ``weight_bytes`` of weights with as
+    much again to spare (unknown: assumed so)."""
+    available = available_bytes()
+    return available is None or available >= 2 * weight_bytes
+
+
+def static_decode_model(model: ov.Model, primary: str, hidden: int | None, num_blocks: int) -> ov.Model:
+    """A copy of paged ``model`` with every non-cache input static at a one-row step's shape (the module's
+    docstring; ``hidden``: a later stage's row width, None on stage 0). The caches keep the shapes the plugin
+    gives them. PagedUnsupportedError on an input a one-row step does not know."""
+    shapes = _shapes(primary, hidden, num_blocks)
+    found = {port.get_any_name(): port for port in model.inputs}
+    unknown = sorted(n for n in found if n not in shapes and not n.startswith(CACHE_PREFIXES))
+    if unknown:
+        raise PagedUnsupportedError(f"the paged model has inputs {unknown} that a one-row static step does not "
+                                    f"fill (expected {sorted(shapes)} and the caches); its decode runs dynamic")
+    static = model.clone()
+    static.reshape({port: ov.PartialShape(shapes[port.get_any_name()][0]) for port in static.inputs
+                    if port.get_any_name() in shapes})
+    return static
+
+
+class DecodeStep:
+    """The static copy's request: the paged stage's ``caches`` bound, its input arrays bound once and written
+    in place. ``steps`` counts the steps it ran (a paged stage takes this path for one sequence and one row)."""
+
+    def __init__(self, compiled: ov.CompiledModel, primary: str, hidden: int | None, num_blocks: int,
+                 caches: Mapping[str, ov.Tensor]) -> None:
+        self.compiled, self.request = compiled, compiled.create_infer_request()
+        self.primary, self.num_blocks, self.steps = primary, num_blocks, 0
+        for name, tensor in caches.items():
+            self.request.set_tensor(name, tensor)
+        inputs = {port.get_any_name() for port in compiled.inputs}
+        self.arrays: dict[str, np.ndarray] = {name: np.zeros(shape, kind) for name, (shape, kind)
+                                              in _shapes(primary, hidden, num_blocks).items() if name in inputs}
+        for name, array in self.arrays.items():
+            self.request.set_tensor(name, ov.Tensor(array, shared_memory=True))
+        self.arrays[names.SUBSEQUENCE_BEGINS][:] = (0, 1)
+        self.arrays[names.BLOCK_INDICES_BEGINS][0] = 0
+
+    def run(self, x: np.ndarray, position: int, table: Sequence[int]) -> np.ndarray:
+        """One row ``x`` (ids [1] or rows [1, H]) at ``position`` with the sequence's ``table`` (the blocks
+        covering [0, position + 1), already checked); returns its output row [1, H|V]."""
+        arrays = self.arrays
+        arrays[self.primary][:] = x
+        arrays[names.POSITION_IDS][0] = position
+        arrays[names.PAST_LENS][0] = position
+        arrays[names.MAX_CONTEXT_LEN][()] = position + 1
+        count = len(table)
+        arrays[names.BLOCK_INDICES][:count] = table
+        arrays[names.BLOCK_INDICES_BEGINS][1] = count
+        self.request.infer()
+        self.steps += 1
+        out = self.request.get_output_tensor(0).data
+        return out.reshape(1, -1).copy()  # [1, 1, H|V] -> [1, H|V]
