@@ -56,7 +56,7 @@ from ovshard.bundle.stage import StageSpec
 from ovshard.errors import BundleError, PagedUnsupportedError
 from ovshard.runtime.engine.logit_rows import lm_head
 from ovshard.runtime.engine.plugin import plugin_config
-from ovshard.runtime.engine.static_step import DecodeStep, room_for_copy, static_decode_model
+from ovshard.runtime.engine.static_step import DecodeStep, static_decode_model, why_no_copy
 
 __all__ = ["CacheSpec", "PagedRows", "PagedStage", "blocks_for", "compile_paged", "gather_logit_rows",
            "paged_inputs", "to_paged"]
@@ -271,11 +271,11 @@ def compile_paged(core: ov.Core, bundle: Path, manifest: Manifest, index: int, d
     decode = None
     if static_decode:
         weights = (Path(bundle) / entry.model_xml).with_suffix(".bin").stat().st_size
-        if room_for_copy(weights):
+        refusal = why_no_copy(weights)
+        if refusal is None:
             decode = _compile_decode(core, model, primary, num_blocks, device, properties, index)
         else:
-            log.info("stage %d: decode steps run the dynamic paged model (too little memory available for a static "
-                     "copy of %d MB of weights)", index, weights // 10**6)
+            log.info("stage %d: decode steps run the dynamic paged model (%s)", index, refusal)
     stage = PagedStage(compiled, primary, num_blocks, manifest.runtime_hints.max_positions, sliced, decode)
     stage.warm()
     return stage

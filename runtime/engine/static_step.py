@@ -15,7 +15,10 @@ is [0, that count]: the kernel reads only those, the rest of the array is paddin
 binds the paged stage's own cache tensors, so both compiled models read and write the same KV blocks, and its
 input arrays are bound once and written in place each step. The cost: a second compile at load and the plugin's
 own copy of the weights it packs, about the stage's weight file again (docs/results/2026-12-one-node.md), so the
-copy is made only where the memory available holds twice that (``room_for_copy``).
+copy is made only where it pays (``why_no_copy``): the saving is about fixed a step (the dynamic path's work
+per node, 2-3 ms for a small model's ~470 nodes on 2 cores), so it counts for a short step and not for a long
+one, a stage of at most ``COPY_MAX_BYTES`` of weights (a step there reads them in ~40 ms at 25 GB/s: the 1B shape
+gained 6-16%, SmolLM2 17-25%); and only where the memory available holds twice the weights.
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ import openvino as ov
 from ovshard.bundle import names
 from ovshard.errors import PagedUnsupportedError
 
-__all__ = ["DecodeStep", "room_for_copy", "static_decode_model"]
+__all__ = ["DecodeStep", "why_no_copy", "static_decode_model"]
 
 log = logging.getLogger(__name__)
 
 CACHE_PREFIXES = ("key_cache.", "value_cache.")
+COPY_MAX_BYTES = 1 << 30  # above this a step is long enough that its fixed saving no longer pays for the weights twice
 
 
 def _shapes(primary: str, hidden: int | None, num_blocks: int) -> dict[str, tuple[list[int], type]]:
@@ -57,11 +61,16 @@ def available_bytes() -> int | None:
     return None
 
 
-def room_for_copy(weight_bytes: int) -> bool:
-    """Whether the memory available now holds a static copy of a stage with ``weight_bytes`` of weights with as
-    much again to spare (unknown: assumed so)."""
+def why_no_copy(weight_bytes: int) -> str | None:
+    """Why a stage with ``weight_bytes`` of weights gets no static copy, or None where it gets one: it must be small
+    enough that the copy's fixed saving a step counts (``COPY_MAX_BYTES``), and the memory available now must hold
+    the copy with as much again to spare (unknown: assumed so)."""
+    if weight_bytes > COPY_MAX_BYTES:
+        return f"its {weight_bytes // 10**6} MB of weights make a step long enough that a copy would not pay"
     available = available_bytes()
-    return available is None or available >= 2 * weight_bytes
+    if available is not None and available < 2 * weight_bytes:
+        return f"too little memory available for a static copy of {weight_bytes // 10**6} MB of weights"
+    return None
 
 
 def static_decode_model(model: ov.Model, primary: str, hidden: int | None, num_blocks: int) -> ov.Model:

@@ -132,3 +132,10 @@ def test_in_process_stats_count_one_hop(bundles: dict[int, Path]) -> None:
     report = stats.to_dict()
     beyond = report["mean_step_ms"] - report["stage0_compute_ms"] - report["stage1_compute_ms"]
     assert report["per_hop_network_ms"] == pytest.approx(beyond, abs=0.01)
+
+
+def test_a_stage_past_the_size_cap_gets_no_static_copy() -> None:
+    """A stage whose step is long (more weights than the cap) is refused a copy whatever the memory, a small one is
+    given one where memory allows."""
+    assert "would not pay" in (static_step.why_no_copy(static_step.COPY_MAX_BYTES + 1) or "")
+    assert static_step.why_no_copy(1 << 20) is None or "too little memory" in static_step.why_no_copy(1 << 20)
