@@ -265,6 +265,11 @@ class Activations:
         self.caught_layer: int | None = None  # the layer whose matmul inputs ``caught`` holds
         self.caught: dict[str, torch.Tensor] = {}  # projection ("q", "down") -> its inputs [tokens, in]
         self.moments: dict[tuple[int, int], torch.Tensor] = {}  # (id of the inputs, group) -> second moments
+        self.lent: dict[int, Weights] = {}  # layer -> its float32 weights, loaded by the piece's trace (lend)
+
+    def lend(self, first: int, weights: list[Weights]) -> None:
+        """Layers ``first`` ...'s float32 weights, loaded for their trace: :meth:`_catch` reads them, not the file."""
+        self.lent = {first + k: w for k, w in enumerate(weights)}
 
     def fit_int4(self, key: str, weight: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
         """INT4 codes and f16 scales of decoder weight ``key`` (``"3.down"``), fitted to its calibration inputs."""
@@ -283,12 +288,17 @@ class Activations:
         """Run ``layer`` on every sample, keeping its matmuls' inputs, and move the samples past it."""
         self._move_to(layer)
         self.caught, self.moments, self.caught_layer = {}, {}, None
-        weights = load_layer(self.ckpt, layer, _all_layers(self.ckpt))
+        weights = self._weights(layer)
         catch = _Inputs(weights)
         with torch.no_grad(), catch:
             self._forward(layer, weights)
         self.caught, self.caught_layer, self.at = catch.inputs(), layer, layer + 1
         watchdog.beat(f"calibration: layer {layer} run in float32, its matmul inputs kept")
+
+    def _weights(self, layer: int) -> Weights:
+        """Layer ``layer``'s float32 weights: those lent by its piece's trace, else read from the checkpoint."""
+        lent = self.lent.pop(layer, None)
+        return lent if lent is not None else load_layer(self.ckpt, layer, _all_layers(self.ckpt))
 
     def __call__(self, piece: Piece) -> list[dict[str, np.ndarray]] | None:
         if piece.kind != "layers" or piece.start is None or piece.end is None:
@@ -341,7 +351,7 @@ class Activations:
         with torch.no_grad():
             while self.at < layer:
                 i = self.at
-                weights = load_layer(self.ckpt, i, _all_layers(self.ckpt))  # once for every sample
+                weights = self._weights(i)  # once for every sample
                 self._forward(i, weights)
                 del weights
                 self.at += 1
