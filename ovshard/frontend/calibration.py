@@ -161,15 +161,15 @@ CHUNK_ROWS = 4096
 
 def _embed(ckpt: Checkpoint, ids: np.ndarray, table: np.ndarray | None = None) -> torch.Tensor:
     """Embedding rows of ``ids`` [batch, seq] (times the family's scale): from ``table`` (a mapped copy of the
-    embedding) or, without one, by one pass over the embedding in row chunks."""
+    embedding) or, without one, read from the checkpoint: only the rows used, a run of consecutive ids at once."""
     d, flat = ckpt.dims, ids.reshape(-1)
     if table is not None:
         out = np.asarray(table[flat], dtype=np.float32)
     else:
-        out = np.zeros((flat.size, d.hidden_size), np.float32)
-        for start, block in matrix_rows(ckpt, ckpt.spec.embed, CHUNK_ROWS):
-            hit = (flat >= start) & (flat < start + block.shape[0])
-            out[hit] = block[flat[hit] - start]
+        used = np.unique(flat)  # sorted
+        runs = np.split(used, np.flatnonzero(np.diff(used) != 1) + 1)
+        rows = np.concatenate([ckpt.load_rows(ckpt.spec.embed, int(r[0]), int(r[-1]) + 1).numpy() for r in runs])
+        out = rows[np.searchsorted(used, flat)]  # [tokens, hidden]
     h = torch.from_numpy(out.reshape(*ids.shape, d.hidden_size))
     return h if ckpt.block.embed_scale is None else h * torch.tensor(ckpt.block.embed_scale, dtype=h.dtype)
 
