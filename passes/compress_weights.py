@@ -227,8 +227,11 @@ class CompressWeightsPass(GraphPass):
             group = self.fmt.group_for(shape[1])
             if group is None:
                 continue
-            codes, scales = calibration.fit_int4(f"{ctx.piece.start + int(match[1])}.{match[2]}", const.get_data(),
-                                                 group)
+            try:
+                codes, scales = calibration.fit_int4(f"{ctx.piece.start + int(match[1])}.{match[2]}",
+                                                     const.get_data(), group)
+            except PassError as e:
+                raise PassError(f"{ctx.where(self.name)}: {e}") from e
             const.output(0).replace(int4_weight(const.get_friendly_name(), codes, scales, shape).output(0))
             done.add(op.get_friendly_name())
         log.debug("%s: %d INT4 weights fitted to the calibration inputs", where, len(done))

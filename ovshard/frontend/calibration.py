@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from ovshard import watchdog
 from ovshard.bundle import names
 from ovshard.bundle.stage import StageSpec
-from ovshard.errors import ConfigError
+from ovshard.errors import ConfigError, PassError
 from ovshard.frontend import int4_fit
 from ovshard.frontend.pieces import context_ports, matrix_rows
 from ovshard.frontend.rope import rotary_tables
@@ -278,7 +278,10 @@ class Activations:
             self._catch(int(layer))
         inputs = self.caught.get(projection)
         if inputs is None:
-            raise KeyError(f"calibration: layer {layer} ran no matmul with its {projection} weight")
+            raise PassError(f"the scale fit of layer {layer}'s {projection} weight needs the inputs of its matmul, and "
+                            f"the float32 run of layer {layer} read no such weight through F.linear (it caught the "
+                            f"inputs of {', '.join(sorted(self.caught)) or 'none'}): compile with --calibration none "
+                            "(data-free INT4) and report the model, whose layer reads that weight another way")
         if (id(inputs), group) not in self.moments:
             self.moments[(id(inputs), group)] = int4_fit.second_moments(inputs, group)
         codes, scales = int4_fit.fit(torch.from_numpy(weight), self.moments[(id(inputs), group)])

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ovshard.frontend import int4_fit
+from ovshard.frontend.source import open_source
 
 
 def _direct(weight: np.ndarray, inputs: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -130,3 +131,18 @@ def _story_ids(stories: Path, story: Path) -> list[int]:
     from transformers import AutoTokenizer
 
     return [1, *AutoTokenizer.from_pretrained(stories)(story.read_text(), add_special_tokens=False)["input_ids"]]
+
+
+def test_a_weight_whose_inputs_were_not_caught_is_a_clear_error(stories: Path, tmp_path: Path) -> None:
+    """The fit of a weight its layer's float32 run did not read through F.linear says which, what was caught, and
+    what to do, instead of a bare KeyError."""
+    from ovshard.errors import PassError
+    from ovshard.frontend.calibration import Activations, calibration_text
+
+    ckpt = open_source(stories)
+    activations = Activations(ckpt, calibration_text(ckpt, "text", 2, 32, tmp_path))
+    with pytest.raises(PassError) as caught:
+        activations.fit_int4("1.experts_gate", np.zeros((8, 64), np.float32), 32)
+    message = str(caught.value)
+    assert "layer 1's experts_gate weight" in message and "--calibration none" in message, message
+    assert "inputs of down, gate, k, o, q, up, v" in message, message
