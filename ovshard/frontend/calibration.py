@@ -272,16 +272,27 @@ class Activations:
         self.lent = {first + k: w for k, w in enumerate(weights)}
 
     def fit_int4(self, key: str, weight: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
-        """INT4 codes and f16 scales of decoder weight ``key`` (``"3.down"``), fitted to its calibration inputs."""
+        """INT4 codes and f16 scales of decoder weight ``key`` (``"3.down"``), fitted to its calibration inputs;
+        experts stacked [experts, out, in] each to the inputs of the tokens routed to it (an expert no token chose:
+        the data-free min-max scale)."""
         layer, projection = key.split(".")
         if self.caught_layer != int(layer):
             self._catch(int(layer))
-        inputs = self.caught.get(projection)
-        if inputs is None:
+        if weight.ndim == 3:
+            fitted = [self._fit(f"{projection}[{e}]", weight[e], group) for e in range(weight.shape[0])]
+            return np.stack([c for c, _ in fitted]), np.stack([s for _, s in fitted])
+        if projection not in self.caught:
             raise PassError(f"the scale fit of layer {layer}'s {projection} weight needs the inputs of its matmul, and "
                             f"the float32 run of layer {layer} read no such weight through F.linear (it caught the "
                             f"inputs of {', '.join(sorted(self.caught)) or 'none'}): compile with --calibration none "
                             "(data-free INT4) and report the model, whose layer reads that weight another way")
+        return self._fit(projection, weight, group)
+
+    def _fit(self, projection: str, weight: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+        inputs = self.caught.get(projection)
+        if inputs is None:  # an expert no calibration token was routed to
+            codes, scales = int4_fit.minmax(torch.from_numpy(weight), group)
+            return codes.numpy(), scales.numpy()
         if (id(inputs), group) not in self.moments:
             self.moments[(id(inputs), group)] = int4_fit.second_moments(inputs, group)
         codes, scales = int4_fit.fit(torch.from_numpy(weight), self.moments[(id(inputs), group)])
@@ -368,12 +379,15 @@ class _Inputs(TorchFunctionMode):
         super().__init__()
         self.names = {id(t): name.removesuffix("_weight") for name, t in weights.named_buffers()
                       if name.endswith("_weight") and t.dim() == 2}
+        self.experts = {t[e].data_ptr(): f"{name.removesuffix('_weight')}[{e}]" for name, t in weights.named_buffers()
+                        if name.endswith("_weight") and t.dim() == 3 for e in range(t.shape[0])}  # an expert's slice
         self.seen: dict[str, list[torch.Tensor]] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is F.linear:
-            name = self.names.get(id(args[1] if len(args) > 1 else kwargs.get("weight")))
+            weight = args[1] if len(args) > 1 else kwargs["weight"]
+            name = self.names.get(id(weight)) or self.experts.get(weight.data_ptr())  # "down", "experts_down[3]"
             if name is not None:
                 self.seen.setdefault(name, []).append(args[0])  # held: projections reading it are told by identity
         return func(*args, **kwargs)

@@ -207,9 +207,14 @@ def experts_mlp(m: torch.Tensor, layer: Weights, d: ModelDims, blk: Block) -> to
     sigmoid of its own one-output gate where it has one (Qwen2-MoE; GLM-4.5's is not scaled). Llama 4
     (``blk.expert_input_scores``) scales each expert's input by its routing weight instead of its output: an
     expert is not linear, so this is another graph, and every expert runs on every token (a 0 input where not
-    chosen) as written; the plugin gathers none of it.
+    chosen) as written; the plugin gathers none of it. Run eagerly (not traced), the same sum is computed from
+    the routed tokens alone (``ovshard.frontend.experts``).
     """
+    from ovshard.frontend.experts import routed_experts, with_shared  # it builds on this module
+
     b, t, hidden = m.shape
+    if not (torch.jit.is_tracing() or torch.compiler.is_compiling()):  # eager (calibration): the routed tokens only
+        return with_shared(routed_experts(m, layer, d, blk), m, layer, d, blk)
     experts = d.num_experts
     flat = m.reshape(-1, hidden)  # [tokens, hidden]
     logits = F.linear(flat, layer.router_weight, layer.router_bias)  # [tokens, experts]
@@ -227,12 +232,7 @@ def experts_mlp(m: torch.Tensor, layer: Weights, d: ModelDims, blk: Block) -> to
         up = torch.matmul(tiled, layer.experts_up_weight.transpose(1, 2))  # [experts, tokens, expert_size]
         out = torch.matmul(gate * up, layer.experts_down_weight.transpose(1, 2)).view(experts, b, t, hidden)
     routed = (out * weights).sum(dim=0)  # [batch, seq, hidden]
-    if not d.shared_expert_size:
-        return routed
-    shared = gated_mlp(m, layer, blk, "shared_")
-    if blk.shared_expert_gated:
-        shared = torch.sigmoid(F.linear(m, layer.shared_router_weight)) * shared
-    return routed + shared
+    return with_shared(routed, m, layer, d, blk)
 
 
 def _qkv(d: ModelDims, blk: Block, layer: Weights, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
