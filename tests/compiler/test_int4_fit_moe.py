@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from families import moe_with_tokenizer
 from transformers import AutoModelForCausalLM
@@ -110,3 +111,26 @@ def _experts(xml: Path) -> list[tuple[list[int], np.ndarray]]:
                           if multiply.input_value(k).get_node().get_type_name() == "Constant")
             found.append((list(op.get_output_shape(0)), scales.get_data().copy()))
     return found
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "llama4_text",
+                                    "llama4_text_top2", "mixtral"])
+def test_the_routed_experts_compute_what_the_tiled_graph_computes(family: str, tmp_path: Path) -> None:
+    """Eagerly (each expert on its routed tokens) and traced (every token through every expert, the graph's form),
+    an MoE layer's experts give the same output, shared expert included."""
+    from families import FAMILIES, write_random_checkpoint
+
+    from ovshard.frontend.stage_module import experts_mlp
+
+    ckpt = open_source(write_random_checkpoint(FAMILIES[family], tmp_path / "ckpt"))
+    sparse = next(i for i in range(ckpt.dims.num_layers) if ckpt.dims.sparse(i))
+    layer = load_layer(ckpt, sparse, StageSpec(0, 1, 0, ckpt.dims.num_layers))
+
+    class Experts(torch.nn.Module):
+        def forward(self, m: torch.Tensor) -> torch.Tensor:
+            return experts_mlp(m, layer, ckpt.dims, ckpt.block)
+
+    m = torch.randn(2, 7, ckpt.dims.hidden_size)
+    with torch.no_grad():
+        traced = torch.jit.trace(Experts(), (m,), check_trace=False)(m)
+        torch.testing.assert_close(Experts()(m), traced, atol=1e-5, rtol=1e-4)
