@@ -102,7 +102,7 @@ def _fit_block(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         if step < ROUNDS:
             s = refit
             q = torch.div(w, s).round_().clamp_(LOW, HIGH)
-    q = torch.clamp(torch.round(w / best_base), LOW, HIGH)  # the chosen codes again: rounded at the scale they came from
+    q = torch.div(w, best_base).round_().clamp_(LOW, HIGH)  # the chosen codes again: rounded at the scale they came from
     return q.to(torch.int8), best_s.to(torch.float16)
 
 
