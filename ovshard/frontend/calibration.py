@@ -23,6 +23,7 @@ import hashlib
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -267,7 +268,7 @@ class Activations:
         self.moments: dict[tuple[int, int], torch.Tensor] = {}  # (id of the inputs, group) -> second moments
         self.lent: dict[int, Weights] = {}  # layer -> its float32 weights, loaded by the piece's trace (lend)
 
-    def lend(self, first: int, weights: list[Weights]) -> None:
+    def lend(self, first: int, weights: Sequence[Weights]) -> None:
         """Layers ``first`` ...'s float32 weights, loaded for their trace: :meth:`_catch` reads them, not the file."""
         self.lent = {first + k: w for k, w in enumerate(weights)}
 

@@ -1,7 +1,7 @@
 """The scale fit of a mixture of experts: each expert fitted to the tokens routed to it.
 
 The calibration's float32 run of an MoE layer runs each expert on its routed tokens alone
-(``ovshard.frontend.experts``) and catches each expert's inputs; here Hugging Face's own Qwen3-MoE layer gives the
+(``ovshard.frontend.mlp``) and catches each expert's inputs; here Hugging Face's own Qwen3-MoE layer gives the
 reference: the tokens its router sends to each expert, and their inputs. An expert no token was routed to gets the
 data-free min-max scale. The calibrated compile of a random Qwen3-MoE fits every expert INT4, keeps the experts
 gathered, and peaks within 1.5x the data-free compile's memory (its own peak RSS report).
