@@ -146,3 +146,26 @@ def test_a_weight_whose_inputs_were_not_caught_is_a_clear_error(stories: Path, t
     message = str(caught.value)
     assert "layer 1's experts_gate weight" in message and "--calibration none" in message, message
     assert "inputs of down, gate, k, o, q, up, v" in message, message
+
+
+def test_a_calibrated_streamed_build_reads_each_layer_weight_once(stories: Path, tmp_path: Path) -> None:
+    """The float32 weights a layer piece loads for its trace are lent to the calibration's run of that layer, so a
+    calibrated streamed build reads each decoder tensor from the checkpoint once, not once more for the fit."""
+    from collections import Counter
+
+    from ovshard.bundle.stage import StageSpec
+    from ovshard.bundle.weights import OWN_FIT, WeightFormat
+    from ovshard.compile_config import CompileConfig
+    from ovshard.frontend.calibration import Activations, calibration_text
+    from ovshard.layerwise import StageBuild, build_stage
+
+    ckpt = open_source(stories)
+    config = CompileConfig(stories, tmp_path / "b", weights=WeightFormat(budget=1.0, methods=(OWN_FIT,)))
+    activations = Activations(ckpt, calibration_text(ckpt, "text", 2, 32, tmp_path))
+    build = StageBuild(ckpt, StageSpec(0, 1, 0, ckpt.dims.num_layers), config.passes(), [], 256, tmp_path / "scratch",
+                       piece_bytes=1, calibration=activations)  # one layer a piece
+    build_stage(build)
+    reads = Counter(name for name in ckpt.loaded if ".layers." in name)
+    assert len({name.split(".layers.")[1].split(".")[0] for name in reads}) == ckpt.dims.num_layers, reads
+    assert set(reads.values()) == {1}, reads
+    assert activations.caught_layer == ckpt.dims.num_layers - 1 and not activations.lent
