@@ -4,7 +4,8 @@ The fit (``ovshard.frontend.int4_fit``) chooses, for every group of a weight at 
 output error on the calibration inputs' second moments; here a loop over rows and groups computes the same
 choice one group at a time, in float64. On the real stories260K, the default (calibrated) compile's outputs
 are closer to the float32 model's than the data-free compile's, and the compile reports its progress and a
-JSON summary.
+JSON summary. A weight whose inputs were not caught is a clear error, and a calibrated build reads each layer's
+weights from the checkpoint once.
 """
 
 from __future__ import annotations
