@@ -30,6 +30,7 @@ from ovshard.errors import PassError
 from ovshard.frontend import pieces
 from ovshard.frontend.checkpoint import Checkpoint
 from ovshard.frontend.tensors import layer_tensors
+from ovshard.frontend.trace import load_layer
 from ovshard.ir.pass_manager import Calibration, GraphPass, Instrument, PassContext, PassManager, Piece
 from ovshard.ir.splice import Assembler, RowSplicer
 from ovshard.report import LayerProgress
@@ -97,8 +98,7 @@ def build_stage(b: StageBuild) -> tuple[ov.Model, list[PassRecord]]:
     for a, z in layer_groups(b.ckpt, stage, b.piece_bytes):
         began = time.perf_counter()
         piece = Piece("layers", a, z)
-        trace = functools.partial(pieces.layers_piece, b.ckpt, a, z, stage)
-        _add_piece(b, trace, piece, joined, raw, f"layers_{a}_{z}")
+        _add_piece(b, functools.partial(_trace_layers, b, a, z), piece, joined, raw, f"layers_{a}_{z}")
         log.info("stage %d: %s done in %.1f s; %s", stage.index, piece, time.perf_counter() - began,
                  progress.add(z - a, time.perf_counter() - began))
         watchdog.beat(f"stage {stage.index}: {piece} compiled")
@@ -162,9 +162,22 @@ def _tied_head(b: StageBuild, asm: Assembler, weight: ov.Output) -> None:
     asm.provide(name, logits.output(0))
 
 
+def _trace_layers(b: StageBuild, a: int, z: int) -> ov.Model:
+    """Layers [a, z) traced. A calibrated compile lends their float32 weights, which the traced graph's constants
+    share, to its float32 runs of the layers (``Calibration.lend``): read once, held once."""
+    weights = [load_layer(b.ckpt, i, b.stage) for i in range(a, z)]
+    if b.calibration is not None:
+        b.calibration.lend(a, weights)
+    return pieces.layers_piece(b.ckpt, a, z, b.stage, weights)
+
+
 def _run_layer_passes(b: StageBuild, model: ov.Model, piece: Piece) -> ov.Model:
     ctx = PassContext(b.stage, b.ckpt.dims, b.max_positions, piece=piece, calibration=b.calibration)
-    model, records = PassManager(b.layer_passes).run(model, ctx)
+    try:
+        model, records = PassManager(b.layer_passes).run(model, ctx)
+    finally:
+        if b.calibration is not None:
+            b.calibration.lend(0, [])  # the piece is done with: its weights go with its graph
     b.totals.add(records)
     b.last_records = records
     return model

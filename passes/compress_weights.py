@@ -213,7 +213,8 @@ class CompressWeightsPass(GraphPass):
     def _fit(self, model: ov.Model, ctx: PassContext, ops_wanted: set[str], where: str) -> set[str]:
         """Symmetric INT4 of the decoder weights among ``ops_wanted`` fitted to their calibration inputs
         (``Calibration.fit_int4``), written as NNCF writes INT4 (:func:`int4_weight`); returns the ops done. A
-        weight no INT4 group fits, or not of the [out, in] form, is left to NNCF (data-free)."""
+        weight no INT4 group fits, or not of the [out, in] form (or experts' [experts, out, in]), is left to NNCF
+        (data-free)."""
         calibration = self._calibration(ctx, where)
         assert ctx.piece is not None and ctx.piece.start is not None
         done = set()
@@ -221,14 +222,18 @@ class CompressWeightsPass(GraphPass):
             const = op.input_value(1).get_node()
             match = _DECODER_WEIGHT.search(const.get_friendly_name())
             shape = tuple(const.get_output_shape(0))
+            stacked = len(shape) == 3 and match is not None and match[2].startswith("experts_")  # [experts, out, in]
             if (op.get_friendly_name() not in ops_wanted or op.get_type_name() != "MatMul" or match is None
-                    or len(shape) != 2 or not op.get_attributes()["transpose_b"]):
+                    or not (len(shape) == 2 or stacked) or not op.get_attributes()["transpose_b"]):
                 continue
-            group = self.fmt.group_for(shape[1])
+            group = self.fmt.group_for(shape[-1])
             if group is None:
                 continue
-            codes, scales = calibration.fit_int4(f"{ctx.piece.start + int(match[1])}.{match[2]}", const.get_data(),
-                                                 group)
+            try:
+                codes, scales = calibration.fit_int4(f"{ctx.piece.start + int(match[1])}.{match[2]}",
+                                                     const.get_data(), group)
+            except PassError as e:
+                raise PassError(f"{ctx.where(self.name)}: {e}") from e
             const.output(0).replace(int4_weight(const.get_friendly_name(), codes, scales, shape).output(0))
             done.add(op.get_friendly_name())
         log.debug("%s: %d INT4 weights fitted to the calibration inputs", where, len(done))

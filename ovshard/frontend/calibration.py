@@ -23,6 +23,7 @@ import hashlib
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from ovshard import watchdog
 from ovshard.bundle import names
 from ovshard.bundle.stage import StageSpec
-from ovshard.errors import ConfigError
+from ovshard.errors import ConfigError, PassError
 from ovshard.frontend import int4_fit
 from ovshard.frontend.pieces import context_ports, matrix_rows
 from ovshard.frontend.rope import rotary_tables
@@ -161,15 +162,15 @@ CHUNK_ROWS = 4096
 
 def _embed(ckpt: Checkpoint, ids: np.ndarray, table: np.ndarray | None = None) -> torch.Tensor:
     """Embedding rows of ``ids`` [batch, seq] (times the family's scale): from ``table`` (a mapped copy of the
-    embedding) or, without one, by one pass over the embedding in row chunks."""
+    embedding) or, without one, read from the checkpoint: only the rows used, a run of consecutive ids at once."""
     d, flat = ckpt.dims, ids.reshape(-1)
     if table is not None:
         out = np.asarray(table[flat], dtype=np.float32)
     else:
-        out = np.zeros((flat.size, d.hidden_size), np.float32)
-        for start, block in matrix_rows(ckpt, ckpt.spec.embed, CHUNK_ROWS):
-            hit = (flat >= start) & (flat < start + block.shape[0])
-            out[hit] = block[flat[hit] - start]
+        used = np.unique(flat)  # sorted
+        runs = np.split(used, np.flatnonzero(np.diff(used) != 1) + 1)
+        rows = np.concatenate([ckpt.load_rows(ckpt.spec.embed, int(r[0]), int(r[-1]) + 1).numpy() for r in runs])
+        out = rows[np.searchsorted(used, flat)]  # [tokens, hidden]
     h = torch.from_numpy(out.reshape(*ids.shape, d.hidden_size))
     return h if ckpt.block.embed_scale is None else h * torch.tensor(ckpt.block.embed_scale, dtype=h.dtype)
 
@@ -265,15 +266,34 @@ class Activations:
         self.caught_layer: int | None = None  # the layer whose matmul inputs ``caught`` holds
         self.caught: dict[str, torch.Tensor] = {}  # projection ("q", "down") -> its inputs [tokens, in]
         self.moments: dict[tuple[int, int], torch.Tensor] = {}  # (id of the inputs, group) -> second moments
+        self.lent: dict[int, Weights] = {}  # layer -> its float32 weights, loaded by the piece's trace (lend)
+
+    def lend(self, first: int, weights: Sequence[Weights]) -> None:
+        """Layers ``first`` ...'s float32 weights, loaded for their trace: :meth:`_catch` reads them, not the file."""
+        self.lent = {first + k: w for k, w in enumerate(weights)}
 
     def fit_int4(self, key: str, weight: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
-        """INT4 codes and f16 scales of decoder weight ``key`` (``"3.down"``), fitted to its calibration inputs."""
+        """INT4 codes and f16 scales of decoder weight ``key`` (``"3.down"``), fitted to its calibration inputs;
+        experts stacked [experts, out, in] each to the inputs of the tokens routed to it (an expert no token chose:
+        the data-free min-max scale)."""
         layer, projection = key.split(".")
         if self.caught_layer != int(layer):
             self._catch(int(layer))
+        if weight.ndim == 3:
+            fitted = [self._fit(f"{projection}[{e}]", weight[e], group) for e in range(weight.shape[0])]
+            return np.stack([c for c, _ in fitted]), np.stack([s for _, s in fitted])
+        if projection not in self.caught:
+            raise PassError(f"the scale fit of layer {layer}'s {projection} weight needs the inputs of its matmul, and "
+                            f"the float32 run of layer {layer} read no such weight through F.linear (it caught the "
+                            f"inputs of {', '.join(sorted(self.caught)) or 'none'}): compile with --calibration none "
+                            "(data-free INT4) and report the model, whose layer reads that weight another way")
+        return self._fit(projection, weight, group)
+
+    def _fit(self, projection: str, weight: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
         inputs = self.caught.get(projection)
-        if inputs is None:
-            raise KeyError(f"calibration: layer {layer} ran no matmul with its {projection} weight")
+        if inputs is None:  # an expert no calibration token was routed to
+            codes, scales = int4_fit.minmax(torch.from_numpy(weight), group)
+            return codes.numpy(), scales.numpy()
         if (id(inputs), group) not in self.moments:
             self.moments[(id(inputs), group)] = int4_fit.second_moments(inputs, group)
         codes, scales = int4_fit.fit(torch.from_numpy(weight), self.moments[(id(inputs), group)])
@@ -283,12 +303,17 @@ class Activations:
         """Run ``layer`` on every sample, keeping its matmuls' inputs, and move the samples past it."""
         self._move_to(layer)
         self.caught, self.moments, self.caught_layer = {}, {}, None
-        weights = load_layer(self.ckpt, layer, _all_layers(self.ckpt))
+        weights = self._weights(layer)
         catch = _Inputs(weights)
         with torch.no_grad(), catch:
             self._forward(layer, weights)
         self.caught, self.caught_layer, self.at = catch.inputs(), layer, layer + 1
         watchdog.beat(f"calibration: layer {layer} run in float32, its matmul inputs kept")
+
+    def _weights(self, layer: int) -> Weights:
+        """Layer ``layer``'s float32 weights: those lent by its piece's trace, else read from the checkpoint."""
+        lent = self.lent.pop(layer, None)
+        return lent if lent is not None else load_layer(self.ckpt, layer, _all_layers(self.ckpt))
 
     def __call__(self, piece: Piece) -> list[dict[str, np.ndarray]] | None:
         if piece.kind != "layers" or piece.start is None or piece.end is None:
@@ -341,7 +366,7 @@ class Activations:
         with torch.no_grad():
             while self.at < layer:
                 i = self.at
-                weights = load_layer(self.ckpt, i, _all_layers(self.ckpt))  # once for every sample
+                weights = self._weights(i)  # once for every sample
                 self._forward(i, weights)
                 del weights
                 self.at += 1
@@ -355,12 +380,15 @@ class _Inputs(TorchFunctionMode):
         super().__init__()
         self.names = {id(t): name.removesuffix("_weight") for name, t in weights.named_buffers()
                       if name.endswith("_weight") and t.dim() == 2}
+        self.experts = {t[e].data_ptr(): f"{name.removesuffix('_weight')}[{e}]" for name, t in weights.named_buffers()
+                        if name.endswith("_weight") and t.dim() == 3 for e in range(t.shape[0])}  # an expert's slice
         self.seen: dict[str, list[torch.Tensor]] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is F.linear:
-            name = self.names.get(id(args[1] if len(args) > 1 else kwargs.get("weight")))
+            weight = args[1] if len(args) > 1 else kwargs["weight"]
+            name = self.names.get(id(weight)) or self.experts.get(weight.data_ptr())  # "down", "experts_down[3]"
             if name is not None:
                 self.seen.setdefault(name, []).append(args[0])  # held: projections reading it are told by identity
         return func(*args, **kwargs)

@@ -61,14 +61,28 @@ def fit(weight: torch.Tensor, moments: torch.Tensor) -> tuple[torch.Tensor, torc
     return codes, scales
 
 
+def minmax(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data-free codes and f16 scales of ``weight`` [out, in] (as :func:`fit` returns them): each group's signed
+    min-max scale, the codes it rounds to (NNCF's symmetric INT4): for a weight with no calibration inputs, such
+    as an expert no calibration token was routed to."""
+    w = weight.float().reshape(weight.shape[0], -1, group)  # [out, groups, g]
+    s = _f16(_minmax(w))
+    return torch.div(w, s).round_().clamp_(LOW, HIGH).to(torch.int8), s.to(torch.float16)
+
+
+def _minmax(w: torch.Tensor) -> torch.Tensor:
+    """Each group's min-max scale over the last axis, signed: the weight of largest magnitude maps to -8."""
+    high, low = w.amax(-1, keepdim=True), w.amin(-1, keepdim=True)
+    return torch.where(-low >= high, -low, -high) / -LOW
+
+
 def _fit_block(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The best codes and f16 scales of ``w`` [groups, rows, g] for the moments ``h`` [groups, g, g].
 
     For codes ``q`` and a scale ``s`` the error expands to ``w^T H w - 2 s q^T H w + s^2 q^T H q``: with ``H w``
     computed once, each set of codes costs one batched matmul (``H q``) and two dot products, and each scale
     tried for them (the one they were rounded at, their least-squares one) a few ops on [groups, rows, 1]."""
-    high, low = w.amax(-1, keepdim=True), w.amin(-1, keepdim=True)
-    minmax = torch.where(-low >= high, -low, -high) / -LOW  # signed: the largest magnitude maps to -8
+    minmax = _minmax(w)
     hw = torch.bmm(w, h)  # [groups, rows, g]
     whw = (w * hw).sum(-1, keepdim=True)
     best_err = torch.full_like(whw, float("inf"))
@@ -88,7 +102,7 @@ def _fit_block(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         if step < ROUNDS:
             s = refit
             q = torch.div(w, s).round_().clamp_(LOW, HIGH)
-    q = torch.clamp(torch.round(w / best_base), LOW, HIGH)  # the chosen codes again: rounded at the scale they came from
+    q = torch.div(w, best_base).round_().clamp_(LOW, HIGH)  # the chosen codes again: rounded at the scale they came from
     return q.to(torch.int8), best_s.to(torch.float16)
 
 

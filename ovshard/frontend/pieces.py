@@ -30,6 +30,7 @@ from ovshard.frontend.stage_module import (
     LayersModule,
     PrologueModule,
     SoftcapModule,
+    Weights,
 )
 from ovshard.frontend.trace import load_layer
 
@@ -86,10 +87,15 @@ def prologue_piece(ckpt: Checkpoint, stage: StageSpec, max_positions: int | None
                   [name for name, _, _ in context_ports(ckpt, stage.layers)])
 
 
-def layers_piece(ckpt: Checkpoint, start: int, end: int, stage: StageSpec) -> ov.Model:
-    """Decoder layers [start, end): (hidden, cos, sin ..., masks ..., past k/v ...) -> (hidden, present k/v ...)."""
+def layers_piece(ckpt: Checkpoint, start: int, end: int, stage: StageSpec,
+                 weights: list[Weights] | None = None) -> ov.Model:
+    """Decoder layers [start, end): (hidden, cos, sin ..., masks ..., past k/v ...) -> (hidden, present k/v ...).
+
+    ``weights``: the layers' float32 weights where the caller loaded them (the graph's constants share their memory),
+    else loaded here."""
     d, layers = ckpt.dims, range(start, end)
-    module = LayersModule(d, ckpt.block, layers, [load_layer(ckpt, i, stage) for i in layers])
+    weights = weights if weights is not None else [load_layer(ckpt, i, stage) for i in layers]
+    module = LayersModule(d, ckpt.block, layers, weights)
     context = context_ports(ckpt, layers)
     context_example = [torch.ones(_BATCH, 1, _SEQ, 1) if name == names.PIECE_TEMPERATURE
                        else torch.zeros(_BATCH, 1, _SEQ, _PAST + _SEQ) if shape.rank.get_length() == 4

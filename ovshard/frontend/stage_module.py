@@ -25,6 +25,8 @@ from ovshard.bundle.dims import ModelDims
 from ovshard.frontend.block import Block
 from ovshard.frontend.layer_math import apply_rotary, deinterleave, l2_norm, rms_norm
 from ovshard.frontend.mla import mla_qkv
+from ovshard.frontend.mlp import activation as _activation
+from ovshard.frontend.mlp import gated_mlp, routed_experts, with_shared
 
 
 class Weights(nn.Module):
@@ -125,20 +127,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return torch.matmul(probs[..., :-1], v)
 
 
-def _activation(x: torch.Tensor, kind: str) -> torch.Tensor:
-    if kind == "silu":
-        return F.silu(x)
-    return F.gelu(x, approximate="tanh" if kind == "gelu_tanh" else "none")
-
-
-def gated_mlp(m: torch.Tensor, layer: Weights, blk: Block, prefix: str = "") -> torch.Tensor:
-    """The dense MLP: down(act(gate(m)) * up(m)), of the weights ``{prefix}gate_weight`` ..."""
-    w = {key: getattr(layer, f"{prefix}{key}") for key in ("gate_weight", "gate_bias", "up_weight", "up_bias",
-                                                            "down_weight", "down_bias")}
-    gate = _activation(F.linear(m, w["gate_weight"], w["gate_bias"]), blk.activation)
-    return F.linear(gate * F.linear(m, w["up_weight"], w["up_bias"]), w["down_weight"], w["down_bias"])
-
-
 def _clamped_swiglu_experts(tiled: torch.Tensor, layer: Weights, blk: Block) -> torch.Tensor:
     """gpt-oss's experts on tiled tokens [experts, tokens, hidden]: gate and up interleaved in one biased
     projection, clamped, ``(up + 1) * gate * sigmoid(alpha * gate)``, a biased down projection (the form of
@@ -207,8 +195,13 @@ def experts_mlp(m: torch.Tensor, layer: Weights, d: ModelDims, blk: Block) -> to
     sigmoid of its own one-output gate where it has one (Qwen2-MoE; GLM-4.5's is not scaled). Llama 4
     (``blk.expert_input_scores``) scales an expert's input, not its output: top-1 scales the token before the
     tiling (map 1 at its expert: gathered); top-k > 1 runs every expert on every token (0 input where not chosen).
+    Run eagerly (not traced), the same sum is computed from the routed tokens alone (``ovshard.frontend.mlp``).
     """
     b, t, hidden = m.shape
+    if not (torch.jit.is_tracing() or torch.compiler.is_compiling()):  # eager (calibration): the routed tokens only
+        flat = m.reshape(-1, hidden)  # [tokens, hidden]
+        top_weights, top_index = route(F.linear(flat, layer.router_weight, layer.router_bias), layer, d, blk)
+        return with_shared(routed_experts(flat, top_weights, top_index, layer, blk).view(b, t, hidden), m, layer, d, blk)
     experts = d.num_experts
     flat = m.reshape(-1, hidden)  # [tokens, hidden]
     logits = F.linear(flat, layer.router_weight, layer.router_bias)  # [tokens, experts]
@@ -228,12 +221,7 @@ def experts_mlp(m: torch.Tensor, layer: Weights, d: ModelDims, blk: Block) -> to
         up = torch.matmul(tiled, layer.experts_up_weight.transpose(1, 2))  # [experts, tokens, expert_size]
         out = torch.matmul(gate * up, layer.experts_down_weight.transpose(1, 2)).view(experts, b, t, hidden)
     routed = (out * weights).sum(dim=0)  # [batch, seq, hidden]
-    if not d.shared_expert_size:
-        return routed
-    shared = gated_mlp(m, layer, blk, "shared_")
-    if blk.shared_expert_gated:
-        shared = torch.sigmoid(F.linear(m, layer.shared_router_weight)) * shared
-    return routed + shared
+    return with_shared(routed, m, layer, d, blk)
 
 
 def _qkv(d: ModelDims, blk: Block, layer: Weights, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,

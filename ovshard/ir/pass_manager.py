@@ -17,7 +17,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import openvino as ov
@@ -63,7 +63,13 @@ class Calibration(Protocol):
 
     def fit_int4(self, key: str, weight: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
         """Symmetric INT4 of decoder weight ``key`` (``"3.down"``; ``weight`` [out, in] f32) fitted to its inputs:
-        int8 codes in [-8, 7] [out, in / group, group] and f16 scales [out, in / group, 1]."""
+        int8 codes in [-8, 7] [out, in / group, group] and f16 scales [out, in / group, 1]; stacked experts
+        ([experts, out, in]: ``"3.experts_down"``) each to its routed tokens' inputs, with a leading experts axis."""
+
+    def lend(self, first: int, weights: Sequence[Any]) -> None:
+        """The float32 weights (``ovshard.frontend.stage_module.Weights``) of layers ``first``, ``first + 1`` ...,
+        loaded to trace their piece: the float32 runs that catch those layers' matmul inputs read them instead of
+        loading them again. Each call replaces what was lent before; an empty list takes it all back."""
 
 
 @dataclass

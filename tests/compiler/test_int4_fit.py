@@ -4,7 +4,8 @@ The fit (``ovshard.frontend.int4_fit``) chooses, for every group of a weight at 
 output error on the calibration inputs' second moments; here a loop over rows and groups computes the same
 choice one group at a time, in float64. On the real stories260K, the default (calibrated) compile's outputs
 are closer to the float32 model's than the data-free compile's, and the compile reports its progress and a
-JSON summary.
+JSON summary. A weight whose inputs were not caught is a clear error, and a calibrated build reads each layer's
+weights from the checkpoint once.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from ovshard.frontend import int4_fit
+from ovshard.frontend.source import open_source
 
 
 def _direct(weight: np.ndarray, inputs: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -130,3 +132,41 @@ def _story_ids(stories: Path, story: Path) -> list[int]:
     from transformers import AutoTokenizer
 
     return [1, *AutoTokenizer.from_pretrained(stories)(story.read_text(), add_special_tokens=False)["input_ids"]]
+
+
+def test_a_weight_whose_inputs_were_not_caught_is_a_clear_error(stories: Path, tmp_path: Path) -> None:
+    """The fit of a weight its layer's float32 run did not read through F.linear says which, what was caught, and
+    what to do, instead of a bare KeyError."""
+    from ovshard.errors import PassError
+    from ovshard.frontend.calibration import Activations, calibration_text
+
+    ckpt = open_source(stories)
+    activations = Activations(ckpt, calibration_text(ckpt, "text", 2, 32, tmp_path))
+    with pytest.raises(PassError) as caught:
+        activations.fit_int4("1.experts_gate", np.zeros((8, 64), np.float32), 32)
+    message = str(caught.value)
+    assert "layer 1's experts_gate weight" in message and "--calibration none" in message, message
+    assert "inputs of down, gate, k, o, q, up, v" in message, message
+
+
+def test_a_calibrated_streamed_build_reads_each_layer_weight_once(stories: Path, tmp_path: Path) -> None:
+    """The float32 weights a layer piece loads for its trace are lent to the calibration's run of that layer, so a
+    calibrated streamed build reads each decoder tensor from the checkpoint once, not once more for the fit."""
+    from collections import Counter
+
+    from ovshard.bundle.stage import StageSpec
+    from ovshard.bundle.weights import OWN_FIT, WeightFormat
+    from ovshard.compile_config import CompileConfig
+    from ovshard.frontend.calibration import Activations, calibration_text
+    from ovshard.layerwise import StageBuild, build_stage
+
+    ckpt = open_source(stories)
+    config = CompileConfig(stories, tmp_path / "b", weights=WeightFormat(budget=1.0, methods=(OWN_FIT,)))
+    activations = Activations(ckpt, calibration_text(ckpt, "text", 2, 32, tmp_path))
+    build = StageBuild(ckpt, StageSpec(0, 1, 0, ckpt.dims.num_layers), config.passes(), [], 256, tmp_path / "scratch",
+                       piece_bytes=1, calibration=activations)  # one layer a piece
+    build_stage(build)
+    reads = Counter(name for name in ckpt.loaded if ".layers." in name)
+    assert len({name.split(".layers.")[1].split(".")[0] for name in reads}) == ckpt.dims.num_layers, reads
+    assert set(reads.values()) == {1}, reads
+    assert activations.caught_layer == ckpt.dims.num_layers - 1 and not activations.lent
