@@ -9,8 +9,8 @@ transformers' GGUF loader does; :mod:`ovshard.frontend.gguf_layout` says, tensor
 bytes lie and what the undo is.
 
 The config comes from :mod:`ovshard.frontend.gguf_config`, which also holds the table of GGUF
-architectures read (llama, qwen2, qwen3, qwen2moe, qwen3moe, gpt-oss, gemma2, gemma3; llama with experts as
-mixtral).
+architectures read (llama, qwen2, qwen3, qwen2moe, qwen3moe, gpt-oss, glm4moe, gemma2, gemma3; llama with experts
+as mixtral).
 """
 
 from __future__ import annotations

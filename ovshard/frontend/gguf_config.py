@@ -31,6 +31,11 @@ class ExpertKeys:
     # norm_topk_prob as llama.cpp computes (it renormalizes the top-k weights per architecture; the file does
     # not say); None: the config has no such key, the family fixes it (Mixtral always renormalizes)
     norm_topk: bool | None = True
+    # DeepSeek-V3's routing (GLM-4.5's too), every choice stated in the file: sigmoid scores (expert_gating_func),
+    # top-k within the best expert_group_used_count of expert_group_count groups, weights renormalized
+    # (expert_weights_norm) and scaled (expert_weights_scale), expert_shared_count shared experts of the expert
+    # width, the first leading_dense_block_count layers dense
+    grouped: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,8 @@ class GGUFFamily:
     local_rope_theta: float | None = None  # the sliding layers' rope base, which the file does not store
     softcaps: tuple[float | None, float | None] = (None, None)  # attention, final logits: when not stored
     experts: ExpertKeys | None = None  # a mixture of experts: stored stacked, one [E, out, in] tensor a projection
+    partial_rotary: bool = False  # rope.dimension_count may be less than the head: read as partial_rotary_factor
+    qk_norm_key: str | None = None  # the config key saying whether per-head q/k norms exist (attn_q_norm is stored)
     fixed: tuple[tuple[str, Any], ...] = ()  # config keys llama.cpp fixes for the architecture, the file stores none
     # transformers' tokenizer class for the vocabulary, named where AutoTokenizer would read the file's config
     # first to pick one and fails (transformers 5 on gpt-oss's yarn keys); None: AutoTokenizer picks
@@ -59,6 +66,10 @@ FAMILIES: dict[str, GGUFFamily] = {
     "qwen3": GGUFFamily("qwen3"),
     "qwen2moe": GGUFFamily("qwen2_moe", experts=ExpertKeys(norm_topk=False)),
     "qwen3moe": GGUFFamily("qwen3_moe", experts=ExpertKeys()),
+    # GLM-4.5: partial rotary (rope.dimension_count of each head), and the next-token-prediction layers that
+    # convert_hf_to_gguf.py appends after the model's (nextn_predict_layers), which are not read
+    "glm4moe": GGUFFamily("glm4_moe", experts=ExpertKeys("n_routed_experts", norm_topk=None, grouped=True),
+                          partial_rotary=True, qk_norm_key="use_qk_norm"),
     "gemma2": GGUFFamily("gemma2", norm_offset=True, activation=_GELU, sliding_period=2, large_layers=46,
                          softcaps=(50.0, 30.0)),
     "gemma3": GGUFFamily("gemma3_text", norm_offset=True, activation=_GELU, sliding_period=6, large_layers=62,
@@ -81,16 +92,11 @@ EXPERT_VARIANTS: dict[str, GGUFFamily] = {
 
 # GGUF architectures of families ovshard compiles from safetensors but not from GGUF, with what reading them needs
 NOT_READ = {
-    "glm4moe": ("glm4_moe", "llama.cpp's GLM-4.5 layout mapped back: its leading dense blocks "
-                "(leading_dense_block_count), the routing bias exp_probs_b, the shared expert ffn_*_shexp, grouped "
-                "sigmoid routing from expert_gating_func/expert_weights_scale/expert_weights_norm, the partial rotary "
-                "from rope.dimension_count, and the next-token-prediction block it appends (nextn_predict_layers)"),
     "deepseek2": ("deepseek_v3", "llama.cpp's DeepSeek-V2/V3 layout mapped back: the MLA tensors (attn_q_a, "
                   "attn_q_a_norm, attn_q_b or attn_q, attn_kv_a_mqa, attn_kv_a_norm, and kv_b, which newer files "
                   "split into attn_k_b/attn_v_b), the latent ranks and head widths (attention.q_lora_rank, "
                   "kv_lora_rank, key_length/value_length, rope.dimension_count), yarn's rope.scaling keys, and the "
-                  "routing keys glm4moe also needs (leading_dense_block_count, exp_probs_b, ffn_*_shexp, "
-                  "expert_group_count/expert_group_used_count, expert_gating_func, expert_weights_scale/norm)"),
+                  "routing that glm4moe files are read with"),
 }
 
 
@@ -129,8 +135,17 @@ def rebuild_config(path: Path, arch: str, family: GGUFFamily, meta: dict[str, An
             f"{path} is a mixture-of-experts (MoE) model ({key('expert_count')} experts) of GGUF architecture "
             f"{arch!r}; ovshard reads MoE GGUF files of architectures {', '.join(_moe_architectures())} only. "
             "Start from the safetensors checkpoint.")
-    hidden, heads, layers = int(key("embedding_length")), int(key("attention.head_count")), int(key("block_count"))
-    head_dim = int(key("attention.key_length", None) or key("rope.dimension_count", None) or hidden // heads)
+    hidden, heads, blocks = int(key("embedding_length")), int(key("attention.head_count")), int(key("block_count"))
+    mtp = int(key("nextn_predict_layers", 0))  # next-token-prediction blocks appended after the model's, not read
+    layers = blocks - mtp
+    if not 0 <= mtp < blocks:
+        raise CheckpointError(f"{path} states {mtp} next-token-prediction layers of its {blocks} blocks; expected "
+                              "fewer than the blocks: the file is corrupt, convert the model again")
+    rope_dim = key("rope.dimension_count", None)
+    if family.partial_rotary:  # the rotary part of a head is not its width: the q rows say the width
+        head_dim = int(key("attention.key_length", None) or shapes.get("blk.0.attn_q.weight", (hidden,))[0] // heads)
+    else:
+        head_dim = int(key("attention.key_length", None) or rope_dim or hidden // heads)
     kv_heads = key("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):  # llama.cpp writes one count a layer for hybrid models
         if len(set(kv_heads)) != 1:
@@ -150,7 +165,13 @@ def rebuild_config(path: Path, arch: str, family: GGUFFamily, meta: dict[str, An
         "rope_parameters": _rope(path, arch, family, meta, rope_freqs, head_dim),
     }
     if family.experts is not None:
-        config |= _experts(family.experts, key)
+        config |= _experts(path, family.experts, key)
+    if family.partial_rotary and rope_dim is not None and int(rope_dim) != head_dim:
+        config["rope_parameters"]["partial_rotary_factor"] = int(rope_dim) / head_dim  # transformers 5 keeps it there
+    if family.qk_norm_key is not None:
+        config[family.qk_norm_key] = "blk.0.attn_q_norm.weight" in shapes
+    if mtp:
+        config["num_nextn_predict_layers"] = mtp
     for name, ggml_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                            ("pad_token_id", "padding_token_id"), ("unk_token_id", "unknown_token_id")):
         if f"tokenizer.ggml.{ggml_key}" in meta:
@@ -168,16 +189,36 @@ def rebuild_config(path: Path, arch: str, family: GGUFFamily, meta: dict[str, An
     return config
 
 
-def _experts(keys: ExpertKeys, key: Any) -> dict[str, Any]:
+def _experts(path: Path, keys: ExpertKeys, key: Any) -> dict[str, Any]:
     """The expert count, top-k, width and routing keys of a mixture-of-experts config (``key`` reads metadata)."""
     config = {keys.count: int(key("expert_count")), "num_experts_per_tok": int(key("expert_used_count"))}
     if keys.size is not None:
         config[keys.size] = int(key("expert_feed_forward_length"))
     if keys.norm_topk is not None:  # whether the top-k weights are renormalized is llama.cpp's per architecture
         config["norm_topk_prob"] = keys.norm_topk
+    if keys.grouped:
+        return config | _grouped_routing(path, key)
     if key("expert_shared_feed_forward_length", None):
         config["shared_expert_intermediate_size"] = int(key("expert_shared_feed_forward_length"))
     return config
+
+
+SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1 is softmax)
+
+
+def _grouped_routing(path: Path, key: Any) -> dict[str, Any]:
+    """DeepSeek-V3's routing keys (GLM-4.5's too) as their config names them, with llama.cpp's defaults where the
+    file states nothing: no groups, no leading dense layers, the top-k weights not renormalized."""
+    gating = int(key("expert_gating_func", SIGMOID_GATING))
+    if gating != SIGMOID_GATING:
+        raise UnsupportedArchitectureError(
+            f"{path} routes its experts by expert_gating_func={gating} (1: softmax, DeepSeek-V2's); ovshard reads "
+            f"this architecture's sigmoid routing only ({SIGMOID_GATING}). Start from the safetensors checkpoint.")
+    return {"n_shared_experts": int(key("expert_shared_count")),
+            "first_k_dense_replace": int(key("leading_dense_block_count", 0)),
+            "n_group": int(key("expert_group_count", 1)), "topk_group": int(key("expert_group_used_count", 1)),
+            "routed_scaling_factor": float(key("expert_weights_scale", 1.0)),
+            "norm_topk_prob": bool(key("expert_weights_norm", False))}
 
 
 def _moe_architectures() -> list[str]:

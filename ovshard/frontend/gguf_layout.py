@@ -9,12 +9,15 @@ which stored bytes a Hugging Face tensor is and how to turn them back, as transf
   [E, out, in] tensor; each expert is read as its own slab of it;
 - gpt-oss: its experts' x @ W tensors split into gate and up and transposed; joined back into Hugging
   Face's ``gate_up_proj`` (gate and up interleaved) and ``down_proj`` when read.
+- GLM-4.5: the routing bias ``e_score_correction_bias`` spelled ``exp_probs_b.bias``; the next-token-prediction
+  layers appended after the model's (``blk.N`` from the model's layer count on) are skipped.
 
 Pure bookkeeping over the tensor table: :mod:`ovshard.frontend.gguf` decodes the bytes.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -31,6 +34,8 @@ if TYPE_CHECKING:
     from gguf import GGUFReader
 
     from ovshard.bundle.dims import ModelDims
+
+logger = logging.getLogger(__name__)
 
 LAYOUT_VERSION = "ovshard-gguf-1"  # bump when a tensor's undo changes: it is part of every tensor digest
 PER_EXPERT = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight")  # experts unstacked (old llama.cpp)
@@ -100,7 +105,7 @@ def map_tensors(reader: GGUFReader, arch: str, family: GGUFFamily, spec: ArchSpe
     arch_id = next(a for a, name in MODEL_ARCH_NAMES.items() if name == arch)
     names = get_tensor_name_map(arch_id, dims.num_layers)
     hf_names = [*model_tensors(spec, dims), spec.lm_head]
-    to_hf = {names.get_name(n, try_suffixes=(".weight", ".bias")): n for n in hf_names}
+    to_hf = {names.get_name(_spelled(n), try_suffixes=(".weight", ".bias")): n for n in hf_names}
     to_hf.pop(None, None)  # a name the table lacks: validate_tensors reports it missing
     # a parameter Hugging Face names without a suffix (gpt-oss's sinks) llama.cpp stores as <name>.weight
     to_hf |= {f"{g}.weight": n for g, n in to_hf.items() if not n.endswith((".weight", ".bias"))}
@@ -110,11 +115,14 @@ def map_tensors(reader: GGUFReader, arch: str, family: GGUFFamily, spec: ArchSpe
     norms = {t.format(i=i) for t in spec.norm_templates() for i in range(dims.num_layers)} | {spec.final_norm}
     heads = {spec.q_proj.format(i=i): dims.num_heads for i in range(dims.num_layers)}
     heads |= {spec.k_proj.format(i=i): dims.num_kv_heads for i in range(dims.num_layers)}
-    tensors, unmapped = {}, []
+    mtp = _mtp_layers(reader, arch, dims)
+    tensors, unmapped, skipped = {}, [], 0
     for index, t in enumerate(reader.tensors):
         hf = to_hf.get(t.name)
         if hf is None:
-            if t.name != ROPE_FREQS:  # read into rope_parameters
+            if t.name.startswith(mtp):
+                skipped += 1
+            elif t.name != ROPE_FREQS:  # read into rope_parameters
                 unmapped.append(t.name)
             continue
         module = hf.rsplit(".", 1)[0]
@@ -124,7 +132,27 @@ def map_tensors(reader: GGUFReader, arch: str, family: GGUFFamily, spec: ArchSpe
             end=int(t.data_offset) + int(t.n_bytes), norm_offset=family.norm_offset and hf in norms,
             permute_heads=heads.get(module) if family.permute_qk else None,
         )
+    if skipped:
+        logger.info("%s: %d tensors of the next-token-prediction layers %s not read (ovshard decodes without "
+                    "them)", reader.data.filename, skipped, ", ".join(m.rstrip(".") for m in mtp))
     return _join_experts(_split_experts(tensors, spec, dims), spec, dims), tuple(unmapped)
+
+
+# Hugging Face names that convert_hf_to_gguf.py spells otherwise before looking them up in gguf-py's table:
+# DeepSeek-V3's and GLM-4.5's routing bias (a parameter without a suffix) becomes exp_probs_b.bias
+_SPELLED = {"e_score_correction_bias": "e_score_correction.bias"}
+
+
+def _spelled(name: str) -> str:
+    return next((name.removesuffix(end) + spelled for end, spelled in _SPELLED.items() if name.endswith(end)), name)
+
+
+def _mtp_layers(reader: GGUFReader, arch: str, dims: ModelDims) -> tuple[str, ...]:
+    """The tensor name prefixes ("blk.46.") of the next-token-prediction layers convert_hf_to_gguf.py appends
+    after the model's own (GLM-4.5's; ``{arch}.nextn_predict_layers`` of the ``block_count``): not read."""
+    field = reader.fields.get(f"{arch}.block_count")
+    blocks = dims.num_layers if field is None else int(field.contents())
+    return tuple(f"blk.{i}." for i in range(dims.num_layers, blocks))
 
 
 # each stacked GGUF tensor and the expert projections it holds, in the order of its rows: convert_hf_to_gguf.py

@@ -1,0 +1,87 @@
+"""GGUF files of the families routed as DeepSeek-V3 routes (sigmoid scores, expert groups, a routing bias, shared
+experts, leading dense layers): GLM-4.5 (``glm4moe``), written from a random checkpoint the way llama.cpp's
+convert_hf_to_gguf.py writes it (:mod:`moe_gguf`), read tensor by tensor against that checkpoint and compiled
+against transformers run on it. transformers cannot read these files, so the source checkpoint is the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import compile_fp32, run_greedy
+from conftest import hf_greedy as hf_checkpoint_greedy
+from families import FAMILIES, Family, write_random_checkpoint
+from moe_gguf import glm4_moe_config, write_glm4_moe_gguf
+
+from ovshard.errors import UnsupportedArchitectureError
+from ovshard.frontend.description import describe
+from ovshard.frontend.gguf import open_gguf
+
+pytestmark = pytest.mark.slow
+
+MAX_LOGIT_DIFF = 1e-4
+
+
+@pytest.fixture(scope="module")
+def glm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(Family(glm4_moe_config, seed=1), tmp_path_factory.mktemp("glm4moe"))
+
+
+def assert_describes_source(config: dict, source: Path) -> None:
+    """``config`` (read from a GGUF) describes the model of the checkpoint ``source``, whose eps the file holds as f32."""
+    theirs = json.loads((source / "config.json").read_text())
+    theirs["rms_norm_eps"] = float(np.float32(theirs["rms_norm_eps"]))
+    ours, hf = describe(config), describe(theirs)
+    assert (ours.arch, ours.dims, ours.block, dict(ours.rope)) == (hf.arch, hf.dims, hf.block, dict(hf.rope))
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_glm4_moe_gguf_equals_its_checkpoint(tmp_path: Path, glm_checkpoint: Path, qtype: str,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """GLM-4.5 as llama.cpp writes it: every tensor equals the source checkpoint's (F32 bit for bit, Q8_0 its
+    quantize-dequantize round trip; the router and vectors f32), the routing bias read from exp_probs_b.bias; the
+    config describes the source's model (partial rotary, q/k norms, grouped sigmoid routing, the dense layer 0);
+    the appended next-token-prediction layer is skipped, and says so."""
+    import gguf
+    from safetensors.torch import load_file
+
+    with caplog.at_level(logging.INFO, logger="ovshard.frontend.gguf_layout"):
+        ckpt = open_gguf(write_glm4_moe_gguf(glm_checkpoint, tmp_path / "glm.gguf", qtype))
+    assert "tensors of the next-token-prediction layers blk.3 not read" in caplog.text
+    ckpt.validate_tensors()
+    assert_describes_source(ckpt.config, glm_checkpoint)
+    block = ckpt.block
+    assert (block.rotary_dim, block.qk_norm, block.expert_groups, block.groups_per_token) == (8, True, 4, 2)
+    assert (block.routed_scaling, block.norm_topk, ckpt.dims.num_layers) == (2.5, True, 3)
+    saved = load_file(glm_checkpoint / "model.safetensors")
+    assert set(ckpt.tensor_names()) == set(saved)
+    kind = gguf.GGMLQuantizationType[qtype]
+    for name, w in saved.items():
+        if w.ndim == 2 and qtype != "F32" and not name.endswith("mlp.gate.weight"):  # the router kept f32
+            w = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), kind), kind))
+        assert torch.equal(ckpt.load(name), w), name
+
+
+@pytest.mark.parametrize("variant", ["glm4_moe", "glm4_moe_air"])
+def test_glm4_moe_gguf_two_stages_match_its_checkpoint(tmp_path: Path, glm_checkpoint: Path, variant: str) -> None:
+    """An F32 GLM-4.5 GGUF compiled to 2 fp32 stages greedy-decodes the tokens transformers decodes from the
+    safetensors checkpoint it was converted from, logits within 1e-4; and GLM-4.5-Air's choices (no q/k norms, one
+    group, top-4 not renormalized, two dense layers, tied embeddings)."""
+    checkpoint = glm_checkpoint if variant == "glm4_moe" else write_random_checkpoint(FAMILIES[variant], tmp_path / "hf")
+    bundle = compile_fp32(write_glm4_moe_gguf(checkpoint, tmp_path / "glm.gguf"), tmp_path / "bundle", stages=2)
+    prompt = [1, 17, 42, 99, 5, 123, 77]
+    tokens, rows = run_greedy(bundle, prompt, 16)
+    expected, reference = hf_checkpoint_greedy(checkpoint, prompt, 16)
+    assert tokens == expected
+    assert float(np.abs(rows - reference).max()) <= MAX_LOGIT_DIFF
+
+
+def test_softmax_gated_glm4_moe_refused(tmp_path: Path, glm_checkpoint: Path) -> None:
+    """A glm4moe file whose experts are routed by softmax (expert_gating_func 1) is refused, naming the key."""
+    with pytest.raises(UnsupportedArchitectureError, match=r"expert_gating_func=1 .*sigmoid routing only"):
+        open_gguf(write_glm4_moe_gguf(glm_checkpoint, tmp_path / "glm.gguf", gating=1))
