@@ -16,6 +16,12 @@ rope); the rotary width head_dim * partial_rotary_factor as rope.dimension_count
 ``e_score_correction_bias`` as exp_probs_b.bias; the routing choices as metadata (expert_shared_count,
 leading_dense_block_count, expert groups, sigmoid gating, expert_weights_scale/norm); block_count counting the
 next-token-prediction layer the release appends (nextn_predict_layers), whose tensors it writes as blk.N.*.
+
+DeepSeek-V3: its ``DeepseekV2Model`` class: architecture "deepseek2"; MLA written as one key/value head of the latent
+(head_count_kv 1, key_length kv_lora_rank + rope, value_length kv_lora_rank) with the per-head widths as
+key_length_mla/value_length_mla, and ``kv_b_proj`` split per head into attn_k_b (transposed) and attn_v_b; llama.cpp
+before that wrote attn_kv_b whole and the per-head widths as key/value_length (``split_kv_b=False``); yarn's
+mscale_all_dim as 0.1 * it in rope.scaling.yarn_log_multiplier; the routing as GLM-4.5's; no MTP layers.
 """
 
 from __future__ import annotations
@@ -229,4 +235,74 @@ def write_glm4_moe_gguf(checkpoint: Path, path: Path, qtype: str = "F32", gating
     for norm in ("enorm", "hnorm", "shared_head_norm"):
         tensors[f"blk.{layers}.nextn.{norm}.weight"] = np.ones(hidden, np.float32)
     _finish(writer, tensors, qtype, lambda name, data: data.ndim >= 2 and ".ffn_gate_inp." not in name)
+    return path
+
+
+def deepseek_plain_q_config() -> PretrainedConfig:
+    """families' DeepSeek without a q latent, rotating interleaved pairs: llama.cpp's deepseek2 rotates pairs whatever
+    the source says, so only such a checkpoint is what llama.cpp computes."""
+    config = FAMILIES["deepseek_v3_plain_q"].config()
+    config.rope_interleave = True
+    return config
+
+
+def write_deepseek_gguf(checkpoint: Path, path: Path, split_kv_b: bool = True, gating: int | None = 2) -> Path:
+    """The F32 GGUF of the DeepSeek-V3 ``checkpoint``; ``split_kv_b``: kv_b_proj split into attn_k_b/attn_v_b
+    (current llama.cpp), else whole as attn_kv_b (llama.cpp before its absorbed MLA); ``gating``: the
+    expert_gating_func stated (2 sigmoid, config.json's scoring_func; None: none, as DeepSeek-V2 files)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    state = load_file(checkpoint / "model.safetensors")
+    layers, heads, experts = config["num_hidden_layers"], config["num_attention_heads"], config["n_routed_experts"]
+    rank, rope, nope, v = (config[k] for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
+    writer = _writer(path, "deepseek2", "tiny deepseek-v3", config | {"num_key_value_heads": 1 if split_kv_b else heads},
+                     experts="n_routed_experts")
+    writer.add_expert_group_count(config["n_group"])
+    writer.add_expert_group_used_count(config["topk_group"])
+    if gating is not None:
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType(gating))
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    if config["q_lora_rank"] is not None:
+        writer.add_q_lora_rank(config["q_lora_rank"])
+    writer.add_kv_lora_rank(rank)
+    if split_kv_b:
+        writer.add_key_length(rank + rope)
+        writer.add_value_length(rank)
+        writer.add_key_length_mla(nope + rope)
+        writer.add_value_length_mla(v)
+    else:
+        writer.add_key_length(nope + rope)
+        writer.add_value_length(v)
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    if config["norm_topk_prob"]:
+        writer.add_expert_weights_norm(True)
+    writer.add_rope_dimension_count(rope)
+    params = config["rope_parameters"]
+    if params["rope_type"] == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(params["factor"])
+        writer.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_log_mul(0.1 * params["mscale_all_dim"])
+    writer.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, layers)
+    tensors: dict[str, np.ndarray] = {}
+    for name, w in state.items():
+        if ".mlp.experts." in name:
+            continue
+        if name.endswith("kv_b_proj.weight") and split_kv_b:  # [heads, nope + v, rank]: k_b transposed, v_b
+            kv_b = w.reshape(heads, nope + v, rank)
+            for part, half in (("k_b_proj", kv_b[:, :nope].swapaxes(1, 2)), ("v_b_proj", kv_b[:, nope:])):
+                tensors[names.get_name(name.replace("kv_b_proj", part), try_suffixes=(".weight",))] = half
+            continue
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = w
+    for i in range(config["first_k_dense_replace"], layers):  # [E, out, in]
+        for w in ("down_proj", "gate_proj", "up_proj"):
+            stacked = np.stack([state[f"model.layers.{i}.mlp.experts.{e}.{w}.weight"] for e in range(experts)])
+            tensors[names.get_name(f"model.layers.{i}.mlp.experts.{w}.weight", try_suffixes=(".weight",))] = stacked
+    _finish(writer, tensors, "F32", lambda name, data: False)
     return path

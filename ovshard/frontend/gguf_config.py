@@ -36,6 +36,7 @@ class ExpertKeys:
     # (expert_weights_norm) and scaled (expert_weights_scale), expert_shared_count shared experts of the expert
     # width, the first leading_dense_block_count layers dense
     grouped: bool = False
+    softmax_unless_stated: bool = False  # llama.cpp's reading of a file without expert_gating_func (DeepSeek-V2's)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class GGUFFamily:
     experts: ExpertKeys | None = None  # a mixture of experts: stored stacked, one [E, out, in] tensor a projection
     partial_rotary: bool = False  # rope.dimension_count may be less than the head: read as partial_rotary_factor
     qk_norm_key: str | None = None  # the config key saying whether per-head q/k norms exist (attn_q_norm is stored)
+    mla: bool = False  # multi-head latent attention (DeepSeek-V2/V3): its ranks and head widths read from the file
     fixed: tuple[tuple[str, Any], ...] = ()  # config keys llama.cpp fixes for the architecture, the file stores none
     # transformers' tokenizer class for the vocabulary, named where AutoTokenizer would read the file's config
     # first to pick one and fails (transformers 5 on gpt-oss's yarn keys); None: AutoTokenizer picks
@@ -70,6 +72,11 @@ FAMILIES: dict[str, GGUFFamily] = {
     # convert_hf_to_gguf.py appends after the model's (nextn_predict_layers), which are not read
     "glm4moe": GGUFFamily("glm4_moe", experts=ExpertKeys("n_routed_experts", norm_topk=None, grouped=True),
                           partial_rotary=True, qk_norm_key="use_qk_norm"),
+    # DeepSeek-V3 (and Kimi K2, Moonlight): multi-head latent attention, which llama.cpp rotates in interleaved
+    # pairs whatever the source's rope_interleave; GLM-4.5's routing (DeepSeek-V2's softmax routing is refused)
+    "deepseek2": GGUFFamily("deepseek_v3", experts=ExpertKeys("n_routed_experts", norm_topk=None, grouped=True,
+                                                              softmax_unless_stated=True),
+                            mla=True, fixed=(("rope_interleave", True),)),
     "gemma2": GGUFFamily("gemma2", norm_offset=True, activation=_GELU, sliding_period=2, large_layers=46,
                          softcaps=(50.0, 30.0)),
     "gemma3": GGUFFamily("gemma3_text", norm_offset=True, activation=_GELU, sliding_period=6, large_layers=62,
@@ -92,11 +99,9 @@ EXPERT_VARIANTS: dict[str, GGUFFamily] = {
 
 # GGUF architectures of families ovshard compiles from safetensors but not from GGUF, with what reading them needs
 NOT_READ = {
-    "deepseek2": ("deepseek_v3", "llama.cpp's DeepSeek-V2/V3 layout mapped back: the MLA tensors (attn_q_a, "
-                  "attn_q_a_norm, attn_q_b or attn_q, attn_kv_a_mqa, attn_kv_a_norm, and kv_b, which newer files "
-                  "split into attn_k_b/attn_v_b), the latent ranks and head widths (attention.q_lora_rank, "
-                  "kv_lora_rank, key_length/value_length, rope.dimension_count), yarn's rope.scaling keys, and the "
-                  "routing that glm4moe files are read with"),
+    "llama4": ("llama4_text", "llama.cpp's Llama 4 layout mapped back: its interleaved MoE layers "
+               "(interleave_moe_layer_step), the NoPE layers (no_rope_layer_step), the chunked attention "
+               "(attention.chunk_size), the temperature-tuned NoPE attention and its q/k L2 norms"),
 }
 
 
@@ -161,7 +166,7 @@ def rebuild_config(path: Path, arch: str, family: GGUFFamily, meta: dict[str, An
         "max_position_embeddings": int(key("context_length")), act_key: act,
         # llama.cpp writes the output projection only when it is not the embedding matrix
         "tie_word_embeddings": "output.weight" not in shapes,
-        "attention_bias": "blk.0.attn_q.bias" in shapes,
+        "attention_bias": any(f"blk.0.{n}.bias" in shapes for n in ("attn_q", "attn_q_a", "attn_kv_a_mqa")),
         "rope_parameters": _rope(path, arch, family, meta, rope_freqs, head_dim),
     }
     if family.experts is not None:
@@ -172,6 +177,9 @@ def rebuild_config(path: Path, arch: str, family: GGUFFamily, meta: dict[str, An
         config[family.qk_norm_key] = "blk.0.attn_q_norm.weight" in shapes
     if mtp:
         config["num_nextn_predict_layers"] = mtp
+    if family.mla:
+        config |= _mla(key, heads, shapes)
+        config["rope_parameters"] |= _yarn_mscale(arch, meta, config["rope_parameters"])
     for name, ggml_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                            ("pad_token_id", "padding_token_id"), ("unk_token_id", "unknown_token_id")):
         if f"tokenizer.ggml.{ggml_key}" in meta:
@@ -197,28 +205,53 @@ def _experts(path: Path, keys: ExpertKeys, key: Any) -> dict[str, Any]:
     if keys.norm_topk is not None:  # whether the top-k weights are renormalized is llama.cpp's per architecture
         config["norm_topk_prob"] = keys.norm_topk
     if keys.grouped:
-        return config | _grouped_routing(path, key)
+        return config | _grouped_routing(path, key, SOFTMAX_GATING if keys.softmax_unless_stated else SIGMOID_GATING)
     if key("expert_shared_feed_forward_length", None):
         config["shared_expert_intermediate_size"] = int(key("expert_shared_feed_forward_length"))
     return config
 
 
-SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1 is softmax)
+SOFTMAX_GATING, SIGMOID_GATING = 1, 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*
 
 
-def _grouped_routing(path: Path, key: Any) -> dict[str, Any]:
+def _grouped_routing(path: Path, key: Any, unstated: int) -> dict[str, Any]:
     """DeepSeek-V3's routing keys (GLM-4.5's too) as their config names them, with llama.cpp's defaults where the
-    file states nothing: no groups, no leading dense layers, the top-k weights not renormalized."""
-    gating = int(key("expert_gating_func", SIGMOID_GATING))
+    file states nothing: no groups, no leading dense layers, the top-k weights not renormalized, and ``unstated``'s
+    gating."""
+    gating = int(key("expert_gating_func", unstated))
     if gating != SIGMOID_GATING:
         raise UnsupportedArchitectureError(
-            f"{path} routes its experts by expert_gating_func={gating} (1: softmax, DeepSeek-V2's); ovshard reads "
+            f"{path} routes its experts by expert_gating_func={gating} (1: softmax, DeepSeek-V2's, which a file "
+            "without the key means too); ovshard reads "
             f"this architecture's sigmoid routing only ({SIGMOID_GATING}). Start from the safetensors checkpoint.")
     return {"n_shared_experts": int(key("expert_shared_count")),
             "first_k_dense_replace": int(key("leading_dense_block_count", 0)),
             "n_group": int(key("expert_group_count", 1)), "topk_group": int(key("expert_group_used_count", 1)),
             "routed_scaling_factor": float(key("expert_weights_scale", 1.0)),
             "norm_topk_prob": bool(key("expert_weights_norm", False))}
+
+
+def _mla(key: Any, heads: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """Multi-head latent attention's config keys. Current llama.cpp writes it as one key/value head of the latent
+    (key_length kv_lora_rank + rope, value_length kv_lora_rank) and the per-head widths as key_length_mla and
+    value_length_mla; files from before (an attn_kv_b tensor) state the per-head widths as key/value_length."""
+    rope = int(key("rope.dimension_count"))
+    width = int(key("attention.key_length_mla", None) or key("attention.key_length"))
+    q_rank = key("attention.q_lora_rank", None)
+    return {"num_key_value_heads": heads, "head_dim": rope, "qk_rope_head_dim": rope, "qk_nope_head_dim": width - rope,
+            "qk_head_dim": width, "v_head_dim": int(key("attention.value_length_mla", None) or key("attention.value_length")),
+            "kv_lora_rank": int(key("attention.kv_lora_rank")), "q_lora_rank": None if q_rank is None else int(q_rank)}
+
+
+def _yarn_mscale(arch: str, meta: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek's yarn attention scale: llama.cpp stores 0.1 * mscale_all_dim as rope.scaling.yarn_log_multiplier
+    (an f32, rounded back here), scales the scores by (1 + that * ln(factor))^2 and rotates without yarn's magnitude
+    factor, as transformers does with mscale == mscale_all_dim."""
+    log_mul = meta.get(f"{arch}.rope.scaling.yarn_log_multiplier")
+    if rope["rope_type"] != "yarn" or log_mul is None:
+        return {}
+    mscale = round(float(log_mul) / 0.1, 6)
+    return {"mscale": mscale, "mscale_all_dim": mscale}
 
 
 def _moe_architectures() -> list[str]:

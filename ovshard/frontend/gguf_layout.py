@@ -9,7 +9,8 @@ which stored bytes a Hugging Face tensor is and how to turn them back, as transf
   [E, out, in] tensor; each expert is read as its own slab of it;
 - gpt-oss: its experts' x @ W tensors split into gate and up and transposed; joined back into Hugging
   Face's ``gate_up_proj`` (gate and up interleaved) and ``down_proj`` when read.
-- GLM-4.5: the routing bias ``e_score_correction_bias`` spelled ``exp_probs_b.bias``; the next-token-prediction
+- DeepSeek-V3: MLA's ``kv_b_proj`` split per head into ``attn_k_b`` (transposed) and ``attn_v_b``; joined back;
+- GLM-4.5 and DeepSeek-V3: the routing bias ``e_score_correction_bias`` spelled ``exp_probs_b.bias``; the next-token-prediction
   layers appended after the model's (``blk.N`` from the model's layer count on) are skipped.
 
 Pure bookkeeping over the tensor table: :mod:`ovshard.frontend.gguf` decodes the bytes.
@@ -28,7 +29,7 @@ import numpy as np
 from ovshard.errors import CheckpointError
 from ovshard.frontend.arch import ArchSpec
 from ovshard.frontend.gguf_config import GGUFFamily
-from ovshard.frontend.tensors import model_tensors
+from ovshard.frontend.tensors import MLA_NAMES, model_tensors
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -58,6 +59,9 @@ class GGUFTensor:
     first_row: int = 0  # where its rows start in that slab (up's half of a fused ffn_gate_up_exps expert)
     transposed: bool = False  # held by Hugging Face as x @ W: the stored tensor's last two axes swapped
     interleaved: GGUFTensor | None = None  # its rows alternate with this tensor's (gate, up, gate, up ...)
+    # each head's rows followed by this tensor's rows of that head: MLA's kv_b, stored per head as k_b [rank, nope]
+    # (transposed) and v_b [v, rank]
+    appended: GGUFTensor | None = None
 
     @property
     def undo(self) -> str:
@@ -69,12 +73,19 @@ class GGUFTensor:
             undo += ";transposed"
         if self.interleaved is not None:
             undo += f";interleaved={self.interleaved.gguf_name}"
+        if self.appended is not None:
+            undo += f";appended={self.appended.gguf_name}"
         return undo
+
+    @property
+    def parts(self) -> tuple[GGUFTensor, ...]:
+        """The stored tensors its values come from."""
+        return (self, *(t for t in (self.interleaved, self.appended) if t is not None))
 
     @property
     def joined(self) -> bool:
         """Rearranged from the stored tensor (transposed, interleaved with another), not one of its slabs."""
-        return self.transposed or self.interleaved is not None
+        return self.transposed or self.interleaved is not None or self.appended is not None
 
 
 def refuse_unread_expert_layouts(path: Path, reader: GGUFReader, spec: ArchSpec) -> None:
@@ -109,6 +120,9 @@ def map_tensors(reader: GGUFReader, arch: str, family: GGUFFamily, spec: ArchSpe
     to_hf.pop(None, None)  # a name the table lacks: validate_tensors reports it missing
     # a parameter Hugging Face names without a suffix (gpt-oss's sinks) llama.cpp stores as <name>.weight
     to_hf |= {f"{g}.weight": n for g, n in to_hf.items() if not n.endswith((".weight", ".bias"))}
+    if spec.mla:  # MLA's kv_b as current llama.cpp writes it, split per head: _join_kv_b names it
+        to_hf |= {f"blk.{i}.attn_{k}_b.weight": f"blk.{i}.attn_{k}_b.weight" for i in range(dims.num_layers)
+                  for k in ("k", "v")}
     if spec.moe:  # stacked experts keep their GGUF name here; _split_experts and _join_experts name them
         to_hf |= {f"blk.{i}.{kind}.{suffix}": f"blk.{i}.{kind}.{suffix}" for i in range(dims.num_layers)
                   for kind in _STACKED for suffix in ("weight", "bias")}
@@ -135,7 +149,7 @@ def map_tensors(reader: GGUFReader, arch: str, family: GGUFFamily, spec: ArchSpe
     if skipped:
         logger.info("%s: %d tensors of the next-token-prediction layers %s not read (ovshard decodes without "
                     "them)", reader.data.filename, skipped, ", ".join(m.rstrip(".") for m in mtp))
-    return _join_experts(_split_experts(tensors, spec, dims), spec, dims), tuple(unmapped)
+    return _join_kv_b(_join_experts(_split_experts(tensors, spec, dims), spec, dims), spec, dims), tuple(unmapped)
 
 
 # Hugging Face names that convert_hf_to_gguf.py spells otherwise before looking them up in gguf-py's table:
@@ -214,6 +228,23 @@ def _join_experts(tensors: dict[str, GGUFTensor], spec: ArchSpec, dims: ModelDim
                                                  transposed=True)
         if down_bias is not None:
             out[prefix + ".down_proj_bias"] = down_bias
+    return out
+
+
+def _join_kv_b(tensors: dict[str, GGUFTensor], spec: ArchSpec, dims: ModelDims) -> dict[str, GGUFTensor]:
+    """MLA's ``kv_b_proj`` [heads * (nope + v), rank] (each head's key rows, then its value rows), which current
+    llama.cpp writes split for its absorbed attention: ``attn_k_b`` [heads, rank, nope] (each head's key rows
+    transposed) and ``attn_v_b`` [heads, v, rank]. A file of the older layout holds ``attn_kv_b`` whole."""
+    if not spec.mla:
+        return tensors
+    out = dict(tensors)
+    for i in range(dims.num_layers):
+        k_b, v_b = (out.pop(f"blk.{i}.attn_{k}_b.weight", None) for k in ("k", "v"))
+        if k_b is None or v_b is None:  # the older layout, or missing: validate_tensors names what is
+            continue
+        heads, rank, nope = k_b.shape
+        out[f"{spec.mla.format(i=i)}.{MLA_NAMES['kv_b'][0]}.weight"] = replace(
+            k_b, shape=(heads * (nope + v_b.shape[1]), rank), transposed=True, appended=v_b)
     return out
 
 

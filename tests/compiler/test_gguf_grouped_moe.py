@@ -1,5 +1,6 @@
 """GGUF files of the families routed as DeepSeek-V3 routes (sigmoid scores, expert groups, a routing bias, shared
-experts, leading dense layers): GLM-4.5 (``glm4moe``), written from a random checkpoint the way llama.cpp's
+experts, leading dense layers): GLM-4.5 (``glm4moe``) and DeepSeek-V3 (``deepseek2``, multi-head latent attention),
+written from a random checkpoint the way llama.cpp's
 convert_hf_to_gguf.py writes it (:mod:`moe_gguf`), read tensor by tensor against that checkpoint and compiled
 against transformers run on it. transformers cannot read these files, so the source checkpoint is the reference.
 """
@@ -16,7 +17,7 @@ import torch
 from conftest import compile_fp32, run_greedy
 from conftest import hf_greedy as hf_checkpoint_greedy
 from families import FAMILIES, Family, write_random_checkpoint
-from moe_gguf import glm4_moe_config, write_glm4_moe_gguf
+from moe_gguf import deepseek_plain_q_config, glm4_moe_config, write_deepseek_gguf, write_glm4_moe_gguf
 
 from ovshard.errors import UnsupportedArchitectureError
 from ovshard.frontend.description import describe
@@ -85,3 +86,48 @@ def test_softmax_gated_glm4_moe_refused(tmp_path: Path, glm_checkpoint: Path) ->
     """A glm4moe file whose experts are routed by softmax (expert_gating_func 1) is refused, naming the key."""
     with pytest.raises(UnsupportedArchitectureError, match=r"expert_gating_func=1 .*sigmoid routing only"):
         open_gguf(write_glm4_moe_gguf(glm_checkpoint, tmp_path / "glm.gguf", gating=1))
+
+
+DEEPSEEK = {"deepseek_v3": FAMILIES["deepseek_v3"], "plain_q": Family(deepseek_plain_q_config)}
+
+
+@pytest.mark.parametrize("split_kv_b", [True, False], ids=["k_b-v_b", "kv_b"])
+@pytest.mark.parametrize("variant", list(DEEPSEEK))
+def test_deepseek_gguf_equals_its_checkpoint(tmp_path: Path, variant: str, split_kv_b: bool) -> None:
+    """DeepSeek-V3 as llama.cpp writes it (MLA as one latent key/value head, kv_b_proj split per head into
+    attn_k_b/attn_v_b, or whole as older files hold it; yarn's mscale as yarn_log_multiplier): every tensor equals
+    the source checkpoint's, kv_b_proj joined back (also row by row); the config describes the source's model (the
+    latent ranks, head widths, yarn, grouped routing), with and without the q latent."""
+    from safetensors.torch import load_file
+
+    checkpoint = write_random_checkpoint(DEEPSEEK[variant], tmp_path / "hf")
+    ckpt = open_gguf(write_deepseek_gguf(checkpoint, tmp_path / "ds.gguf", split_kv_b))
+    ckpt.validate_tensors()
+    assert_describes_source(ckpt.config, checkpoint)
+    saved = load_file(checkpoint / "model.safetensors")
+    assert set(ckpt.tensor_names()) == set(saved)
+    for name, w in saved.items():
+        assert torch.equal(ckpt.load(name), w), name
+    kv_b = "model.layers.1.self_attn.kv_b_proj.weight"
+    assert torch.equal(ckpt.load_rows(kv_b, 3, 30), saved[kv_b][3:30])
+
+
+@pytest.mark.parametrize("variant", list(DEEPSEEK))
+def test_deepseek_gguf_two_stages_match_its_checkpoint(tmp_path: Path, variant: str) -> None:
+    """An F32 DeepSeek-V3 GGUF (kv_b split, as current llama.cpp writes it) compiled to 2 fp32 stages greedy-decodes
+    the tokens transformers decodes from its source checkpoint, logits within 1e-4: yarn x4 past its 32 original
+    positions with a q latent, and the default rope without one."""
+    checkpoint = write_random_checkpoint(DEEPSEEK[variant], tmp_path / "hf")
+    bundle = compile_fp32(write_deepseek_gguf(checkpoint, tmp_path / "ds.gguf"), tmp_path / "bundle", stages=2)
+    prompt = [1, 17, 42, 99, 5, 123, 77, 8, 250, 31, 64, 12, 90, 7, 201, 44, 3, 19, 160, 55]
+    tokens, rows = run_greedy(bundle, prompt, 16)
+    expected, reference = hf_checkpoint_greedy(checkpoint, prompt, 16)
+    assert tokens == expected
+    assert float(np.abs(rows - reference).max()) <= MAX_LOGIT_DIFF
+
+
+def test_deepseek_gguf_without_sigmoid_routing_refused(tmp_path: Path) -> None:
+    """A deepseek2 file stating no expert_gating_func (DeepSeek-V2's, which llama.cpp routes by softmax) is refused."""
+    checkpoint = write_random_checkpoint(DEEPSEEK["plain_q"], tmp_path / "hf")
+    with pytest.raises(UnsupportedArchitectureError, match=r"expert_gating_func=1 .*sigmoid routing only"):
+        open_gguf(write_deepseek_gguf(checkpoint, tmp_path / "ds.gguf", gating=None))
