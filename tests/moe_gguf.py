@@ -22,6 +22,11 @@ DeepSeek-V3: its ``DeepseekV2Model`` class: architecture "deepseek2"; MLA writte
 key_length_mla/value_length_mla, and ``kv_b_proj`` split per head into attn_k_b (transposed) and attn_v_b; llama.cpp
 before that wrote attn_kv_b whole and the per-head widths as key/value_length (``split_kv_b=False``); yarn's
 mscale_all_dim as 0.1 * it in rope.scaling.yarn_log_multiplier; the routing as GLM-4.5's; no MTP layers.
+
+Llama 4: its ``Llama4Model`` class: architecture "llama4", q/k not permuted (llama.cpp rotates Llama 4's interleaved
+pairs); feed_forward_length the dense layers' width (intermediate_size_mlp), expert_feed_forward_length the experts';
+``gate_up_proj`` [E, hidden, 2 * size] transposed and split in halves into ffn_gate_exps and ffn_up_exps,
+``down_proj`` transposed into ffn_down_exps; interleave_moe_layer_step as metadata.
 """
 
 from __future__ import annotations
@@ -304,5 +309,48 @@ def write_deepseek_gguf(checkpoint: Path, path: Path, split_kv_b: bool = True, g
         for w in ("down_proj", "gate_proj", "up_proj"):
             stacked = np.stack([state[f"model.layers.{i}.mlp.experts.{e}.{w}.weight"] for e in range(experts)])
             tensors[names.get_name(f"model.layers.{i}.mlp.experts.{w}.weight", try_suffixes=(".weight",))] = stacked
+    _finish(writer, tensors, "F32", lambda name, data: False)
+    return path
+
+
+def llama4_config() -> PretrainedConfig:
+    """families' tiny Llama 4 with what llama.cpp fixes for the architecture (the file states none of it): chunks of
+    8192, every 4th layer NoPE, attention temperature floor 8192 and scale 0.1, q/k norms (fewer than 128 experts)."""
+    config = FAMILIES["llama4_text"].config()
+    config.attention_chunk_size, config.no_rope_layer_interval, config.floor_scale, config.attn_scale = 8192, 4, 8192, 0.1
+    config.no_rope_layers = [int((i + 1) % 4 != 0) for i in range(config.num_hidden_layers)]
+    config.layer_types = ["chunked_attention" if rope else "full_attention" for rope in config.no_rope_layers]
+    return config
+
+
+def write_llama4_gguf(checkpoint: Path, path: Path, chunked: bool = True) -> Path:
+    """The F32 GGUF of the Llama 4 (text) ``checkpoint``; ``chunked`` False: stating attention.sliding_window 0, as
+    MobileLLM's files (no chunks, rotary on every layer) do."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    state = load_file(checkpoint / "model.safetensors")
+    size = config["intermediate_size"]
+    writer = _writer(path, "llama4", "tiny llama 4", config | {"intermediate_size": config["intermediate_size_mlp"]})
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_dimension_count(config["head_dim"])
+    writer.add_interleave_moe_layer_step(config["interleave_moe_layer_step"])
+    if not chunked:
+        writer.add_sliding_window(0)
+    writer.add_expert_feed_forward_length(size)
+    writer.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA4, config["num_hidden_layers"])
+    tensors: dict[str, np.ndarray] = {}
+    for name, w in state.items():
+        if name.endswith("experts.gate_up_proj"):  # [E, 2 * size, hidden]: gate the first half
+            w = w.swapaxes(-1, -2)
+            for part, half in (("gate_proj.weight", w[:, :size]), ("up_proj.weight", w[:, size:])):
+                tensors[names.get_name(name.replace("gate_up_proj", part), try_suffixes=(".weight",))] = half
+            continue
+        if name.endswith("experts.down_proj"):
+            name, w = name + ".weight", w.swapaxes(-1, -2)  # [E, hidden, size]
+        tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = w
     _finish(writer, tensors, "F32", lambda name, data: False)
     return path

@@ -9,8 +9,8 @@ transformers' GGUF loader does; :mod:`ovshard.frontend.gguf_layout` says, tensor
 bytes lie and what the undo is.
 
 The config comes from :mod:`ovshard.frontend.gguf_config`, which also holds the table of GGUF
-architectures read (llama, qwen2, qwen3, qwen2moe, qwen3moe, gpt-oss, glm4moe, deepseek2, gemma2, gemma3; llama
-with experts as mixtral).
+architectures read (llama, qwen2, qwen3, qwen2moe, qwen3moe, gpt-oss, glm4moe, deepseek2, llama4, gemma2, gemma3;
+llama with experts as mixtral).
 """
 
 from __future__ import annotations
@@ -103,17 +103,19 @@ class GGUFCheckpoint(Checkpoint):
         return tensor
 
     def _joined(self, t: GGUFTensor) -> torch.Tensor:
-        """A tensor Hugging Face holds rearranged: gpt-oss's experts, [E, in, out] with gate and up interleaved; MLA's
-        kv_b from its two halves."""
+        """A tensor Hugging Face holds rearranged: gpt-oss's and Llama 4's experts, [E, in, out] with gate and up
+        interleaved or in halves; MLA's kv_b from its key and value parts."""
         import torch
 
         if t.appended is not None:  # MLA's kv_b: [heads, rank, nope] -> [heads, nope, rank], then [heads, v, rank]
             keys = self._decode(t, None).transpose(-1, -2)
             return torch.cat([keys, self._decode(t.appended, None)], dim=1).reshape(t.shape)
         values = self._decode(t, None)  # [E, out, in] (a bias: [E, out])
-        if t.interleaved is not None:  # along out: [E, out, 2, in] -> [E, 2 * out, in]
-            axis = -2 if t.transposed else -1
+        axis = -2 if t.transposed else -1  # along out
+        if t.interleaved is not None:  # [E, out, 2, in] -> [E, 2 * out, in]
             values = torch.stack([values, self._decode(t.interleaved, None)], dim=axis).flatten(axis - 1, axis)
+        if t.halves is not None:  # [E, out + out, in]
+            values = torch.cat([values, self._decode(t.halves, None)], dim=axis)
         return values.transpose(-1, -2).contiguous() if t.transposed else values
 
     def load_rows(self, name: str, start: int, end: int) -> torch.Tensor:

@@ -55,6 +55,10 @@ class GGUFFamily:
     partial_rotary: bool = False  # rope.dimension_count may be less than the head: read as partial_rotary_factor
     qk_norm_key: str | None = None  # the config key saying whether per-head q/k norms exist (attn_q_norm is stored)
     mla: bool = False  # multi-head latent attention (DeepSeek-V2/V3): its ranks and head widths read from the file
+    dense_size: str = "intermediate_size"  # the config key of feed_forward_length (Llama 4's dense layers' width)
+    # Llama 4: the interleaved MoE layers (interleave_moe_layer_step); llama.cpp fixes the rest (chunks of 8192, every
+    # 4th layer NoPE, attention temperature 8192 and 0.1: transformers' defaults) and q/k norms unless 128 experts
+    llama4: bool = False
     fixed: tuple[tuple[str, Any], ...] = ()  # config keys llama.cpp fixes for the architecture, the file stores none
     # transformers' tokenizer class for the vocabulary, named where AutoTokenizer would read the file's config
     # first to pick one and fails (transformers 5 on gpt-oss's yarn keys); None: AutoTokenizer picks
@@ -77,6 +81,8 @@ FAMILIES: dict[str, GGUFFamily] = {
     "deepseek2": GGUFFamily("deepseek_v3", experts=ExpertKeys("n_routed_experts", norm_topk=None, grouped=True,
                                                               softmax_unless_stated=True),
                             mla=True, fixed=(("rope_interleave", True),)),
+    "llama4": GGUFFamily("llama4_text", experts=ExpertKeys("num_local_experts", "intermediate_size", None),
+                         dense_size="intermediate_size_mlp", llama4=True),
     "gemma2": GGUFFamily("gemma2", norm_offset=True, activation=_GELU, sliding_period=2, large_layers=46,
                          softcaps=(50.0, 30.0)),
     "gemma3": GGUFFamily("gemma3_text", norm_offset=True, activation=_GELU, sliding_period=6, large_layers=62,
@@ -97,20 +103,7 @@ EXPERT_VARIANTS: dict[str, GGUFFamily] = {
 }
 
 
-# GGUF architectures of families ovshard compiles from safetensors but not from GGUF, with what reading them needs
-NOT_READ = {
-    "llama4": ("llama4_text", "llama.cpp's Llama 4 layout mapped back: its interleaved MoE layers "
-               "(interleave_moe_layer_step), the NoPE layers (no_rope_layer_step), the chunked attention "
-               "(attention.chunk_size), the temperature-tuned NoPE attention and its q/k L2 norms"),
-}
-
-
 def family_of(path: Path, arch: str, meta: dict[str, Any]) -> GGUFFamily:
-    if arch in NOT_READ:
-        model_type, needs = NOT_READ[arch]
-        raise UnsupportedArchitectureError(
-            f"{path} is a GGUF of architecture {arch!r}, which ovshard does not read yet: it would need {needs}. "
-            f"Compile the model's safetensors checkpoint (model_type {model_type}) instead.")
     if arch not in FAMILIES:
         raise UnsupportedArchitectureError(
             f"{path} is a GGUF of architecture {arch!r}; ovshard reads GGUF architectures "
@@ -161,7 +154,7 @@ def rebuild_config(path: Path, arch: str, family: GGUFFamily, meta: dict[str, An
     config: dict[str, Any] = {
         "model_type": family.model_type, "hidden_size": hidden, "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": int(kv_heads), "head_dim": head_dim,
-        "intermediate_size": int(key("feed_forward_length")), "vocab_size": shapes.get("token_embd.weight", (0,))[0],
+        family.dense_size: int(key("feed_forward_length")), "vocab_size": shapes.get("token_embd.weight", (0,))[0],
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "max_position_embeddings": int(key("context_length")), act_key: act,
         # llama.cpp writes the output projection only when it is not the embedding matrix
@@ -177,6 +170,8 @@ def rebuild_config(path: Path, arch: str, family: GGUFFamily, meta: dict[str, An
         config[family.qk_norm_key] = "blk.0.attn_q_norm.weight" in shapes
     if mtp:
         config["num_nextn_predict_layers"] = mtp
+    if family.llama4:
+        config |= _llama4(path, key)
     if family.mla:
         config |= _mla(key, heads, shapes)
         config["rope_parameters"] |= _yarn_mscale(arch, meta, config["rope_parameters"])
@@ -229,6 +224,19 @@ def _grouped_routing(path: Path, key: Any, unstated: int) -> dict[str, Any]:
             "n_group": int(key("expert_group_count", 1)), "topk_group": int(key("expert_group_used_count", 1)),
             "routed_scaling_factor": float(key("expert_weights_scale", 1.0)),
             "norm_topk_prob": bool(key("expert_weights_norm", False))}
+
+
+LLAMA4_NO_QK_NORM_EXPERTS = 128  # llama.cpp runs Llama 4 Maverick (128 experts) without q/k norms, as its config says
+
+
+def _llama4(path: Path, key: Any) -> dict[str, Any]:
+    """Llama 4's config keys that the file states, or llama.cpp derives from it."""
+    if key("attention.sliding_window", None) == 0:
+        raise UnsupportedArchitectureError(
+            f"{path} is a llama4 file without chunked attention (attention.sliding_window 0: MobileLLM's), which "
+            "ovshard does not read from GGUF; start from the safetensors checkpoint")
+    return {"interleave_moe_layer_step": int(key("interleave_moe_layer_step")),
+            "use_qk_norm": int(key("expert_count")) != LLAMA4_NO_QK_NORM_EXPERTS}
 
 
 def _mla(key: Any, heads: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:

@@ -7,8 +7,8 @@ which stored bytes a Hugging Face tensor is and how to turn them back, as transf
 - Gemma 2/3: RMSNorm scales stored as ``1 + w``; Hugging Face keeps ``w`` (and adds the 1 at run time);
 - mixture of experts (qwen2moe, qwen3moe, Mixtral as llama): each projection's experts stacked in one
   [E, out, in] tensor; each expert is read as its own slab of it;
-- gpt-oss: its experts' x @ W tensors split into gate and up and transposed; joined back into Hugging
-  Face's ``gate_up_proj`` (gate and up interleaved) and ``down_proj`` when read.
+- gpt-oss and Llama 4: their experts' x @ W tensors split into gate and up and transposed; joined back into
+  Hugging Face's ``gate_up_proj`` (gate and up interleaved; Llama 4's in halves) and ``down_proj`` when read.
 - DeepSeek-V3: MLA's ``kv_b_proj`` split per head into ``attn_k_b`` (transposed) and ``attn_v_b``; joined back;
 - GLM-4.5 and DeepSeek-V3: the routing bias ``e_score_correction_bias`` spelled ``exp_probs_b.bias``; the next-token-prediction
   layers appended after the model's (``blk.N`` from the model's layer count on) are skipped.
@@ -59,6 +59,7 @@ class GGUFTensor:
     first_row: int = 0  # where its rows start in that slab (up's half of a fused ffn_gate_up_exps expert)
     transposed: bool = False  # held by Hugging Face as x @ W: the stored tensor's last two axes swapped
     interleaved: GGUFTensor | None = None  # its rows alternate with this tensor's (gate, up, gate, up ...)
+    halves: GGUFTensor | None = None  # its rows, then this tensor's (Llama 4's gate, then up)
     # each head's rows followed by this tensor's rows of that head: MLA's kv_b, stored per head as k_b [rank, nope]
     # (transposed) and v_b [v, rank]
     appended: GGUFTensor | None = None
@@ -73,6 +74,8 @@ class GGUFTensor:
             undo += ";transposed"
         if self.interleaved is not None:
             undo += f";interleaved={self.interleaved.gguf_name}"
+        if self.halves is not None:
+            undo += f";halves={self.halves.gguf_name}"
         if self.appended is not None:
             undo += f";appended={self.appended.gguf_name}"
         return undo
@@ -80,12 +83,12 @@ class GGUFTensor:
     @property
     def parts(self) -> tuple[GGUFTensor, ...]:
         """The stored tensors its values come from."""
-        return (self, *(t for t in (self.interleaved, self.appended) if t is not None))
+        return (self, *(t for t in (self.interleaved, self.halves, self.appended) if t is not None))
 
     @property
     def joined(self) -> bool:
         """Rearranged from the stored tensor (transposed, interleaved with another), not one of its slabs."""
-        return self.transposed or self.interleaved is not None or self.appended is not None
+        return self.transposed or len(self.parts) > 1
 
 
 def refuse_unread_expert_layouts(path: Path, reader: GGUFReader, spec: ArchSpec) -> None:
@@ -202,8 +205,9 @@ def _split_experts(tensors: dict[str, GGUFTensor], spec: ArchSpec, dims: ModelDi
 
 
 def _join_experts(tensors: dict[str, GGUFTensor], spec: ArchSpec, dims: ModelDims) -> dict[str, GGUFTensor]:
-    """gpt-oss's experts under Hugging Face's names: it holds each layer's as x @ W tensors, gate and up in one
-    (``gate_up_proj`` [E, hidden, 2 * size], gate and up alternating along the last axis, and its bias
+    """gpt-oss's and Llama 4's experts under Hugging Face's names: they hold each layer's as x @ W tensors, gate and
+    up in one (``gate_up_proj`` [E, hidden, 2 * size], gate and up alternating along the last axis (Llama 4: gate
+    the first half, ``spec.stacked_halves``), and gpt-oss's bias
     [E, 2 * size]; ``down_proj`` [E, size, hidden]); llama.cpp's converter splits and transposes them into
     ``ffn_{gate,up,down}_exps`` [E, out, in] with biases [E, out]. A stacked tensor missing from the file leaves
     its Hugging Face name missing, for validate_tensors to report."""
@@ -218,8 +222,9 @@ def _join_experts(tensors: dict[str, GGUFTensor], spec: ArchSpec, dims: ModelDim
             "gate.weight", "up.weight", "down.weight", "gate.bias", "up.bias", "down.bias"))
         if gate is not None and up is not None:
             experts, size, hidden = gate.shape
+            halves, interleaved = (up, None) if spec.stacked_halves else (None, up)
             out[prefix + ".gate_up_proj"] = replace(gate, shape=(experts, hidden, 2 * size), transposed=True,
-                                                    interleaved=up)
+                                                    interleaved=interleaved, halves=halves)
         if gate_bias is not None and up_bias is not None:
             out[prefix + ".gate_up_proj_bias"] = replace(gate_bias, shape=(gate_bias.shape[0], 2 * gate_bias.shape[1]),
                                                          interleaved=up_bias)

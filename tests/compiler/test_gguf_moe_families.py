@@ -1,8 +1,7 @@
-"""GGUF files of the families routed as DeepSeek-V3 routes (sigmoid scores, expert groups, a routing bias, shared
-experts, leading dense layers): GLM-4.5 (``glm4moe``) and DeepSeek-V3 (``deepseek2``, multi-head latent attention),
-written from a random checkpoint the way llama.cpp's
-convert_hf_to_gguf.py writes it (:mod:`moe_gguf`), read tensor by tensor against that checkpoint and compiled
-against transformers run on it. transformers cannot read these files, so the source checkpoint is the reference.
+"""GGUF files of GLM-4.5 (``glm4moe``), DeepSeek-V3 (``deepseek2``, multi-head latent attention) and Llama 4
+(``llama4``), written from a random checkpoint the way llama.cpp's convert_hf_to_gguf.py writes them
+(:mod:`moe_gguf`), read tensor by tensor against that checkpoint and compiled against transformers run on it.
+transformers cannot read these files, so the source checkpoint is the reference.
 """
 
 from __future__ import annotations
@@ -17,7 +16,14 @@ import torch
 from conftest import compile_fp32, run_greedy
 from conftest import hf_greedy as hf_checkpoint_greedy
 from families import FAMILIES, Family, write_random_checkpoint
-from moe_gguf import deepseek_plain_q_config, glm4_moe_config, write_deepseek_gguf, write_glm4_moe_gguf
+from moe_gguf import (
+    deepseek_plain_q_config,
+    glm4_moe_config,
+    llama4_config,
+    write_deepseek_gguf,
+    write_glm4_moe_gguf,
+    write_llama4_gguf,
+)
 
 from ovshard.errors import UnsupportedArchitectureError
 from ovshard.frontend.description import describe
@@ -131,3 +137,34 @@ def test_deepseek_gguf_without_sigmoid_routing_refused(tmp_path: Path) -> None:
     checkpoint = write_random_checkpoint(DEEPSEEK["plain_q"], tmp_path / "hf")
     with pytest.raises(UnsupportedArchitectureError, match=r"expert_gating_func=1 .*sigmoid routing only"):
         open_gguf(write_deepseek_gguf(checkpoint, tmp_path / "ds.gguf", gating=None))
+
+
+def test_llama4_gguf_equals_its_checkpoint_and_compiles_to_its_tokens(tmp_path: Path) -> None:
+    """Llama 4 as llama.cpp writes it (gate_up_proj split in halves and transposed, down_proj transposed, the dense
+    width as feed_forward_length): every tensor equals the source checkpoint's; the config describes the source's
+    model with what llama.cpp fixes (chunks of 8192, every 4th layer NoPE, temperature 8192/0.1, q/k norms); compiled
+    to 2 fp32 stages (stateful) it greedy-decodes transformers' tokens from the source, logits within 1e-4."""
+    from safetensors.torch import load_file
+
+    checkpoint = write_random_checkpoint(Family(llama4_config), tmp_path / "hf")
+    path = write_llama4_gguf(checkpoint, tmp_path / "llama4.gguf")
+    ckpt = open_gguf(path)
+    ckpt.validate_tensors()
+    assert_describes_source(ckpt.config, checkpoint)
+    saved = load_file(checkpoint / "model.safetensors")
+    assert set(ckpt.tensor_names()) == set(saved)
+    for name, w in saved.items():
+        assert torch.equal(ckpt.load(name), w), name
+    bundle = compile_fp32(path, tmp_path / "bundle", stages=2)
+    prompt = [1, 17, 42, 99, 5, 123, 77]
+    tokens, rows = run_greedy(bundle, prompt, 16)
+    expected, reference = hf_checkpoint_greedy(checkpoint, prompt, 16)
+    assert tokens == expected
+    assert float(np.abs(rows - reference).max()) <= MAX_LOGIT_DIFF
+
+
+def test_llama4_gguf_without_chunks_refused(tmp_path: Path) -> None:
+    """A llama4 file stating attention.sliding_window 0 (MobileLLM's: no chunks, no NoPE layers) is refused."""
+    checkpoint = write_random_checkpoint(Family(llama4_config), tmp_path / "hf")
+    with pytest.raises(UnsupportedArchitectureError, match=r"without chunked attention.*safetensors"):
+        open_gguf(write_llama4_gguf(checkpoint, tmp_path / "llama4.gguf", chunked=False))
