@@ -173,7 +173,7 @@ def rebuild_config(path: Path, arch: str, family: GGUFFamily, meta: dict[str, An
     if family.llama4:
         config |= _llama4(path, key)
     if family.mla:
-        config |= _mla(key, heads, shapes)
+        config |= _mla(key, heads)
         config["rope_parameters"] |= _yarn_mscale(arch, meta, config["rope_parameters"])
     for name, ggml_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                            ("pad_token_id", "padding_token_id"), ("unk_token_id", "unknown_token_id")):
@@ -239,7 +239,7 @@ def _llama4(path: Path, key: Any) -> dict[str, Any]:
             "use_qk_norm": int(key("expert_count")) != LLAMA4_NO_QK_NORM_EXPERTS}
 
 
-def _mla(key: Any, heads: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+def _mla(key: Any, heads: int) -> dict[str, Any]:
     """Multi-head latent attention's config keys. Current llama.cpp writes it as one key/value head of the latent
     (key_length kv_lora_rank + rope, value_length kv_lora_rank) and the per-head widths as key_length_mla and
     value_length_mla; files from before (an attn_kv_b tensor) state the per-head widths as key/value_length."""

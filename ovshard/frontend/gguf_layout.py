@@ -10,8 +10,9 @@ which stored bytes a Hugging Face tensor is and how to turn them back, as transf
 - gpt-oss and Llama 4: their experts' x @ W tensors split into gate and up and transposed; joined back into
   Hugging Face's ``gate_up_proj`` (gate and up interleaved; Llama 4's in halves) and ``down_proj`` when read.
 - DeepSeek-V3: MLA's ``kv_b_proj`` split per head into ``attn_k_b`` (transposed) and ``attn_v_b``; joined back;
-- GLM-4.5 and DeepSeek-V3: the routing bias ``e_score_correction_bias`` spelled ``exp_probs_b.bias``; the next-token-prediction
-  layers appended after the model's (``blk.N`` from the model's layer count on) are skipped.
+- GLM-4.5 and DeepSeek-V3: the routing bias ``e_score_correction_bias`` spelled ``exp_probs_b.bias``;
+- GLM-4.5: the next-token-prediction layers appended after the model's (``blk.N`` from the model's layer count
+  on, ``nextn_predict_layers``) are skipped.
 
 Pure bookkeeping over the tensor table: :mod:`ovshard.frontend.gguf` decodes the bytes.
 """
@@ -87,7 +88,7 @@ class GGUFTensor:
 
     @property
     def joined(self) -> bool:
-        """Rearranged from the stored tensor (transposed, interleaved with another), not one of its slabs."""
+        """Rearranged from the stored tensor (transposed, or joined with others), not one of its slabs."""
         return self.transposed or len(self.parts) > 1
 
 
