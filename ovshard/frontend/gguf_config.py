@@ -164,7 +164,7 @@ def rebuild_config(path: Path, arch: str, family: GGUFFamily, meta: dict[str, An
     }
     if family.experts is not None:
         config |= _experts(path, family.experts, key)
-    if family.partial_rotary and rope_dim is not None and int(rope_dim) != head_dim:
+    if family.partial_rotary and rope_dim is not None:  # stated even when 1: GLM's config defaults to 0.5
         config["rope_parameters"]["partial_rotary_factor"] = int(rope_dim) / head_dim  # transformers 5 keeps it there
     if family.qk_norm_key is not None:
         config[family.qk_norm_key] = "blk.0.attn_q_norm.weight" in shapes
