@@ -9,8 +9,8 @@ transformers' GGUF loader does; :mod:`ovshard.frontend.gguf_layout` says, tensor
 bytes lie and what the undo is.
 
 The config comes from :mod:`ovshard.frontend.gguf_config`, which also holds the table of GGUF
-architectures read (llama, qwen2, qwen3, qwen2moe, qwen3moe, gpt-oss, gemma2, gemma3; llama with experts as
-mixtral).
+architectures read (llama, qwen2, qwen3, qwen2moe, qwen3moe, gpt-oss, glm4moe, deepseek2, llama4, gemma2, gemma3;
+llama with experts as mixtral).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class GGUFCheckpoint(Checkpoint):
 
     def nbytes(self, name: str) -> int:
         t = self._tensor(name)
-        return t.end - t.begin + (0 if t.interleaved is None else t.interleaved.end - t.interleaved.begin)
+        return sum(part.end - part.begin for part in t.parts)
 
     def load(self, name: str) -> torch.Tensor:
         """Tensor ``name`` dequantized to float32, as transformers' GGUF loader returns it."""
@@ -103,13 +103,19 @@ class GGUFCheckpoint(Checkpoint):
         return tensor
 
     def _joined(self, t: GGUFTensor) -> torch.Tensor:
-        """A tensor Hugging Face holds rearranged: gpt-oss's experts, [E, in, out] with gate and up interleaved."""
+        """A tensor Hugging Face holds rearranged: gpt-oss's and Llama 4's experts, [E, in, out] with gate and up
+        interleaved or in halves; MLA's kv_b from its key and value parts."""
         import torch
 
+        if t.appended is not None:  # MLA's kv_b: [heads, rank, nope] -> [heads, nope, rank], then [heads, v, rank]
+            keys = self._decode(t, None).transpose(-1, -2)
+            return torch.cat([keys, self._decode(t.appended, None)], dim=1).reshape(t.shape)
         values = self._decode(t, None)  # [E, out, in] (a bias: [E, out])
-        if t.interleaved is not None:  # along out: [E, out, 2, in] -> [E, 2 * out, in]
-            axis = -2 if t.transposed else -1
+        axis = -2 if t.transposed else -1  # along out
+        if t.interleaved is not None:  # [E, out, 2, in] -> [E, 2 * out, in]
             values = torch.stack([values, self._decode(t.interleaved, None)], dim=axis).flatten(axis - 1, axis)
+        if t.halves is not None:  # [E, out + out, in]
+            values = torch.cat([values, self._decode(t.halves, None)], dim=axis)
         return values.transpose(-1, -2).contiguous() if t.transposed else values
 
     def load_rows(self, name: str, start: int, end: int) -> torch.Tensor:
@@ -149,7 +155,7 @@ class GGUFCheckpoint(Checkpoint):
         t = self._tensor(name)
         digest = hashlib.sha256(f"{LAYOUT_VERSION}{t.ggml_type}{list(t.shape)}{t.undo}".encode())
         view = memoryview(self._reader.data)
-        for part in (t,) if t.interleaved is None else (t, t.interleaved):
+        for part in t.parts:
             for offset in range(part.begin, part.end, chunk):
                 digest.update(view[offset:min(offset + chunk, part.end)])
         return digest.hexdigest()

@@ -7,14 +7,19 @@ which stored bytes a Hugging Face tensor is and how to turn them back, as transf
 - Gemma 2/3: RMSNorm scales stored as ``1 + w``; Hugging Face keeps ``w`` (and adds the 1 at run time);
 - mixture of experts (qwen2moe, qwen3moe, Mixtral as llama): each projection's experts stacked in one
   [E, out, in] tensor; each expert is read as its own slab of it;
-- gpt-oss: its experts' x @ W tensors split into gate and up and transposed; joined back into Hugging
-  Face's ``gate_up_proj`` (gate and up interleaved) and ``down_proj`` when read.
+- gpt-oss and Llama 4: their experts' x @ W tensors split into gate and up and transposed; joined back into
+  Hugging Face's ``gate_up_proj`` (gate and up interleaved; Llama 4's in halves) and ``down_proj`` when read.
+- DeepSeek-V3: MLA's ``kv_b_proj`` split per head into ``attn_k_b`` (transposed) and ``attn_v_b``; joined back;
+- GLM-4.5 and DeepSeek-V3: the routing bias ``e_score_correction_bias`` spelled ``exp_probs_b.bias``;
+- GLM-4.5: the next-token-prediction layers appended after the model's (``blk.N`` from the model's layer count
+  on, ``nextn_predict_layers``) are skipped.
 
 Pure bookkeeping over the tensor table: :mod:`ovshard.frontend.gguf` decodes the bytes.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,12 +30,14 @@ import numpy as np
 from ovshard.errors import CheckpointError
 from ovshard.frontend.arch import ArchSpec
 from ovshard.frontend.gguf_config import GGUFFamily
-from ovshard.frontend.tensors import model_tensors
+from ovshard.frontend.tensors import MLA_NAMES, model_tensors
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
 
     from ovshard.bundle.dims import ModelDims
+
+logger = logging.getLogger(__name__)
 
 LAYOUT_VERSION = "ovshard-gguf-1"  # bump when a tensor's undo changes: it is part of every tensor digest
 PER_EXPERT = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight")  # experts unstacked (old llama.cpp)
@@ -53,6 +60,10 @@ class GGUFTensor:
     first_row: int = 0  # where its rows start in that slab (up's half of a fused ffn_gate_up_exps expert)
     transposed: bool = False  # held by Hugging Face as x @ W: the stored tensor's last two axes swapped
     interleaved: GGUFTensor | None = None  # its rows alternate with this tensor's (gate, up, gate, up ...)
+    halves: GGUFTensor | None = None  # its rows, then this tensor's (Llama 4's gate, then up)
+    # each head's rows followed by this tensor's rows of that head: MLA's kv_b, stored per head as k_b [rank, nope]
+    # (transposed) and v_b [v, rank]
+    appended: GGUFTensor | None = None
 
     @property
     def undo(self) -> str:
@@ -64,12 +75,21 @@ class GGUFTensor:
             undo += ";transposed"
         if self.interleaved is not None:
             undo += f";interleaved={self.interleaved.gguf_name}"
+        if self.halves is not None:
+            undo += f";halves={self.halves.gguf_name}"
+        if self.appended is not None:
+            undo += f";appended={self.appended.gguf_name}"
         return undo
 
     @property
+    def parts(self) -> tuple[GGUFTensor, ...]:
+        """The stored tensors its values come from."""
+        return (self, *(t for t in (self.interleaved, self.halves, self.appended) if t is not None))
+
+    @property
     def joined(self) -> bool:
-        """Rearranged from the stored tensor (transposed, interleaved with another), not one of its slabs."""
-        return self.transposed or self.interleaved is not None
+        """Rearranged from the stored tensor (transposed, or joined with others), not one of its slabs."""
+        return self.transposed or len(self.parts) > 1
 
 
 def refuse_unread_expert_layouts(path: Path, reader: GGUFReader, spec: ArchSpec) -> None:
@@ -100,21 +120,27 @@ def map_tensors(reader: GGUFReader, arch: str, family: GGUFFamily, spec: ArchSpe
     arch_id = next(a for a, name in MODEL_ARCH_NAMES.items() if name == arch)
     names = get_tensor_name_map(arch_id, dims.num_layers)
     hf_names = [*model_tensors(spec, dims), spec.lm_head]
-    to_hf = {names.get_name(n, try_suffixes=(".weight", ".bias")): n for n in hf_names}
+    to_hf = {names.get_name(_spelled(n), try_suffixes=(".weight", ".bias")): n for n in hf_names}
     to_hf.pop(None, None)  # a name the table lacks: validate_tensors reports it missing
     # a parameter Hugging Face names without a suffix (gpt-oss's sinks) llama.cpp stores as <name>.weight
     to_hf |= {f"{g}.weight": n for g, n in to_hf.items() if not n.endswith((".weight", ".bias"))}
+    if spec.mla:  # MLA's kv_b as current llama.cpp writes it, split per head: _join_kv_b names it
+        to_hf |= {f"blk.{i}.attn_{k}_b.weight": f"blk.{i}.attn_{k}_b.weight" for i in range(dims.num_layers)
+                  for k in ("k", "v")}
     if spec.moe:  # stacked experts keep their GGUF name here; _split_experts and _join_experts name them
         to_hf |= {f"blk.{i}.{kind}.{suffix}": f"blk.{i}.{kind}.{suffix}" for i in range(dims.num_layers)
                   for kind in _STACKED for suffix in ("weight", "bias")}
     norms = {t.format(i=i) for t in spec.norm_templates() for i in range(dims.num_layers)} | {spec.final_norm}
     heads = {spec.q_proj.format(i=i): dims.num_heads for i in range(dims.num_layers)}
     heads |= {spec.k_proj.format(i=i): dims.num_kv_heads for i in range(dims.num_layers)}
-    tensors, unmapped = {}, []
+    mtp = _mtp_layers(reader, arch, dims)
+    tensors, unmapped, skipped = {}, [], 0
     for index, t in enumerate(reader.tensors):
         hf = to_hf.get(t.name)
         if hf is None:
-            if t.name != ROPE_FREQS:  # read into rope_parameters
+            if t.name.startswith(mtp):
+                skipped += 1
+            elif t.name != ROPE_FREQS:  # read into rope_parameters
                 unmapped.append(t.name)
             continue
         module = hf.rsplit(".", 1)[0]
@@ -124,7 +150,27 @@ def map_tensors(reader: GGUFReader, arch: str, family: GGUFFamily, spec: ArchSpe
             end=int(t.data_offset) + int(t.n_bytes), norm_offset=family.norm_offset and hf in norms,
             permute_heads=heads.get(module) if family.permute_qk else None,
         )
-    return _join_experts(_split_experts(tensors, spec, dims), spec, dims), tuple(unmapped)
+    if skipped:
+        logger.info("%s: %d tensors of the next-token-prediction layers %s not read (ovshard decodes without "
+                    "them)", reader.data.filename, skipped, ", ".join(m.rstrip(".") for m in mtp))
+    return _join_kv_b(_join_experts(_split_experts(tensors, spec, dims), spec, dims), spec, dims), tuple(unmapped)
+
+
+# Hugging Face names that convert_hf_to_gguf.py spells otherwise before looking them up in gguf-py's table:
+# DeepSeek-V3's and GLM-4.5's routing bias (a parameter without a suffix) becomes exp_probs_b.bias
+_SPELLED = {"e_score_correction_bias": "e_score_correction.bias"}
+
+
+def _spelled(name: str) -> str:
+    return next((name.removesuffix(end) + spelled for end, spelled in _SPELLED.items() if name.endswith(end)), name)
+
+
+def _mtp_layers(reader: GGUFReader, arch: str, dims: ModelDims) -> tuple[str, ...]:
+    """The tensor name prefixes ("blk.46.") of the next-token-prediction layers convert_hf_to_gguf.py appends
+    after the model's own (GLM-4.5's; ``{arch}.nextn_predict_layers`` of the ``block_count``): not read."""
+    field = reader.fields.get(f"{arch}.block_count")
+    blocks = dims.num_layers if field is None else int(field.contents())
+    return tuple(f"blk.{i}." for i in range(dims.num_layers, blocks))
 
 
 # each stacked GGUF tensor and the expert projections it holds, in the order of its rows: convert_hf_to_gguf.py
@@ -160,8 +206,9 @@ def _split_experts(tensors: dict[str, GGUFTensor], spec: ArchSpec, dims: ModelDi
 
 
 def _join_experts(tensors: dict[str, GGUFTensor], spec: ArchSpec, dims: ModelDims) -> dict[str, GGUFTensor]:
-    """gpt-oss's experts under Hugging Face's names: it holds each layer's as x @ W tensors, gate and up in one
-    (``gate_up_proj`` [E, hidden, 2 * size], gate and up alternating along the last axis, and its bias
+    """gpt-oss's and Llama 4's experts under Hugging Face's names: they hold each layer's as x @ W tensors, gate and
+    up in one (``gate_up_proj`` [E, hidden, 2 * size], gate and up alternating along the last axis (Llama 4: gate
+    the first half, ``spec.stacked_halves``), and gpt-oss's bias
     [E, 2 * size]; ``down_proj`` [E, size, hidden]); llama.cpp's converter splits and transposes them into
     ``ffn_{gate,up,down}_exps`` [E, out, in] with biases [E, out]. A stacked tensor missing from the file leaves
     its Hugging Face name missing, for validate_tensors to report."""
@@ -176,8 +223,9 @@ def _join_experts(tensors: dict[str, GGUFTensor], spec: ArchSpec, dims: ModelDim
             "gate.weight", "up.weight", "down.weight", "gate.bias", "up.bias", "down.bias"))
         if gate is not None and up is not None:
             experts, size, hidden = gate.shape
+            halves, interleaved = (up, None) if spec.stacked_halves else (None, up)
             out[prefix + ".gate_up_proj"] = replace(gate, shape=(experts, hidden, 2 * size), transposed=True,
-                                                    interleaved=up)
+                                                    interleaved=interleaved, halves=halves)
         if gate_bias is not None and up_bias is not None:
             out[prefix + ".gate_up_proj_bias"] = replace(gate_bias, shape=(gate_bias.shape[0], 2 * gate_bias.shape[1]),
                                                          interleaved=up_bias)
@@ -186,6 +234,23 @@ def _join_experts(tensors: dict[str, GGUFTensor], spec: ArchSpec, dims: ModelDim
                                                  transposed=True)
         if down_bias is not None:
             out[prefix + ".down_proj_bias"] = down_bias
+    return out
+
+
+def _join_kv_b(tensors: dict[str, GGUFTensor], spec: ArchSpec, dims: ModelDims) -> dict[str, GGUFTensor]:
+    """MLA's ``kv_b_proj`` [heads * (nope + v), rank] (each head's key rows, then its value rows), which current
+    llama.cpp writes split for its absorbed attention: ``attn_k_b`` [heads, rank, nope] (each head's key rows
+    transposed) and ``attn_v_b`` [heads, v, rank]. A file of the older layout holds ``attn_kv_b`` whole."""
+    if not spec.mla:
+        return tensors
+    out = dict(tensors)
+    for i in range(dims.num_layers):
+        k_b, v_b = (out.pop(f"blk.{i}.attn_{k}_b.weight", None) for k in ("k", "v"))
+        if k_b is None or v_b is None:  # the older layout, or missing: validate_tensors names what is
+            continue
+        heads, rank, nope = k_b.shape
+        out[f"{spec.mla.format(i=i)}.{MLA_NAMES['kv_b'][0]}.weight"] = replace(
+            k_b, shape=(heads * (nope + v_b.shape[1]), rank), transposed=True, appended=v_b)
     return out
 
 
