@@ -74,6 +74,9 @@ CHAT_RECORD = ".chat.json"  # the chat template's record beside a converted toke
 def _calibrate(config: CompileConfig, ckpt: Checkpoint, workdir: Path,
                max_positions: int) -> tuple[CompileConfig, Activations | None]:
     """With --calibration: the text, recorded in the weight format, and the activations the layers read."""
+    if config.calibration == "default":
+        config = replace(config, calibration=default_calibration(config, ckpt))
+        check_calibration(config)
     if config.calibration == "none":
         return config, None
     text = calibration_text(ckpt, config.calibration, config.calibration_samples, config.calibration_tokens,
@@ -303,13 +306,10 @@ def _compile_bundle(config: CompileConfig, progress: LayerProgress) -> Manifest:
     ckpt = open_source(config.checkpoint)
     ckpt.validate_tensors()
     generation = _generation(ckpt)
-    if config.calibration == "default":
-        config = replace(config, calibration=default_calibration(config, ckpt))
-        check_calibration(config)
-    choose = config.weights.is_int4 and not config.weights.int8_weights  # one choice for the whole model
-    if choose and config.calibration == "none":
+    if config.weights.is_int4 and not config.weights.int8_weights:  # one choice for the whole model
         config = replace(config, weights=replace(config.weights, int8_weights=choose_int8(ckpt, config.weights)))
-    plan = make_plan(config, ckpt)  # calibrated: all-INT4 for the space needed, made again once the INT8 choice is
+    plan = make_plan(config, ckpt)
+    log.info("partition plan (%s):\n%s", plan.strategy, plan.format_table())
     chosen = _chosen_stages(plan, config.only_stage)
     progress.total = sum(len(s.layers) for s in chosen)
     max_positions = config.max_positions or ckpt.dims.max_position_embeddings
@@ -317,12 +317,6 @@ def _compile_bundle(config: CompileConfig, progress: LayerProgress) -> Manifest:
     workdir, figures = _workdir(config.output, needed), []
     try:
         config, activations = _calibrate(config, ckpt, workdir, max_positions)
-        if choose and activations is not None:  # ranked by each weight's output error on the calibration text
-            config = replace(config, weights=replace(config.weights, int8_weights=choose_int8(
-                ckpt, config.weights, activations.inputs_of)))
-            plan = make_plan(config, ckpt)
-            chosen = _chosen_stages(plan, config.only_stage)
-        log.info("partition plan (%s):\n%s", plan.strategy, plan.format_table())
         if config.streamed:
             _prebuild(config, ckpt, chosen, max_positions, workdir)
         entries, log_records = [], []

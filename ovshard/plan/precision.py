@@ -3,30 +3,23 @@
 Every decoder weight (q, k, v, o, gate, up, down of every layer) is quantized to INT4 as the compression
 pass will (NNCF's grouped min/max quantizer: asymmetric or symmetric, the same group size and fallback),
 and scored by its relative reconstruction error ``||W - Q(W)||^2 / ||W||^2``: how much of the weight
-INT4 destroys; or, in a calibrated compile, by the relative error INT4 makes in the matmul's output on the
-calibration text, ``||(W - Q(W)) X^T||^2 / ||W X^T||^2`` for its inputs ``X`` (``SCORE_TOKENS`` of them):
-how much of what the weight computes INT4 destroys on real text. The two rank weights differently (on
-SmolLM2-135M 29 of the 72 weights kept INT8 are the same; the output error keeps every value projection,
-as llama.cpp's Q4_K_M gives its value projections more bits). The weights with the largest error stay INT8
-(per channel), most sensitive first, while
+INT4 destroys. The weights with the largest error stay INT8 (per channel), most sensitive first, while
 the bundle stays within ``budget`` times the size of the same model in all-INT4 asymmetric group-128
 (ovshard's INT4 before, with the embedding and lm_head INT8, counted as a bundle of two or more stages
 stores them: a tied embedding twice) and at least ``ratio`` of the decoder's weights stay INT4.
 Weights are read one layer at a time, so memory stays at one layer, and the choice depends on the
-checkpoint, the format and the calibration text only: the same for every stage count (it is kept in the
-manifest's weight format).
+checkpoint and the format only: the same for every stage count (it is kept in the manifest's weight
+format).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ovshard.bundle.dims import ModelDims
 from ovshard.bundle.stage import StageSpec
@@ -52,28 +45,13 @@ def int8_bytes(out_features: int, in_features: int) -> float:
     return out_features * (in_features + 3.0)
 
 
-SCORE_TOKENS = 256  # calibration inputs an output error is measured on, evenly over them: a quarter of the default's
-
-
-def int4_error(weight: np.ndarray, fmt: WeightFormat, inputs: torch.Tensor | None = None) -> float:
-    """Relative squared error of ``weight`` [out, in] after NNCF-style grouped INT4 and back (0 if it falls back);
-    with ``inputs`` [tokens, in], the relative squared error of its output on them (``SCORE_TOKENS`` of them)."""
+def int4_error(weight: np.ndarray, fmt: WeightFormat) -> float:
+    """Relative squared error of ``weight`` [out, in] after NNCF-style grouped INT4 and back (0 if it falls back)."""
     out_features, in_features = weight.shape
     group = fmt.group_for(in_features)
     if group is None:
         return 0.0
-    restored = _int4_restored(weight.astype(np.float32).reshape(out_features, in_features // group, group), fmt)
-    w = weight.astype(np.float32)
-    if inputs is None:
-        return float(((w - restored) ** 2).sum() / max(float((w**2).sum()), 1e-30))
-    x = inputs[:: max(1, inputs.shape[0] // SCORE_TOKENS)][:SCORE_TOKENS].float()
-    exact = torch.from_numpy(w)
-    lost = torch.linalg.matrix_norm((exact - torch.from_numpy(restored)) @ x.T) ** 2
-    return float(lost / max(float(torch.linalg.matrix_norm(exact @ x.T) ** 2), 1e-30))
-
-
-def _int4_restored(w: np.ndarray, fmt: WeightFormat) -> np.ndarray:
-    """``w`` [out, groups, group] through the format's INT4 and back, as [out, in]."""
+    w = weight.astype(np.float32).reshape(out_features, in_features // group, group)
     if fmt.mode == "int4_asym":
         low, high = w.min(axis=-1, keepdims=True), w.max(axis=-1, keepdims=True)
         scale = np.maximum((high - low) / 15.0, np.finfo(np.float32).tiny)
@@ -82,7 +60,7 @@ def _int4_restored(w: np.ndarray, fmt: WeightFormat) -> np.ndarray:
     else:
         scale = np.maximum(np.abs(w).max(axis=-1, keepdims=True) / 8.0, np.finfo(np.float32).tiny)
         restored = np.clip(np.round(w / scale), -8, 7) * scale
-    return restored.reshape(w.shape[0], -1)
+    return float(((w - restored) ** 2).sum() / max(float((w**2).sum()), 1e-30))
 
 
 def embedding_bytes(dims: ModelDims, fmt: WeightFormat) -> float:
@@ -117,47 +95,30 @@ def all_int4_bytes(dims: ModelDims, fmt: WeightFormat = BASE) -> float:
                       for o, i in linear_shapes(dims, layer).values())
 
 
-class NoInputs(Exception):
-    """A decoder weight whose matmul ran on no calibration inputs of its own."""
-
-
-Inputs = Callable[[int], Mapping[str, torch.Tensor]]  # layer -> its matmuls' calibration inputs by projection
-
-
-def candidates(ckpt: Checkpoint, fmt: WeightFormat, inputs: Inputs | None = None) -> list[Candidate]:
-    """Every decoder weight scored, read one layer at a time: by its output error on ``inputs`` where given."""
+def candidates(ckpt: Checkpoint, fmt: WeightFormat) -> list[Candidate]:
+    """Every decoder weight scored, read one layer at a time."""
     from ovshard.frontend.trace import load_layer
 
     dims, found = ckpt.dims, []
     whole = StageSpec(0, 1, 0, dims.num_layers)
     for i in range(dims.num_layers):
         layer = load_layer(ckpt, i, whole)
-        caught = inputs(i) if inputs is not None else {}
         for key, (out_f, in_f) in linear_shapes(dims, i).items():
             if fmt.group_for(in_f) is None:
                 continue  # NNCF stores it in INT8 anyway
             weight = getattr(layer, f"{key}_weight").numpy().reshape(out_f, in_f)  # experts: [experts * out, in]
-            if inputs is not None and key not in caught:
-                raise NoInputs(f"{i}.{key}")  # no inputs of its own (experts): choose_int8 scores the weights alone
-            found.append(Candidate(f"{i}.{key}", int4_error(weight, fmt, caught.get(key)),
+            found.append(Candidate(f"{i}.{key}", int4_error(weight, fmt),
                                    int8_bytes(out_f, in_f) - int4_bytes(fmt, out_f, in_f), out_f * in_f))
         del layer
         log.debug("precision: layer %d of %d scored", i + 1, dims.num_layers)
     return found
 
 
-def choose_int8(ckpt: Checkpoint, fmt: WeightFormat, inputs: Inputs | None = None) -> tuple[str, ...]:
-    """The decoder weights kept in INT8 for ``fmt`` (sorted keys); () when the format keeps none. With ``inputs``
-    (a calibrated compile), ranked by their output error on them; by the weights alone where a weight has no
-    inputs of its own (routed experts), for the whole model."""
+def choose_int8(ckpt: Checkpoint, fmt: WeightFormat) -> tuple[str, ...]:
+    """The decoder weights kept in INT8 for ``fmt`` (sorted keys); () when the format keeps none."""
     if not fmt.is_int4 or fmt.budget <= 1.0 or fmt.ratio >= 1.0:
         return ()
-    try:
-        found = candidates(ckpt, fmt, inputs)
-    except NoInputs as e:
-        log.info("precision: weight %s has no calibration inputs of its own; ranking by the weights alone", e)
-        found = candidates(ckpt, fmt)
-    scored = sorted(found, key=lambda c: c.error, reverse=True)
+    scored = sorted(candidates(ckpt, fmt), key=lambda c: c.error, reverse=True)
     base = all_int4_bytes(ckpt.dims, replace(BASE, all_layers=fmt.all_layers))
     allowed = fmt.budget * base - all_int4_bytes(ckpt.dims, fmt)  # a smaller group size spends part of it
     total = sum(c.elements for c in scored)
