@@ -281,12 +281,6 @@ class Activations:
         codes, scales = int4_fit.fit(torch.from_numpy(weight), self.moments[(id(inputs), group)])
         return codes.numpy(), scales.numpy()
 
-    def inputs_of(self, layer: int) -> dict[str, torch.Tensor]:
-        """Layer ``layer``'s matmul inputs over every sample, by projection (``_Inputs.inputs``)."""
-        if self.caught_layer != layer:
-            self._catch(layer)
-        return self.caught
-
     def _catch(self, layer: int) -> None:
         """Run ``layer`` on every sample, keeping its matmuls' inputs, and move the samples past it."""
         self._move_to(layer)
