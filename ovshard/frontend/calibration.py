@@ -1,10 +1,8 @@
 """Calibration for data-aware INT4 (ovshard's own scale fit; NNCF's AWQ, scale estimation, GPTQ, LoRA correction), layer by layer.
 
 The text: ``--calibration text``, the calibration text that ships with ovshard (``calibration.txt`` beside
-this module, written for it and Apache-2.0 like the rest: short pieces of every kind of text the model will
-meet, interleaved so that samples taken evenly over it hold each kind: prose, chat turns and dialogue, source
-code in several languages (Python, JavaScript, C, Rust, SQL, shell), lists and tables of numbers; about 2,700
-tokens), ``--calibration FILE`` (either tokenized by the checkpoint's tokenizer
+this module, written for it and Apache-2.0 like the rest: everyday prose of several kinds, technical prose
+and Python code, about 2,300 tokens), ``--calibration FILE`` (either tokenized by the checkpoint's tokenizer
 and cut into samples that start with BOS, taken evenly over the whole text), or ``auto``, the model's own
 sampled continuations of a few neutral prompts, so any model calibrates offline with no data set. Generation runs the checkpoint in float32 with torch, one decoder
 layer in memory at a time (each step reads every layer again, and the lm_head in row chunks): a step
