@@ -288,7 +288,7 @@ def test_a_stage_that_stays_down_fails_cleanly_with_the_partial_output(bundles: 
 
 @pytest.fixture(scope="module")
 def credentials(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ovshard.runtime.wire.keygen import keygen
+    from ovshard.runtime.tools.keygen import keygen
 
     folder = tmp_path_factory.mktemp("keys") / "cluster"
     keygen(folder, stages=["s0", "s1"], heads=["head"])
@@ -299,7 +299,7 @@ def test_tls_links_give_the_same_tokens_and_plain_clients_are_refused(bundles: d
                                                                       tmp_path: Path) -> None:
     """Workers with --credentials: a head with credentials generates the reference tokens over TLS on every
     link; a plain-TCP client, a client without credentials and one with another cluster's are all refused."""
-    from ovshard.runtime.wire.keygen import keygen
+    from ovshard.runtime.tools.keygen import keygen
     from ovshard.runtime.wire.tls import client_context, load_credentials
 
     expected = reference(bundles[2], PROMPT_A, 30)
