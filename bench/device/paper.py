@@ -6,7 +6,7 @@ and runs anywhere with enough cores, memory and disk (the 8B shape: ~16 GB check
 of ovshard bundle). Phases (``--only``; each appends to ``<work>/paper.json`` as it ends, so an interrupted run
 keeps what it measured):
 
-  kernels  bench/fc_kernels.py: the CPU plugin's fully connected kernels by weight format, plugin setting and
+  kernels  bench/cpu_kernels/fc_kernels.py: the CPU plugin's fully connected kernels by weight format, plugin setting and
            thread count at the shapes' widths, beside the copy bandwidth at each thread count.
   setup    llama.cpp built from a source tree (cmake: llama-bench, llama-quantize, ggml-rpc-server), the fastest
            build that runs here (bench/llama_build.py: AMX checked with a one-token run); the random-weight

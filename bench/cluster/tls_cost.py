@@ -6,7 +6,7 @@ chain and records the mean head-measured step time (the decode phase, without th
 chain is measured once more behind zero-latency counting relays (ovshard.runtime.tools.wanproxy.DelayProxy) in
 front of both stages, so every byte of the three hops (head -> stage 0 -> stage 1 -> head) is counted.
 
-    .venv/bin/python bench/tls_cost.py [--checkpoint PATH] [--rounds 7] [--tokens 64]
+    .venv/bin/python bench/cluster/tls_cost.py [--checkpoint PATH] [--rounds 7] [--tokens 64]
 
 Writes bench/results/tls_cost.{json,md} (bench/harness.py) and prints the table.
 """
@@ -20,7 +20,7 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
