@@ -113,7 +113,7 @@ class Head:
         self.retargets = 0  # moves onto a new chain
         self.refusals = 0  # moves that found no chain to serve from (refuse)
         self.replayed_tokens = 0  # tokens fed again to rebuild the KV of streams whose chain broke
-        self.seq = itertools.count()
+        self.nonces = itertools.count()
         self.requests = itertools.count()  # numbers Head.generate's requests
         self.engine: Engine | None = None  # the loop that runs every request (None: a probe's head)
         if self.batching is not None:
@@ -212,7 +212,7 @@ class Head:
         report: list[dict[str, object]] = []
         for stage, address in enumerate(self.addresses):
             entry: dict[str, object] = {"stage": stage, "address": address}
-            nonce = next(self.seq)
+            nonce = next(self.nonces)
             start = time.perf_counter()
             try:
                 if chain.broken is None:

@@ -120,7 +120,7 @@ class StageBackend:
             raise RequestError("refused", f"stage {self.stage} holds no paged KV blocks for this session (a "
                                           "stateful stage, or a Hello without kv_blocks): send Steps")
         if len(msg.timings) > self.stage:
-            raise RequestError("failed", f"Batch {msg.seq}: {len(msg.timings)} timings, but only {self.stage} "
+            raise RequestError("failed", f"Batch {msg.tick}: {len(msg.timings)} timings, but only {self.stage} "
                                          f"stages come before stage {self.stage}")
         return batch_input(msg, self.stage, self.manifest.architecture)
 

@@ -231,21 +231,21 @@ class Engine:
         if isinstance(msg, StageFailure):
             self._break(msg)
         elif isinstance(msg, p.Result):
-            if msg.seq in self.answers:
-                self.answers[msg.seq][msg.stream] = msg
+            if msg.reply_to in self.answers:
+                self.answers[msg.reply_to][msg.stream] = msg
         elif isinstance(msg, p.BatchDone):
             self._finish_tick(msg)
-        elif isinstance(msg, p.Error) and msg.seq in self.answers:
-            self._break(StageFailure(f"a stage failed tick {msg.seq}: {msg.code}: {msg.message}",
+        elif isinstance(msg, p.Error) and msg.reply_to in self.answers:
+            self._break(StageFailure(f"a stage failed tick {msg.reply_to}: {msg.code}: {msg.message}",
                                      msg.code in p.RECOVERABLE_CODES or msg.code in ("failed", "internal")))
 
     def _finish_tick(self, done: p.BatchDone) -> None:
         """The oldest tick in flight was answered: accept every row, then tell the planner."""
-        if not self.flight or self.flight[0].plan.tick != done.seq:
-            log.warning("tick %d finished out of order; ignored", done.seq)
+        if not self.flight or self.flight[0].plan.tick != done.tick:
+            log.warning("tick %d finished out of order; ignored", done.tick)
             return
         plan = self.flight.popleft().plan
-        answers = self.answers.pop(done.seq, {})
+        answers = self.answers.pop(done.tick, {})
         refused = {r.stream: r.message for r in done.refused}
         for part in plan.parts:
             if part.want and part.seq in self.by_seq and part.seq not in refused and part.seq not in answers:
