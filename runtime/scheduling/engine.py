@@ -36,7 +36,7 @@ from ovshard.errors import OvshardError, StageFailure
 from ovshard.runtime.decoding.speculative import Speculation
 from ovshard.runtime.engine.scores import Scores
 from ovshard.runtime.scheduling.block_tables import BlockManager
-from ovshard.runtime.scheduling.plan_types import BatchConfig, BatchError, BatchStats, Sampled, TickPlan
+from ovshard.runtime.scheduling.plan_types import BatchError, PlannerStats, Sampled, TickBudget, TickPlan
 from ovshard.runtime.scheduling.requests import Phase, Request
 from ovshard.runtime.scheduling.runs import Run, accept_rows
 from ovshard.runtime.scheduling.tick_planner import TickPlanner
@@ -112,7 +112,7 @@ class _Flight:
 class Engine:
     """The loop over one chain at a time (the module docstring). ``send`` is called with every tick's Batch."""
 
-    def __init__(self, host: Host, link: Link, config: BatchConfig, max_positions: int, vocab_size: int,
+    def __init__(self, host: Host, link: Link, config: TickBudget, max_positions: int, vocab_size: int,
                  retry_s: float, timeout: float) -> None:
         self.host, self.config, self.max_positions, self.vocab_size = host, config, max_positions, vocab_size
         self.retry_s, self.timeout = retry_s, timeout
@@ -139,7 +139,7 @@ class Engine:
         self.inbox.put(_Submit(request, speculation, on_end))
 
     @property
-    def stats(self) -> BatchStats:
+    def stats(self) -> PlannerStats:
         """The planner's counters as of the loop's latest turn (since the latest (re)connect)."""
         return self._stats
 

@@ -23,7 +23,7 @@ from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.scheduling.block_tables import BlockManager
 from ovshard.runtime.scheduling.engine import Deliver, Engine
 from ovshard.runtime.scheduling.requests import Phase, Request
-from ovshard.runtime.scheduling.ticks import batch_config
+from ovshard.runtime.scheduling.ticks import tick_budget
 from ovshard.runtime.wire import protocol as p
 
 VOCAB, MAX_POSITIONS, BS = 64, 256, 4
@@ -152,7 +152,7 @@ class OffByOne:
 
 
 def engine_over(link: ScriptedLink, host: ScriptedHost | None = None, **config: int) -> Engine:
-    settings = batch_config(config.get("max_seqs", 8), max_chunk=config.get("max_chunk"))
+    settings = tick_budget(config.get("max_seqs", 8), max_chunk=config.get("max_chunk"))
     return Engine(host or ScriptedHost(), link, settings, MAX_POSITIONS, VOCAB, retry_s=30, timeout=30)
 
 
@@ -466,7 +466,7 @@ def streams_engine(max_positions: int = MAX_POSITIONS, slots: int = 4, hold: boo
                                                                                                     StreamsHost]:
     host = StreamsHost(max_positions)
     link = stream_link(host, slots, hold)
-    return Engine(host, link, batch_config(8), max_positions, VOCAB, retry_s=30, timeout=30), host
+    return Engine(host, link, tick_budget(8), max_positions, VOCAB, retry_s=30, timeout=30), host
 
 
 def test_stateful_streams_give_solo_tokens_a_stream_each_with_rewinds_and_no_cached_prefix() -> None:
