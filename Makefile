@@ -44,8 +44,8 @@ bench: setup
 	CI=true $(BIN)/python bench/suite.py --suite runtime,api,cluster  # the scenarios; ovshard api under load; up: placement, a node lost
 	CI=true $(BIN)/python bench/int4_frontier.py --llama-cpp --texts apache-2.0,story,code,dialogue  # weight formats on real models, llama.cpp's beside: bits, perplexity on four kinds of text, compile memory
 	$(BIN)/python bench/int4_fit_cost.py --rounds 3  # the default (calibrated) INT4 compile against data-free, per layer, A/B interleaved
-	CI=true $(BIN)/python bench/nncf_options.py  # NNCF's own options (data-free and data-aware) on the real Gemma 3 270M
-	CI=true $(BIN)/python bench/nncf_formats.py  # NNCF's other 4-bit formats (NF4, CB4, MXFP4) on SmolLM2-135M: perplexity
+	CI=true $(BIN)/python bench/compile/nncf_options.py  # NNCF's own options (data-free and data-aware) on the real Gemma 3 270M
+	CI=true $(BIN)/python bench/compile/nncf_formats.py  # NNCF's other 4-bit formats (NF4, CB4, MXFP4) on SmolLM2-135M: perplexity
 	$(BIN)/python bench/compile_memory.py --sweep --cases 30b-a3b --resume  # compile memory and time per layer with 128 experts a layer
 	CI=true $(BIN)/python bench/suite.py --suite kernels,batching  # the MoE step, weight formats' decode speed; paged batching and its ceilings
 

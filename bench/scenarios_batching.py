@@ -17,7 +17,7 @@ from ovshard.bundle.manifest import read_manifest
 from ovshard.runtime.client.head import Head
 from ovshard.runtime.client.launch import local_workers
 from ovshard.runtime.engine.sampler import SamplingConfig
-from ovshard.runtime.scheduling.ticks import batch_config
+from ovshard.runtime.scheduling.ticks import tick_budget
 
 STREAMS = (1, 2, 8, 16)
 THREADS_PER_STAGE = 1  # one core per stage stands in for one machine per stage
@@ -153,8 +153,8 @@ def chunked_ttft(bench: Bench) -> dict[str, Any]:
         bundle = bench.bundle(_long(model), 2)
         manifest = read_manifest(bundle)
         size = min(LONG_PROMPT, manifest.runtime_hints.max_positions - 16)
-        variants = {"one-shot": batch_config(max_seqs=4, token_budget=size + 16)}
-        variants.update({f"chunks of {c}": batch_config(max_seqs=4, max_chunk=c) for c in CHUNKS if c < size})
+        variants = {"one-shot": tick_budget(max_seqs=4, token_budget=size + 16)}
+        variants.update({f"chunks of {c}": tick_budget(max_seqs=4, max_chunk=c) for c in CHUNKS if c < size})
         times: dict[str, list[float]] = {name: [] for name in variants}
         firsts: dict[str, set[int]] = {name: set() for name in variants}
         with local_workers(bundle, threads=THREADS_PER_STAGE) as addresses:

@@ -17,7 +17,7 @@ from ovshard.runtime.client.scheduler import Scheduler
 from ovshard.runtime.decoding.speculative import AutoK, PromptLookup, Speculation
 from ovshard.runtime.engine.kv import CompactionPolicy
 from ovshard.runtime.engine.sampler import SamplingConfig
-from ovshard.runtime.wire.wanproxy import DelayProxy
+from ovshard.runtime.tools.wanproxy import DelayProxy
 
 STREAMS = (1, 2, 4)
 STAGES = (2, 4)
@@ -152,7 +152,7 @@ def wan_latency(bench: Bench) -> dict[str, Any]:
         "settings": {"model": model.name, "stages": 2, "hops_per_step": 3, "new_tokens_per_stream": tokens,
                      "rounds": rounds, "threads_per_stage": THREADS_PER_STAGE,
                      "naive": "1 stream, plain greedy", "full stack": "N streams, prompt lookup, K auto",
-                     "proxy": "ovshard.runtime.wire.wanproxy.DelayProxy in front of every stage, both directions"},
+                     "proxy": "ovshard.runtime.tools.wanproxy.DelayProxy in front of every stage, both directions"},
         "rows": rows, "samples": raw,
         "summary": [{"measure": f"{r['latency_ms_per_hop']} ms/hop: full stack ({r['streams']} streams) / naive",
                      "model": model.name, "value": f"{r['ratio']}x",

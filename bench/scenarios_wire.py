@@ -2,7 +2,7 @@
 
 ``FrameRelay`` sits in front of one stage worker, passes every frame on unchanged and records it
 (connection role, direction, message kind, prefix/header/body bytes, tokens of a Step). A WAN scenario
-can chain it with ``ovshard.runtime.wire.wanproxy.DelayProxy`` (relay -> delaying proxy -> worker).
+can chain it with ``ovshard.runtime.tools.wanproxy.DelayProxy`` (relay -> delaying proxy -> worker).
 """
 
 from __future__ import annotations

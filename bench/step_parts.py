@@ -7,7 +7,7 @@ and the accept rule on one logits row, greedy and top-k/top-p), the paged step's
 (``paged_inputs``), OpenVINO's infer call on a model of one op with as many inputs (its fixed cost: binding
 tensors, the plugin's dispatch), and the copy of the output. Then a whole step through ``LocalPipeline`` against
 the stage's own ``run``: what the decode loop adds around it. Framing, loopback and the engine are not on this
-path (they are the worker path's: ``bench/decode_overhead.py``).
+path (they are the worker path's: ``bench/against_llama_cpp/decode_overhead.py``).
 
     CI=true .venv/bin/python bench/step_parts.py BUNDLE [--repeats 2000] [--threads 2]
 """

@@ -6,9 +6,11 @@ only, it needs an input or runs long); ``quick`` those of a smoke run on stories
 mode, skipped with ``--quick``). In arguments, ``{bundle}`` is stories260K compiled fp32 in 2 stages,
 ``{bundle1}`` in one stage, ``{stories}`` its checkpoint and ``{cache}`` the suite's cache folder.
 
+A step's script is ``bench/<script>.py``: the tools at the top of bench/, a suite's one-purpose scripts
+in a folder of its own (compile/, batching/, cpu_kernels/, cluster/, api/, against_llama_cpp/).
 The runtime suite is the scenarios of bench/scenarios_*.py, run in-process by bench/suite.py itself.
 Scripts outside every suite: bench/compile_memory.py, compile_memory_sweep.py, int4_frontier.py,
-int4_fit_cost.py, nncf_*.py and bench/device/ (their own Makefile lines), and the helper modules.
+int4_fit_cost.py, compile/nncf_*.py and bench/device/ (their own Makefile lines), and the helper modules.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Step:
-    script: str  # bench/<script>.py
+    script: str  # bench/<script>.py: a top-level tool or <suite folder>/<name>
     measures: str
     full: tuple[str, ...] | None
     quick: tuple[str, ...] | None
@@ -36,27 +38,37 @@ RUNTIME = "runtime"  # run in-process: the scenarios registered by bench/scenari
 SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite(RUNTIME, "decode speed, wire cost, streams, batching and speculation of compiled bundles (scenarios)", ()),
     Suite("compile", "what compiling costs beyond the weights", (
-        Step("compile_overhead", "the compiler's fixed cost per piece: stories260K in 2 stages, default and fp32",
+        Step("compile/compile_overhead",
+             "the compiler's fixed cost per piece: stories260K in 2 stages, default and fp32",
              ("--rounds", "3"), ("--rounds", "1")),
-        Step("resplit", "re-split time as a share of a cold compile (2 stages cold, then 3 from the layer cache)",
+        Step("compile/resplit",
+             "re-split time as a share of a cold compile (2 stages cold, then 3 from the layer cache)",
              None, None),
-        Step("int8_choice_cost", "the cost of the whole-model INT8 choice alone, on a checkpoint", None,
+        Step("compile/int8_choice_cost",
+             "the cost of the whole-model INT8 choice alone, on a checkpoint", None,
              ("{stories}",)),
-        Step("prefill_logits_memory", "peak memory of a long prefill on a 128K vocabulary, logits of every row or "
+        Step("compile/prefill_logits_memory",
+             "peak memory of a long prefill on a 128K vocabulary, logits of every row or "
              "only those needed", None, ("--tokens", "32", "--rounds", "1")),
     )),
     Suite("batching", "paged stages: many sequences in one inference, and what batching changes", (
-        Step("paged_batch", "S sequences in one paged inference a stage against S one-row inferences and S "
+        Step("batching/paged_batch",
+             "S sequences in one paged inference a stage against S one-row inferences and S "
              "stateful streams", (), ("--rounds", "6", "--sequences", "2")),
-        Step("tick_cost", "a paged tick's compute against its sequences, and the ceilings that puts on streams",
+        Step("batching/tick_cost",
+             "a paged tick's compute against its sequences, and the ceilings that puts on streams",
              (), ("--bundle", "{bundle}", "--rounds", "2")),
-        Step("batch_drift", "batched rows against the same rows alone: logit difference, greedy agreement", None,
+        Step("batching/batch_drift",
+             "batched rows against the same rows alone: logit difference, greedy agreement", None,
              ("{bundle}", "--sequences", "2", "--steps", "2", "--prompt", "8")),
-        Step("batch_rows", "whether a multi-token step scores each row as one-token steps do, per hint set", None,
+        Step("batching/batch_rows",
+             "whether a multi-token step scores each row as one-token steps do, per hint set", None,
              ("--bundle", "{bundle1}")),
-        Step("chunked_prefill", "time to the first token of a long prompt: one step against chunked prefill", None,
+        Step("batching/chunked_prefill",
+             "time to the first token of a long prompt: one step against chunked prefill", None,
              ("--tokens", "64", "--chunks", "0,32", "--rounds", "1")),
-        Step("rewind_diff", "how far mask-rewind logits are from physical-trim logits", None, ("--sequences", "3")),
+        Step("batching/rewind_diff",
+             "how far mask-rewind logits are from physical-trim logits", None, ("--sequences", "3")),
     )),
     Suite("kernels", "one step's compute: weight formats, kernels, ops, the parts around the kernels", (
         Step("moe_step", "a Qwen3-30B-A3B-shaped stage cut to 4 layers against a dense stage of its active "
@@ -64,42 +76,51 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
              ("--out", "{cache}/moe-step-small", "--small", "--layers", "1", "--rounds", "1", "--steps", "2")),
         Step("mla_step", "a DeepSeek-V3-shaped stage's decode step against context, cached expanded, beside the "
              "compressed form's attention core", None, None),
-        Step("int4_kernels", "decode speed of weight formats on the 1B shape (INT4 sym/asym, groups, INT8 share)",
+        Step("cpu_kernels/int4_kernels",
+             "decode speed of weight formats on the 1B shape (INT4 sym/asym, groups, INT8 share)",
              (), None),
-        Step("fc_kernels", "the CPU plugin's fully connected kernels alone: formats x settings x threads", None,
+        Step("cpu_kernels/fc_kernels",
+             "the CPU plugin's fully connected kernels alone: formats x settings x threads", None,
              ("--shapes", "64x128", "--threads", "1", "--formats", "i4:32", "--settings", "bf16", "--mb", "1",
               "--repeats", "2")),
-        Step("op_profile", "one step of a one-stage bundle from OpenVINO's performance counters: per op type and "
+        Step("op_profile",
+             "one step of a one-stage bundle from OpenVINO's performance counters: per op type and "
              "layer", None, ("{bundle1}", "--threads", "1", "--steps", "2")),
-        Step("step_parts", "a decode step's parts outside the kernels: detokenizer, sampler, inputs, infer call",
+        Step("step_parts",
+             "a decode step's parts outside the kernels: detokenizer, sampler, inputs, infer call",
              None, ("{bundle1}", "--repeats", "20", "--threads", "1")),
         Step("static_decode", "a one-stage decode step on the dynamic paged model against its static copy, "
              "interleaved", None, ("{bundle1}", "--threads", "1", "--steps", "4", "--rounds", "1", "--context", "8")),
     )),
-    Suite("cluster", "ovshard up and the wire: placement, a node lost, TLS, the probe", (
-        Step("placement", "measured placement against an equal split on an emulated unequal pair",
+    Suite("cluster", "ovshard up and the wire: placement, a node lost, TLS", (
+        Step("cluster/placement", "measured placement against an equal split on an emulated unequal pair",
              ("--rounds", "3"), None),
-        Step("node_loss", "a node lost for good mid-stream -> every stream progressing again", ("--rounds", "2"),
+        Step("cluster/node_loss",
+             "a node lost for good mid-stream -> every stream progressing again", ("--rounds", "2"),
              None),
-        Step("tls_cost", "bytes and ms per decode step, plain TCP against mutual TLS", None,
+        Step("cluster/tls_cost", "bytes and ms per decode step, plain TCP against mutual TLS", None,
              ("--rounds", "2", "--tokens", "8")),
-        Step("probe_contention", "whether a node's probe sees a shared core", None, ("{bundle}", "--rounds", "1")),
     )),
     Suite("api", "ovshard api under load", (
         Step("api_load", "ovshard api at 1-8 clients against the bare Session",
              ("--models", "stories260K,llama-3.2-1b", "--requests", "2"), ("--quick",)),
-        Step("api_crowd", "64 streamed openai clients at once, every 4th going away", None, None),
-        Step("api_ttft_probe", "time to the first text: a raw socket client against the openai client", None,
+        Step("api/api_crowd", "64 streamed openai clients at once, every 4th going away", None, None),
+        Step("api/api_ttft_probe",
+             "time to the first text: a raw socket client against the openai client", None,
              None),
     )),
     Suite("peers", "ovshard against llama.cpp (built once into ~/.cache/ovshard/peers; needs cmake, g++)", (
         Step("peers", "one node against the fastest llama.cpp that runs here",
              ("--models", "smollm2-135m,llama-3.2-1b,gemma3-270m,stories260K", "--threads", "2"), None),
-        Step("spec_copy", "prompt lookup on copy-style tasks, the real Gemma's INT4 bundle", (), None),
-        Step("decode_overhead", "the decode-step profile and CPU plugin settings (Gemma 3 270M)", ("--rounds", "4"),
+        Step("against_llama_cpp/spec_copy",
+             "prompt lookup on copy-style tasks, the real Gemma's INT4 bundle", (), None),
+        Step("against_llama_cpp/decode_overhead",
+             "the decode-step profile and CPU plugin settings (Gemma 3 270M)", ("--rounds", "4"),
              ("{bundle1}", "--rounds", "1", "--tokens", "8")),
-        Step("ttft", "time to the first token, cold and warm, against llama-completion", (), None),
-        Step("server_peers", "8 chat clients: ovshard api against llama-server -np 8", ("--tokens", "128"), None),
+        Step("against_llama_cpp/ttft",
+             "time to the first token, cold and warm, against llama-completion", (), None),
+        Step("against_llama_cpp/server_peers",
+             "8 chat clients: ovshard api against llama-server -np 8", ("--tokens", "128"), None),
         Step("api_load", "8 openai clients at once against one, the Gemma bundle server_peers compiled",
              ("--bundle", "/tmp/ovshard-bench/bundles/gemma-3-270m-q4_k_m-2st-default", "--clients", "1,8",
               "--requests", "2", "--tokens", "64", "--rounds", "3"), None),
@@ -108,8 +129,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
 
 # bench/ modules no suite runs as a step: helpers other scripts import, and scripts with their own Makefile lines.
 HELPERS = ("harness", "report", "suite", "suites", "scenarios_base", "memprobe", "llama_build")
-OWN_LINES = ("compile_memory", "compile_memory_sweep", "int4_frontier", "int4_fit_cost", "nncf_formats",
-             "nncf_options")
+OWN_LINES = ("compile_memory", "compile_memory_sweep", "int4_frontier", "int4_fit_cost", "compile/nncf_formats",
+             "compile/nncf_options")
 
 
 def steps(names: list[str]) -> list[tuple[str, Step]]:

@@ -6,7 +6,7 @@ with the same input: the f32 outputs of a fused stage equal the unfused ones bit
 runs one ``FullyConnected`` node where it ran three: a decode step of a small model is dominated by the fixed
 cost of each node and by how well a kernel splits a small matrix over the threads. Measured on a real 135M
 Llama (SmolLM2-135M, 30 layers, INT4) with 2 threads: 211 fully connected nodes a step become 121 and the step
-takes 0.90x the time (bench/fc_kernels.py and docs/results/2026-12-one-node.md).
+takes 0.90x the time (bench/cpu_kernels/fc_kernels.py and docs/results/2026-12-one-node.md).
 
 Only weights stored alike are fused: the same chain of decompression ops from the stored constant to the
 MatMul (element types, a group layout [rows, groups, group_size], scales and zero points of one row each), so

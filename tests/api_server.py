@@ -15,8 +15,8 @@ from pathlib import Path
 import openai
 
 from ovshard.runtime.client.launch import WorkerProcess, serve_command
+from ovshard.runtime.tools.wanproxy import DelayProxy
 from ovshard.runtime.wire.address import parse_address
-from ovshard.runtime.wire.wanproxy import DelayProxy
 
 CLI = [sys.executable, "-m", "ovshard.cli"]
 

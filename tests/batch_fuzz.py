@@ -124,7 +124,7 @@ class Fuzzer:
         self.counts["batches"] += 1
         if not whole:
             reply = read_message(sock)
-            if not (isinstance(reply, p.Error) and reply.code == "failed" and reply.seq == seq):
+            if not (isinstance(reply, p.Error) and reply.code == "failed" and reply.reply_to == seq):
                 self.failures.append(f"batch {seq}: expected Error failed, got {reply}")
             self.counts["refused_batches"] += 1
             return
@@ -133,14 +133,14 @@ class Fuzzer:
             if good and row.want:
                 reply = read_message(sock)
                 rows = p.rows_read(row.want, row.count)
-                if not (isinstance(reply, p.Result) and reply.stream == row.stream and reply.seq == seq
+                if not (isinstance(reply, p.Result) and reply.stream == row.stream and reply.reply_to == seq
                         and reply.tensor.shape[:2] == (1, rows)):
                     self.failures.append(f"batch {seq} row {row}: expected a Result of {rows} rows, got {reply}")
                     return self.drop()
                 self.counts["results"] += 1
         done = read_message(sock)
         refused = sorted(row.stream for row, good in zip(msg.rows, ok, strict=True) if not good)
-        if not (isinstance(done, p.BatchDone) and done.seq == seq and sorted(r.stream for r in done.refused) == refused):
+        if not (isinstance(done, p.BatchDone) and done.tick == seq and sorted(r.stream for r in done.refused) == refused):
             self.failures.append(f"batch {seq}: expected BatchDone refusing streams {refused}, got {done}")
             return self.drop()
         self.counts["refused_rows"] += len(refused)

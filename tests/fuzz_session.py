@@ -1,7 +1,7 @@
 """The rules a one-stage stateful worker follows for one head session, restated for tests/fuzz_worker.py.
 
 :class:`SessionModel` holds a session's open streams and their positions, what the worker owes each request
-(OpenOk, Pong, a Result of a given shape, an Error with a given code, stream and seq, or nothing: runtime/node's
+(OpenOk, Pong, a Result of a given shape, an Error with a given code, stream and reply_to, or nothing: runtime/node's
 order of checks), and makes the hostile requests to send it; :class:`Spec` is what a client knows of the
 worker; the limits below are those the fuzz run starts the worker with.
 """
@@ -65,7 +65,7 @@ class StreamState:
 
 
 def expect_error(reply: p.Message, code: str, stream: int | None, seq: int | None, words: str = "") -> None:
-    if not (isinstance(reply, p.Error) and reply.code == code and reply.stream == stream and reply.seq == seq
+    if not (isinstance(reply, p.Error) and reply.code == code and reply.stream == stream and reply.reply_to == seq
             and words in reply.message):
         raise Mismatch(f"expected Error {code} (stream {stream}, seq {seq}{', ' + words if words else ''}), "
                        f"got {reply!r:.300}")
@@ -78,7 +78,7 @@ class SessionModel:
     def __init__(self, spec: Spec, session: str) -> None:
         self.spec, self.session = spec, session
         self.streams: dict[int, StreamState] = {}
-        self.seq = 0
+        self.last_step = 0
 
     # --- what the worker owes ---
     def settle(self, msg: p.Message, read: Callable[[], p.Message]) -> bool:
@@ -98,7 +98,7 @@ class SessionModel:
         elif isinstance(msg, p.Step):
             code = self.step_refusal(msg)
             if code is not None:
-                expect_error(read(), code, msg.stream, msg.seq)
+                expect_error(read(), code, msg.stream, msg.step)
             else:
                 self.check_result(msg, read())
                 self.advance(msg)
@@ -153,8 +153,8 @@ class SessionModel:
             last = min(rows or 1, tokens)
             want = (("f32", (1, last, min(k, vocab)), ("i64", (1, last, min(k, vocab)))) if mode == "topk"
                     else ("f32", (1, last, vocab), None))
-        if not isinstance(reply, p.Result) or (reply.stream, reply.seq) != (msg.stream, msg.seq):
-            raise Mismatch(f"expected the Result of stream {msg.stream} seq {msg.seq}, got {reply!r:.300}")
+        if not isinstance(reply, p.Result) or (reply.stream, reply.reply_to) != (msg.stream, msg.step):
+            raise Mismatch(f"expected the Result of stream {msg.stream} step {msg.step}, got {reply!r:.300}")
         got = (reply.tensor.dtype, reply.tensor.shape,
                None if reply.indices is None else (reply.indices.dtype, reply.indices.shape))
         if got != want or set(reply.timings) != {*msg.timings, "stage0"}:
@@ -194,9 +194,9 @@ class SessionModel:
             position = rng.choice([position + 1, max(0, position - 1), 0, self.spec.max_positions, 2**63 - 1])
         timings = {} if rng.random() < 0.9 else {
             rng.choice(["stage0", "queue", "x" * 250, "é"]) + str(i): rng.random() for i in range(rng.randint(1, 8))}
-        self.seq += 1
-        seq = self.seq if rng.random() < 0.95 else rng.getrandbits(63)
-        return p.Step(stream, seq, position, rng.choice(WANTS), self.step_tensor(rng, tokens), timings, rewind,
+        self.last_step += 1
+        step = self.last_step if rng.random() < 0.95 else rng.getrandbits(63)
+        return p.Step(stream, step, position, rng.choice(WANTS), self.step_tensor(rng, tokens), timings, rewind,
                       rng.random() < 0.1)
 
     def step_tensor(self, rng: random.Random, tokens: int) -> p.Tensor:

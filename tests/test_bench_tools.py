@@ -18,7 +18,9 @@ sys.path.insert(0, str(BENCH))
 import harness  # noqa: E402  (bench/ is not a package)
 import suites  # noqa: E402
 
-MODULES = sorted(p.stem for p in BENCH.glob("*.py"))
+# the top-level tools and helpers, and each suite folder's scripts as "<folder>/<name>" (device/ runs apart)
+MODULES = sorted(str(p.relative_to(BENCH).with_suffix("")) for p in [*BENCH.glob("*.py"), *BENCH.glob("*/*.py")]
+                 if p.parent.name != "device")
 SCRIPTS = [m for m in MODULES if 'if __name__ == "__main__"' in (BENCH / f"{m}.py").read_text()]
 
 
@@ -29,7 +31,9 @@ def _run(args: list[str], cache: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_every_module_imports_and_every_script_shows_help(tmp_path: Path) -> None:
-    calls = [["-c", f"import {m}"] for m in MODULES if m not in SCRIPTS]
+    loose = [m for m in MODULES if m not in SCRIPTS]
+    assert all("/" not in m for m in loose), f"a suite folder holds scripts only, found modules {loose}"
+    calls = [["-c", f"import {m}"] for m in loose]
     calls += [[f"{m}.py", "--help"] for m in SCRIPTS]
     with ThreadPoolExecutor(max_workers=4) as pool:
         done = list(pool.map(lambda call: _run(call, tmp_path), calls))

@@ -8,7 +8,7 @@ the 8B layout behind 100 ms links.
            cache holds, so no prompt is run: the rows attend to positions the step does not write. From these
            steps, the rates four such nodes imply (five hops, each 0.3 ms + one f32 activation row at 1 Gbit/s;
            every quarter counted with an lm_head, so a little slow): plain, prompt lookup at K = 10 with the
-           acceptance measured on real models (bench/spec_copy.py), 2 streams and 8 streams, beside the paper's
+           acceptance measured on real models (bench/against_llama_cpp/spec_copy.py), 2 streams and 8 streams, beside the paper's
            1.74 / 5.42 / 6.43 tok/s (4 Lunar Lake laptops).
   wan      the 8B shape over 2 pinned "nodes" behind relays of 100 ms one way (the table's workers): naive
            pipeline decode (one user, no speculation) against 2 users, prompt lookup (--draft-k auto) and both

@@ -6,7 +6,7 @@ and runs anywhere with enough cores, memory and disk (the 8B shape: ~16 GB check
 of ovshard bundle). Phases (``--only``; each appends to ``<work>/paper.json`` as it ends, so an interrupted run
 keeps what it measured):
 
-  kernels  bench/fc_kernels.py: the CPU plugin's fully connected kernels by weight format, plugin setting and
+  kernels  bench/cpu_kernels/fc_kernels.py: the CPU plugin's fully connected kernels by weight format, plugin setting and
            thread count at the shapes' widths, beside the copy bandwidth at each thread count.
   setup    llama.cpp built from a source tree (cmake: llama-bench, llama-quantize, ggml-rpc-server), the fastest
            build that runs here (bench/llama_build.py: AMX checked with a one-token run); the random-weight
@@ -301,7 +301,7 @@ def _workers(stack: ExitStack, bundle: str, threads: int, delay_s: float = DELAY
     ``delay_s``, capped at 1 Gbit/s."""
     from ovshard.bundle.manifest import read_manifest
     from ovshard.runtime.client.launch import WorkerProcess, serve_command
-    from ovshard.runtime.wire.wanproxy import DelayProxy
+    from ovshard.runtime.tools.wanproxy import DelayProxy
 
     stages = read_manifest(Path(bundle)).num_stages
     workers = []
@@ -325,7 +325,7 @@ def table(state: dict[str, Any], results: Results, shape: str, rounds: int, toke
     from scenarios_streams import _aggregate
 
     from ovshard.runtime.client.head import Head
-    from ovshard.runtime.wire.wanproxy import DelayProxy
+    from ovshard.runtime.tools.wanproxy import DelayProxy
 
     bundles = state["bundles"][shape]
     head_cores = set(range(2 * NODE_CORES, os.cpu_count() or 2 * NODE_CORES)) or {0}

@@ -1,6 +1,6 @@
 """paper.py's phases that choose a node's CPU settings and say where its step goes: kernels, settings, profile.
 
-kernels   bench/fc_kernels.py at the shapes' widths and the thread counts measured (its JSON kept in paper.json);
+kernels   bench/cpu_kernels/fc_kernels.py at the shapes' widths and the thread counts measured (its JSON kept in paper.json);
 settings  each candidate set of CPU plugin properties compiled beside the others in this process on a one-stage
           bundle, decode steps interleaved in rounds (the order rotating), per thread count; the fastest at the
           table's node threads becomes this CPU class's hints in every bundle of the run;

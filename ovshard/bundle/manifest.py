@@ -110,14 +110,14 @@ class Chat:
 
 
 # The CPU plugin properties a stage runs with unless the user sets others (--exact, --threads), chosen by
-# bench/decode_overhead.py --part settings (docs/results/2026-12-against-llama-cpp.md): on the real Gemma 3
+# bench/against_llama_cpp/decode_overhead.py --part settings (docs/results/2026-12-against-llama-cpp.md): on the real Gemma 3
 # 270M's default compile no setting tried beat these beyond the run-to-run noise (+-15%), and the others lost
 # clearly (THROUGHPUT 0.60-0.67x, no dynamic quantization 0.73-0.95x, one thread of two 0.61-0.68x). They are
 # OpenVINO 2026.4's own CPU defaults, written down so a bundle keeps them where a plugin's defaults differ.
 # INFERENCE_PRECISION_HINT is left to the plugin: bf16 where the CPU has AVX512-BF16 or AMX (on that 2-core EPYC,
 # OpenVINO 2026.4.1 compiles stories260K's stages, fp32 and INT4, at bf16), f32 elsewhere.
 CPU_PLUGIN_HINTS = {"PERFORMANCE_HINT": "LATENCY", "KV_CACHE_PRECISION": "u8", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "32"}
-CPU_PLUGIN_MEASURED = ("bench/decode_overhead.py --part settings, Gemma 3 270M default compile, 2 cores (AVX512-BF16, "
+CPU_PLUGIN_MEASURED = ("bench/against_llama_cpp/decode_overhead.py --part settings, Gemma 3 270M default compile, 2 cores (AVX512-BF16, "
                        "no AMX), OpenVINO 2026.4.1: none faster beyond noise; THROUGHPUT 0.60-0.67x, dynamic "
                        "quantization off 0.73-0.95x")
 

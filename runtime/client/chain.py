@@ -2,7 +2,7 @@ r"""A chain: one session's connections to every stage of a bundle, and the routi
 
 :class:`Chain` connects to every stage under one fresh session (128 random bits), from the last stage back,
 telling each stage where the next one listens. A reader thread per connection hands each answer to whoever
-waits for it: a Step's Result to the step waiting for its ``seq``, an OpenOk or a Pong to its asker, and over
+waits for it: a Step's Result to the step waiting for its ``step`` (the Result's ``reply_to``), an OpenOk or a Pong to its asker, and over
 paged stages every answer to a tick (Results tagged with a tick, BatchDone, a tick's Error) and the chain's
 failure to the engine that :meth:`Chain.listen`\ s (scheduling/engine.py). A connection that fails fails
 everyone waiting, with a recoverable :class:`~ovshard.errors.StageFailure`.
@@ -56,7 +56,7 @@ class Chain:
             self.close()
             raise
         self.lock = threading.Lock()  # guards waiting and broken
-        self.waiting: dict[tuple[str, int], tuple[int, _Box]] = {}  # (what, seq|stream) -> ...
+        self.waiting: dict[tuple[str, int], tuple[int, _Box]] = {}  # (what, step|stream|nonce) -> ...
         self.broken: StageFailure | None = None
         self.sink: Deliver | None = None  # the engine's: answers to ticks, and this chain's failure
         self.depth = len(self.conns)
@@ -99,20 +99,20 @@ class Chain:
             return False
         if isinstance(msg, p.BatchDone):
             return True
-        if isinstance(msg, (p.Result, p.Error)) and msg.seq is not None:
+        if isinstance(msg, (p.Result, p.Error)) and msg.reply_to is not None:
             with self.lock:
-                return ("step", msg.seq) not in self.waiting
+                return ("step", msg.reply_to) not in self.waiting
         return False
 
     def _targets(self, msg: p.Message) -> list[_Box]:
         if isinstance(msg, p.Result):
-            found = self.waiting.get(("step", msg.seq))
+            found = self.waiting.get(("step", msg.reply_to))
         elif isinstance(msg, p.OpenOk):
             found = self.waiting.get(("open", msg.stream))
         elif isinstance(msg, p.Pong):
             found = self.waiting.get(("ping", msg.nonce))
         elif isinstance(msg, p.Error):
-            found = self.waiting.get(("step", msg.seq)) if msg.seq is not None else None
+            found = self.waiting.get(("step", msg.reply_to)) if msg.reply_to is not None else None
             if found is None:
                 return [q for stream, q in self.waiting.values() if msg.stream in (None, stream)]
         else:

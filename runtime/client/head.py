@@ -41,9 +41,9 @@ from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.decoding.speculative import Speculation
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.scheduling.engine import Engine, Link
-from ovshard.runtime.scheduling.plan_types import BatchConfig, BatchStats
+from ovshard.runtime.scheduling.plan_types import PlannerStats, TickBudget
 from ovshard.runtime.scheduling.requests import Request
-from ovshard.runtime.scheduling.ticks import batch_config
+from ovshard.runtime.scheduling.ticks import tick_budget
 from ovshard.runtime.wire import protocol as p
 from ovshard.runtime.wire.transport import StageUnreachable, connect
 
@@ -55,15 +55,15 @@ _BACKOFF_S = (0.1, 2.0)
 
 # The planner of a chain of paged stages (scheduling/): up to 32 sequences hold KV blocks at once, and
 # a prompt is prefilled in chunks of at most 512 tokens, pipelined over the stages
-BATCHING = batch_config(max_seqs=32, max_chunk=512)
+BATCHING = tick_budget(max_seqs=32, max_chunk=512)
 # Over stateful stages a prompt goes as one Step unless --prefill-chunk says otherwise. Measured
-# (bench/chunked_prefill.py, the real Gemma 3 270M, 2 stages, 2,048 tokens): chunks of 128-512 took 4.4x longer
+# (bench/batching/chunked_prefill.py, the real Gemma 3 270M, 2 stages, 2,048 tokens): chunks of 128-512 took 4.4x longer
 # to the first token than one step, pipelining included: OpenVINO 2026.4's CPU attention over a cache with several
 # new tokens, and the compressed matmuls, which unpack their weights on every call.
 STATEFUL_CHUNK = 0
 
 
-def _with_chunk(batching: BatchConfig | None, chunk: int | None, manifest: Manifest) -> BatchConfig | None:
+def _with_chunk(batching: TickBudget | None, chunk: int | None, manifest: Manifest) -> TickBudget | None:
     """The scheduler's settings with a --prefill-chunk the user gave: N rows of a prompt a tick, or (0) the
     whole prompt in one tick."""
     if batching is None or chunk is None:
@@ -83,7 +83,7 @@ class Head:
 
     def __init__(self, bundle: Path, addresses: list[str], timeout: float = 60.0, retry_s: float = RETRY_S,
                  tls: ssl.SSLContext | None = None, prefill_chunk: int | None = None,
-                 batching: BatchConfig | None = BATCHING, kv_blocks: int = 0) -> None:
+                 batching: TickBudget | None = BATCHING, kv_blocks: int = 0) -> None:
         self.manifest = read_manifest(bundle)
         if len(addresses) != self.manifest.num_stages:
             raise OvshardError(f"--stages names {len(addresses)} addresses; the bundle has "
@@ -113,7 +113,7 @@ class Head:
         self.retargets = 0  # moves onto a new chain
         self.refusals = 0  # moves that found no chain to serve from (refuse)
         self.replayed_tokens = 0  # tokens fed again to rebuild the KV of streams whose chain broke
-        self.seq = itertools.count()
+        self.nonces = itertools.count()
         self.requests = itertools.count()  # numbers Head.generate's requests
         self.engine: Engine | None = None  # the loop that runs every request (None: a probe's head)
         if self.batching is not None:
@@ -202,7 +202,7 @@ class Head:
                     time.sleep(pause)
                     pause = min(2 * pause, _BACKOFF_S[1])
 
-    def batch_stats(self) -> BatchStats | None:
+    def batch_stats(self) -> PlannerStats | None:
         """The engine's planner counters (None: a probe's head, no engine)."""
         return None if self.engine is None else self.engine.stats
 
@@ -212,7 +212,7 @@ class Head:
         report: list[dict[str, object]] = []
         for stage, address in enumerate(self.addresses):
             entry: dict[str, object] = {"stage": stage, "address": address}
-            nonce = next(self.seq)
+            nonce = next(self.nonces)
             start = time.perf_counter()
             try:
                 if chain.broken is None:

@@ -52,7 +52,7 @@ class _Stream:
 
 @dataclass
 class _Tick:
-    rows: dict[int, tuple[int, bool]]  # a Step's seq -> (its sequence, whether the engine wants its scores)
+    rows: dict[int, tuple[int, bool]]  # a Step's step -> (its sequence, whether the engine wants its scores)
     results: list[p.Result] = field(default_factory=list)
     refused: list[p.Refusal] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
@@ -69,8 +69,8 @@ class StreamLink:
         self.streams: dict[int, _Stream] = {}
         self.ticks: dict[int, _Tick] = {}
         self.order: deque[int] = deque()  # ticks in the order sent, handed over in that order
-        self.steps: dict[int, int] = {}  # a Step's seq -> its tick
-        self.seqs = itertools.count()
+        self.steps: dict[int, int] = {}  # a Step's step -> its tick
+        self.step_numbers = itertools.count()
         self.deliver: Deliver | None = None
 
     def listen(self, deliver: Deliver) -> None:
@@ -101,18 +101,18 @@ class StreamLink:
                     stream.mask.compact()
                 stream.mask.append([1] * row.count)
                 stream.in_flight += 1
-                seq = next(self.seqs)
-                tick.rows[seq] = (row.stream, bool(row.want))
-                self.steps[seq] = batch.seq
+                number = next(self.step_numbers)
+                tick.rows[number] = (row.stream, bool(row.want))
+                self.steps[number] = batch.tick
                 tokens = p.Tensor.from_array(ids[None, start:start + row.count])  # [1, T]
-                step = p.Step(row.stream, seq, row.position, row.want or "argmax@1", tokens, {}, rewind, compact)
+                step = p.Step(row.stream, number, row.position, row.want or "argmax@1", tokens, {}, rewind, compact)
                 if stream.opening is not None:
                     stream.opening.append(step)
                 else:
                     steps.append(step)
                 start += row.count
-            self.ticks[batch.seq] = tick
-            self.order.append(batch.seq)
+            self.ticks[batch.tick] = tick
+            self.order.append(batch.tick)
         self._send(steps)
         for stream_id in new:
             self.chain.open_stream(stream_id, functools.partial(self._opened, stream_id))
@@ -165,16 +165,16 @@ class StreamLink:
             if self.deliver is not None:
                 self.deliver(msg)
             return
-        if not isinstance(msg, (p.Result, p.Error)) or msg.seq is None:
+        if not isinstance(msg, (p.Result, p.Error)) or msg.reply_to is None:
             return
         handed: list[p.Message] = []
         closing: list[int] = []
         with self.lock:
-            tick_no = self.steps.pop(msg.seq, None)
+            tick_no = self.steps.pop(msg.reply_to, None)
             if tick_no is None:
                 return
             tick = self.ticks[tick_no]
-            seq, wanted = tick.rows.pop(msg.seq)
+            seq, wanted = tick.rows.pop(msg.reply_to)
             if isinstance(msg, p.Error):
                 tick.refused.append(p.Refusal(seq, 0, msg.code, msg.message))
             else:

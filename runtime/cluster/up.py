@@ -192,7 +192,7 @@ class Cluster:
         """A CA of this command's own and a certificate per possible placed stage (at most one per bundle stage)
         and for the head (``head_credentials``): every link is mutual TLS. Returns each stage's ca.pem,
         cert.pem and key.pem."""
-        from ovshard.runtime.wire.keygen import keygen
+        from ovshard.runtime.tools.keygen import keygen
 
         stages = [f"stage{i}" for i in range(self.manifest.num_stages)]
         keygen(self.tmp / "tls", stages, ["head"])

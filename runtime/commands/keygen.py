@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ovshard.runtime.wire.keygen import CA_KEY_FILE, _names, keygen
+from ovshard.runtime.tools.keygen import CA_KEY_FILE, _names, keygen
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -8,8 +8,8 @@ import socket
 import time
 
 from ovshard.errors import OvshardError
+from ovshard.runtime.tools.wanproxy import DelayProxy
 from ovshard.runtime.wire.address import parse_address
-from ovshard.runtime.wire.wanproxy import DelayProxy
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ Steps and Batches run on it. No sockets: worker.py serves it over TCP.
 
 A stage is loaded with ``slice_logits`` (the default) when it is the last: it computes logits for the rows
 each Step's ``want`` reads only (runtime/engine/logit_rows.py); False keeps the bundle's all-rows graph (the
-before side of bench/prefill_logits_memory.py).
+before side of bench/compile/prefill_logits_memory.py).
 
 ``kv``: "paged" converts the stage to paged attention (engine/paged.py) and serves Batches from a pool of
 ``kv_blocks`` KV blocks (None: node/config.kv_pool_blocks); "stateful" keeps one stateful cache a stream and
@@ -120,7 +120,7 @@ class StageBackend:
             raise RequestError("refused", f"stage {self.stage} holds no paged KV blocks for this session (a "
                                           "stateful stage, or a Hello without kv_blocks): send Steps")
         if len(msg.timings) > self.stage:
-            raise RequestError("failed", f"Batch {msg.seq}: {len(msg.timings)} timings, but only {self.stage} "
+            raise RequestError("failed", f"Batch {msg.tick}: {len(msg.timings)} timings, but only {self.stage} "
                                          f"stages come before stage {self.stage}")
         return batch_input(msg, self.stage, self.manifest.architecture)
 

@@ -131,7 +131,7 @@ def run_batch(paged: PagedStage, grant: np.ndarray, msg: p.Batch, x: np.ndarray,
         run.tables.append(table)
     copies = [] if msg.copies is None else msg.copies.to_array(np.int32).tolist()
     if any(not (0 <= a < len(grant) and 0 <= b < len(grant)) for a, b in copies):
-        raise RequestError("failed", f"Batch {msg.seq}: block copies must name blocks in [0, {len(grant)})")
+        raise RequestError("failed", f"Batch {msg.tick}: block copies must name blocks in [0, {len(grant)})")
     if seqs:
         with lock:
             paged.copy_blocks((int(grant[a]), int(grant[b])) for a, b in copies)
@@ -141,8 +141,8 @@ def run_batch(paged: PagedStage, grant: np.ndarray, msg: p.Batch, x: np.ndarray,
     return run
 
 
-def batch_answers(run: BatchRun, seq: int) -> list[p.Result]:
-    """A last stage's answer to Batch ``seq``: one Result for each row that wants scores (the rows its want
+def batch_answers(run: BatchRun, tick: int) -> list[p.Result]:
+    """A last stage's answer to Batch ``tick``: one Result for each row that wants scores (the rows its want
     reads, as a Step's), tagged with the row's stream."""
     answers = []
     for row, logits in zip(run.rows, run.outputs, strict=True):
@@ -150,7 +150,7 @@ def batch_answers(run: BatchRun, seq: int) -> list[p.Result]:
             scores = Scores.from_logits(logits, row.want)
             indices = None if scores.indices is None else p.Tensor.from_array(scores.indices[None])
             values = scores.values[None]
-            answers.append(p.Result(row.stream, seq, p.Tensor.from_array(values, None if values.dtype == np.int64
+            answers.append(p.Result(row.stream, tick, p.Tensor.from_array(values, None if values.dtype == np.int64
                                                                           else "f32"), {}, indices))
     return answers
 
@@ -159,5 +159,5 @@ def forward_batch(run: BatchRun, msg: p.Batch, timings: dict[str, float], hidden
     """What a stage before the last sends on: the rows it ran with their hidden states, and every refusal."""
     rows = np.concatenate(run.outputs) if run.outputs else np.zeros((0, hidden), np.float32)  # [N, H]
     tables = np.concatenate(run.tables) if run.tables else np.zeros(0, np.int32)
-    return p.Batch(msg.seq, run.rows, p.Tensor.activations(rows, wire_dtype), p.Tensor.from_array(tables.astype(np.int32)),
+    return p.Batch(msg.tick, run.rows, p.Tensor.activations(rows, wire_dtype), p.Tensor.from_array(tables.astype(np.int32)),
                    msg.copies, timings, run.refused)

@@ -57,5 +57,5 @@ def answer(msg: p.Step, logits: np.ndarray, timings: dict[str, float]) -> p.Resu
     scores = Scores.from_logits(logits[0], msg.want)
     indices = None if scores.indices is None else p.Tensor.from_array(scores.indices[None])
     values = scores.values[None]
-    return p.Result(msg.stream, msg.seq, p.Tensor.from_array(values, None if values.dtype == np.int64 else "f32"),
+    return p.Result(msg.stream, msg.step, p.Tensor.from_array(values, None if values.dtype == np.int64 else "f32"),
                     timings, indices)

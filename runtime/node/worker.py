@@ -206,10 +206,10 @@ class StageWorker:
             try:
                 self._dispatch(conn, role, session, msg)
             except RequestError as e:
-                stream, seq = getattr(msg, "stream", None), getattr(msg, "seq", None)
-                what = f"stream {stream}" if stream is not None else f"seq {seq}"
+                stream, number = getattr(msg, "stream", None), getattr(msg, "step", getattr(msg, "tick", None))
+                what = f"stream {stream}" if stream is not None else f"tick {number}"
                 log.warning("stage %d: %s of %s refused: %s", self.stage, type(msg).__name__, what, e)
-                self._try_send(session.head, p.error(e.code, f"stage {self.stage}: {e}", stream, seq))
+                self._try_send(session.head, p.error(e.code, f"stage {self.stage}: {e}", stream, number))
 
     def _try_send(self, conn: Connection, msg: p.Message) -> bool:
         try:
@@ -388,7 +388,7 @@ class StageWorker:
             compute = run.compute_s
             timings = {**msg.timings, f"stage{self.stage}": compute}
             if self.backend.last:
-                answers: list[p.Message] = [*batch_answers(run, msg.seq), p.BatchDone(msg.seq, timings, run.refused)]
+                answers: list[p.Message] = [*batch_answers(run, msg.tick), p.BatchDone(msg.tick, timings, run.refused)]
                 for answer in answers:
                     if not self._try_send(session.head, answer):
                         log.info("stage %d: the head of session %s... went away", self.stage, session.id[:8])
@@ -413,7 +413,7 @@ class StageWorker:
     def _pass_on(self, session: SessionState, msg: p.Step, out: np.ndarray, timings: dict[str, float]) -> None:
         """Forward the activations to the next stage, or answer the session's head from the last."""
         if not self.backend.last:
-            self._send_downstream(session, p.Step(msg.stream, msg.seq, msg.position, msg.want,
+            self._send_downstream(session, p.Step(msg.stream, msg.step, msg.position, msg.want,
                                                   p.Tensor.activations(out, self.wire_dtype), timings, msg.rewind,
                                                   msg.compact))
             return

@@ -37,7 +37,7 @@ from ovshard.errors import OvshardError, StageFailure
 from ovshard.runtime.decoding.speculative import Speculation
 from ovshard.runtime.engine.scores import Scores
 from ovshard.runtime.scheduling.block_tables import BlockManager
-from ovshard.runtime.scheduling.plan_types import BatchConfig, BatchError, BatchStats, Sampled, TickPlan
+from ovshard.runtime.scheduling.plan_types import BatchError, PlannerStats, Sampled, TickBudget, TickPlan
 from ovshard.runtime.scheduling.requests import Phase, Request
 from ovshard.runtime.scheduling.runs import Run, accept_rows
 from ovshard.runtime.scheduling.tick_planner import TickPlanner
@@ -118,7 +118,7 @@ class _Flight:
 class Engine:
     """The loop over one chain at a time (the module docstring). ``send`` is called with every tick's Batch."""
 
-    def __init__(self, host: Host, link: Link, config: BatchConfig, max_positions: int, vocab_size: int,
+    def __init__(self, host: Host, link: Link, config: TickBudget, max_positions: int, vocab_size: int,
                  retry_s: float, timeout: float) -> None:
         self.host, self.config, self.max_positions, self.vocab_size = host, config, max_positions, vocab_size
         self.retry_s, self.timeout = retry_s, timeout
@@ -148,7 +148,7 @@ class Engine:
         self.inbox.put(_Submit(request, speculation, on_end))
 
     @property
-    def stats(self) -> BatchStats:
+    def stats(self) -> PlannerStats:
         """The planner's counters as of the loop's latest turn (since the latest (re)connect)."""
         return self._stats
 
@@ -245,21 +245,21 @@ class Engine:
         if isinstance(msg, StageFailure):
             self._break(msg)
         elif isinstance(msg, p.Result):
-            if msg.seq in self.answers:
-                self.answers[msg.seq][msg.stream] = msg
+            if msg.reply_to in self.answers:
+                self.answers[msg.reply_to][msg.stream] = msg
         elif isinstance(msg, p.BatchDone):
             self._finish_tick(msg)
-        elif isinstance(msg, p.Error) and msg.seq in self.answers:
-            self._break(StageFailure(f"a stage failed tick {msg.seq}: {msg.code}: {msg.message}",
+        elif isinstance(msg, p.Error) and msg.reply_to in self.answers:
+            self._break(StageFailure(f"a stage failed tick {msg.reply_to}: {msg.code}: {msg.message}",
                                      msg.code in p.RECOVERABLE_CODES or msg.code in ("failed", "internal")))
 
     def _finish_tick(self, done: p.BatchDone) -> None:
         """The oldest tick in flight was answered: accept every row, then tell the planner."""
-        if not self.flight or self.flight[0].plan.tick != done.seq:
-            log.warning("tick %d finished out of order; ignored", done.seq)
+        if not self.flight or self.flight[0].plan.tick != done.tick:
+            log.warning("tick %d finished out of order; ignored", done.tick)
             return
         plan = self.flight.popleft().plan
-        answers = self.answers.pop(done.seq, {})
+        answers = self.answers.pop(done.tick, {})
         refused = {r.stream: r.message for r in done.refused}
         for part in plan.parts:
             if part.want and part.seq in self.by_seq and part.seq not in refused and part.seq not in answers:

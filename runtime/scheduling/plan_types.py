@@ -1,8 +1,8 @@
 """What the tick planner (tick_planner.py) takes and gives: its limits, the rows of a tick, what the head sampled.
 
-Frozen values only, no bookkeeping: :class:`BatchConfig` (the budgets), :class:`PlannedRows` and
+Frozen values only, no bookkeeping: :class:`TickBudget` (the budgets), :class:`PlannedRows` and
 :class:`TickPlan` (one inference), :class:`Sampled` (the head's answer for one sequence), :class:`SeqView`
-and :class:`BatchStats` (what callers and /metrics read). The counters and the three steps of a tick are
+and :class:`PlannerStats` (what callers and /metrics read). The counters and the three steps of a tick are
 described in :mod:`ovshard.runtime.scheduling.tick_planner`.
 """
 
@@ -24,7 +24,7 @@ class BatchError(OvshardError):
 
 
 @dataclass(frozen=True)
-class BatchConfig:
+class TickBudget:
     """``token_budget``: most rows in one inference; ``max_seqs``: most sequences holding KV blocks at once
     (<= token_budget, so every running sequence's next row fits a tick); ``max_chunk``: most rows of one
     prefill in one tick (None: the budget); ``defer_shared_prefills``: see batching.py's docstring."""
@@ -115,7 +115,7 @@ class SeqView:
 
 
 @dataclass(frozen=True)
-class BatchStats:
+class PlannerStats:
     """What /metrics reads: ticks planned with rows, rows and sequences over them and in the last one,
     preemptions, dropped sequences, sequences running (holding blocks) and waiting, and the block pool."""
 

@@ -45,18 +45,18 @@ from itertools import count
 from ovshard.runtime.engine.paged import blocks_for
 from ovshard.runtime.scheduling.block_tables import BlockKey, BlockManager, Granted, prefix_keys
 from ovshard.runtime.scheduling.plan_types import (
-    BatchConfig,
     BatchError,
-    BatchStats,
     PlannedRows,
+    PlannerStats,
     Sampled,
     SeqView,
+    TickBudget,
     TickPlan,
     Work,
 )
 
 # the scheduler's API: TickPlanner here, the values it takes and gives defined in batch_types.py
-__all__ = ["BatchConfig", "BatchError", "BatchStats", "PlannedRows", "Sampled", "SeqView", "TickPlanner",
+__all__ = ["TickBudget", "BatchError", "PlannerStats", "PlannedRows", "Sampled", "SeqView", "TickPlanner",
            "TickPlan", "Work"]
 
 log = logging.getLogger(__name__)
@@ -108,8 +108,8 @@ class _Tick:
 class TickPlanner:
     """Sequences, their block tables in ``blocks``, and the plan of each tick (the module docstring)."""
 
-    def __init__(self, blocks: BlockManager, config: BatchConfig | None = None) -> None:
-        self.blocks, self.config = blocks, config or BatchConfig()
+    def __init__(self, blocks: BlockManager, config: TickBudget | None = None) -> None:
+        self.blocks, self.config = blocks, config or TickBudget()
         self._seqs: dict[Hashable, _Seq] = {}  # in arrival order
         self._flight: deque[int] = deque()
         self._admissions = count()  # numbers every admission: rows of an earlier one never commit into a later
@@ -156,9 +156,9 @@ class TickPlanner:
         return tuple(self._flight)
 
     @property
-    def stats(self) -> BatchStats:
+    def stats(self) -> PlannerStats:
         running = sum(s.admitted for s in self._seqs.values())
-        return BatchStats(self._next_tick, self._rows, self._seq_rows, self._last_rows, self._last_seqs,
+        return PlannerStats(self._next_tick, self._rows, self._seq_rows, self._last_rows, self._last_seqs,
                           self._preemptions, self._dropped, running, len(self._seqs) - running, self.blocks.stats)
 
     @property

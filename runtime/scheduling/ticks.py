@@ -10,17 +10,17 @@ from collections.abc import Hashable, Mapping
 
 import numpy as np
 
-from ovshard.runtime.scheduling.plan_types import BatchConfig, TickPlan
+from ovshard.runtime.scheduling.plan_types import TickBudget, TickPlan
 from ovshard.runtime.wire import protocol as p
 
 MAX_DRAFTS = 16  # drafts one row may verify: the budget leaves a whole tail for every sequence
 
 
-def batch_config(max_seqs: int, token_budget: int | None = None, max_chunk: int | None = None) -> BatchConfig:
+def tick_budget(max_seqs: int, token_budget: int | None = None, max_chunk: int | None = None) -> TickBudget:
     """The head's planner settings: a budget that always holds every sequence's whole tail (so drafts are
     never cut: a request gets the rows it asked for)."""
     budget = max(token_budget or 0, max_seqs * (1 + MAX_DRAFTS))
-    return BatchConfig(token_budget=budget, max_seqs=max_seqs, max_chunk=max_chunk)
+    return TickBudget(token_budget=budget, max_seqs=max_seqs, max_chunk=max_chunk)
 
 
 def tick_message(plan: TickPlan, wants: Mapping[Hashable, str], block_size: int) -> p.Batch:

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from ovshard.runtime.decoding.decode import Stats
-from ovshard.runtime.scheduling.tick_planner import BatchStats
+from ovshard.runtime.scheduling.tick_planner import PlannerStats
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -50,7 +50,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 class _BatchCollector:
     """The engine's counters, read when /metrics is scraped."""
 
-    def __init__(self, batching: Callable[[], BatchStats | None]) -> None:
+    def __init__(self, batching: Callable[[], PlannerStats | None]) -> None:
         self.batching = batching
 
     def collect(self) -> Iterator[Metric]:
@@ -100,7 +100,7 @@ class _MoveCollector:
 
 class Metrics:
     def __init__(self, queue_depth: Callable[[], int], active: Callable[[], int],
-                 batching: Callable[[], BatchStats | None] | None = None,
+                 batching: Callable[[], PlannerStats | None] | None = None,
                  moves: Callable[[], tuple[int, int, int]] | None = None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 

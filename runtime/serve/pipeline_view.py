@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ovshard.bundle.manifest import Manifest
 from ovshard.runtime.decoding.decode import Stats
-from ovshard.runtime.scheduling.tick_planner import BatchStats
+from ovshard.runtime.scheduling.tick_planner import PlannerStats
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class PipelineView:
             self.drafted += stats.drafted
             self.accepted += stats.accepted
 
-    def snapshot(self, model: str, active: int, waiting: int, batch: BatchStats | None = None) -> dict:
+    def snapshot(self, model: str, active: int, waiting: int, batch: PlannerStats | None = None) -> dict:
         now = time.monotonic()
         with self.lock:
             recent = list(self.recent)
@@ -81,7 +81,7 @@ class PipelineView:
         }
 
 
-def _occupancy(batch: BatchStats | None) -> dict | None:
+def _occupancy(batch: PlannerStats | None) -> dict | None:
     if batch is None:
         return None
     blocks = batch.blocks

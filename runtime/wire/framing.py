@@ -4,7 +4,7 @@ Every message is one frame. All integers are little-endian.
 
     offset  size  field
     0       4     magic            b"OVSH"
-    4       2     version     u16  PROTOCOL_VERSION (4); any other version is refused
+    4       2     version     u16  PROTOCOL_VERSION (5); any other version is refused
     6       1     kind        u8   message kind (the table in protocol.py)
     7       1     flags       u8   reserved, must be 0
     8       4     header_len  u32  bytes of JSON header that follow

@@ -20,7 +20,7 @@ f32 on request), token ids as i64. Counts and ranges travel, never lists that gr
                                                                    cache); answered by OpenOk or an Error
     4     Reset     stream                                         empty a stream's KV cache
     5     Close     stream                                         forget a stream of the session
-    6     Step      stream, seq, position, want, tensor,           run T new tokens (all visible): tensor is
+    6     Step      stream, step, position, want, tensor,          run T new tokens (all visible): tensor is
                     timings, rewind, compact                       input_ids i64 [1,T] or hidden_states
                                                                    [1,T,H]; position = first new position
                                                                    id, which must equal the stage's visible
@@ -32,18 +32,22 @@ f32 on request), token ids as i64. Counts and ranges travel, never lists that gr
                                                                    newest `rewind` visible positions (mask
                                                                    zeroing) and, if `compact`, drops hidden
                                                                    positions from its cache
-    8     Result    stream, seq, tensor, timings, indices          the last stage's answer to Step `seq`:
+    8     Result    stream, reply_to, tensor, timings, indices     the last stage's answer to Step `step`
+                                                                   (reply_to = its step) or to a Batch's
+                                                                   row (reply_to = the Batch's tick):
                                                                    argmax ids i64 [1,T]; top-k values
                                                                    [1,T,K] with their ids in `indices`; or
                                                                    logits [1,T,V]. timings: name -> seconds
-    9     Error     code, message, stream, seq (int|null)          a refusal or failure (ERROR_CODES); after
-                                                                   a protocol error the sender closes
+    9     Error     code, message, stream, reply_to (int|null)     a refusal or failure (ERROR_CODES); after
+                                                                   a protocol error the sender closes;
+                                                                   reply_to: the Step's step or the
+                                                                   Batch's tick it refuses, if any
     10    Ping      nonce                                          liveness check
     11    Pong      nonce                                          answer to Ping with the same nonce
     12    OpenOk    stream                                         the stream is open at this stage
-    13    Batch     seq, rows [BatchRow], tensor, tables,          one inference of a paged stage over many
+    13    Batch     tick, rows [BatchRow], tensor, tables,         one inference of a paged stage over many
                     copies, timings, refused [Refusal]             sequences (below)
-    14    BatchDone seq, timings, refused [Refusal]                the last stage ran Batch `seq`; its
+    14    BatchDone tick, timings, refused [Refusal]               the last stage ran Batch `tick`; its
                                                                    Results (one per row that wants scores,
                                                                    tagged with the row's stream) came first
 
@@ -74,7 +78,7 @@ import numpy.typing as npt
 
 from ovshard.errors import OvshardError
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5  # 5: Step.step, Batch.tick and BatchDone.tick, Result and Error reply_to (4: seq)
 MAX_NDIM = 8
 ACTIVATION_WIRE_DTYPE = "f16"
 DTYPES: dict[str, np.dtype[Any]] = {"f16": np.dtype("<f2"), "f32": np.dtype("<f4"), "i64": np.dtype("<i8"),
@@ -240,7 +244,7 @@ class Close(MessageBase, frozen=True, tag=5):
 
 class Step(MessageBase, frozen=True, tag=6):
     stream: UInt
-    seq: UInt
+    step: UInt  # the head's number for this Step; its Result or Error replies to it
     position: UInt  # first position id of the new tokens (= the stage's visible count after the rewind)
     want: Annotated[str, msgspec.Meta(max_length=32)]  # "argmax" | "topk:K" | "logits", optionally "@R"
     tensor: Tensor  # input_ids i64 [1,T] or hidden_states [1,T,H]
@@ -258,7 +262,7 @@ class Step(MessageBase, frozen=True, tag=6):
 
 class Result(MessageBase, frozen=True, tag=8):
     stream: UInt
-    seq: UInt
+    reply_to: UInt  # the Step's step, or the tick of the Batch whose row this answers
     tensor: Tensor  # argmax ids i64 [1,T] | top-k values [1,T,K] | logits [1,T,V]
     timings: Timings
     indices: Tensor | None = None  # the top-k ids (i64 or i32), same shape as tensor; else None
@@ -274,7 +278,7 @@ class Error(MessageBase, frozen=True, tag=9):
     code: Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
     message: ShortText
     stream: UInt | None = None
-    seq: UInt | None = None
+    reply_to: UInt | None = None  # the Step's step or the Batch's tick it refuses
 
 
 class Ping(MessageBase, frozen=True, tag=10):
@@ -320,7 +324,7 @@ Refusals = Annotated[list[Refusal], msgspec.Meta(max_length=MAX_BATCH_ROWS)]
 
 
 class Batch(MessageBase, frozen=True, tag=13):
-    seq: UInt
+    tick: UInt  # the head's tick number
     rows: Annotated[list[BatchRow], msgspec.Meta(max_length=MAX_BATCH_ROWS)]
     tensor: Tensor  # input_ids i64 [N] or hidden_states [N, H], N = sum of the rows' counts
     tables: Tensor  # i32 [B]: the rows' block tables, one after another
@@ -343,7 +347,7 @@ class Batch(MessageBase, frozen=True, tag=13):
 
 
 class BatchDone(MessageBase, frozen=True, tag=14):
-    seq: UInt
+    tick: UInt
     timings: Timings
     refused: Refusals = []
 
@@ -358,11 +362,11 @@ TENSOR_FIELDS: Mapping[type[MessageBase], tuple[str, ...]] = {
 }
 
 
-def error(code: str, message: str, stream: int | None = None, seq: int | None = None) -> Error:
+def error(code: str, message: str, stream: int | None = None, reply_to: int | None = None) -> Error:
     """An Error frame; the message is cut to what the wire allows."""
     if code not in ERROR_CODES:
         raise ValueError(f"unknown error code {code!r}")
-    return Error(code, message if len(message) <= 4096 else message[:4093] + "...", stream, seq)
+    return Error(code, message if len(message) <= 4096 else message[:4093] + "...", stream, reply_to)
 
 
 def parse_want(want: str) -> tuple[str, int | None, int | None]:

@@ -34,8 +34,8 @@ from ovshard.runtime.client.text import Text
 from ovshard.runtime.commands.chat import Chat, Conversation, chat_text
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.engine.stage import EXACT_HINTS
+from ovshard.runtime.tools.wanproxy import DelayProxy
 from ovshard.runtime.wire.address import parse_address
-from ovshard.runtime.wire.wanproxy import DelayProxy
 
 pytestmark = pytest.mark.e2e
 

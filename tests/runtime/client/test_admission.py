@@ -20,7 +20,7 @@ from ovshard.runtime.client.scheduler import Busy, Scheduler
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.scheduling.block_tables import BlockManager
 from ovshard.runtime.scheduling.requests import Request
-from ovshard.runtime.scheduling.ticks import batch_config
+from ovshard.runtime.scheduling.ticks import tick_budget
 
 POOL = Pool(blocks=16, block_size=32, max_seqs=32, max_positions=512)  # 16 blocks: 8 requests of 37 positions
 
@@ -163,7 +163,7 @@ class FakeEngine:
     test calls :meth:`step`, and a cancelled one ended at once (as the engine's next event does)."""
 
     def __init__(self) -> None:
-        self.blocks, self.config = BlockManager(64, 16), batch_config(8)
+        self.blocks, self.config = BlockManager(64, 16), tick_budget(8)
         self.running: dict[int, tuple[Request, Callable[[Request], None]]] = {}
 
     def submit(self, request: Request, speculation: object, on_end: Callable[[Request], None]) -> None:

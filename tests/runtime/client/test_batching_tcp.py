@@ -19,7 +19,7 @@ from ovshard.runtime.client.streams import StreamLink
 from ovshard.runtime.decoding.speculative import make_speculation
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.engine.stage import EXACT_HINTS
-from ovshard.runtime.scheduling.ticks import batch_config
+from ovshard.runtime.scheduling.ticks import tick_budget
 
 # Eight prompts of different lengths (one longer than a chunk), and different output lengths
 JOBS = (([1, 403, 407, 261, 378], 40), ([1, 365, 261, 466, 14, 92, 388, 17, 261], 25), ([1, 92, 388], 60),
@@ -53,7 +53,7 @@ def test_eight_batched_streams_each_give_their_solo_tokens(bundles: dict[int, Pa
     chunked over ticks: each stream's greedy tokens are exactly its solo tokens, ticks held several, and
     never more than a group's share, ceil(8 / stages): the groups in flight stay equal."""
     with local_workers(bundles[stages], exact=True, threads=1) as addresses:
-        head = Head(bundles[stages], addresses, batching=batch_config(max_seqs=8, max_chunk=16))
+        head = Head(bundles[stages], addresses, batching=tick_budget(max_seqs=8, max_chunk=16))
         try:
             engine = head.engine
             assert engine is not None

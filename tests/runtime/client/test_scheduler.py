@@ -23,7 +23,7 @@ from ovshard.runtime.decoding.speculative import make_speculation
 from ovshard.runtime.engine.kv import step_inputs
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.engine.stage import EXACT_HINTS
-from ovshard.runtime.wire.wanproxy import DelayProxy
+from ovshard.runtime.tools.wanproxy import DelayProxy
 
 # Different prompts and lengths; each stream's tokens must be those it gets alone.
 JOBS = (([1, 403, 407, 261, 378], 40), ([1, 365, 261, 466, 14, 92, 388, 17, 261], 25),

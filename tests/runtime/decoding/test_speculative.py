@@ -151,7 +151,7 @@ def test_mask_rewind_equals_physical_trim(whole_model: ov.CompiledModel, ops: li
         assert masked.visible == trimmed.visible == trimmed.physical
         # 3e-5 absolute up to |logit| 1, relative beyond: these logits reach ~15, where f32 rounding alone
         # is ~1e-6, and the CPU attention kernel sums a cache with holes in another order. Differences
-        # appear only with holes; bench/rewind_diff.py measured 1.4e-5 relative at most, and the fixed
+        # appear only with holes; bench/batching/rewind_diff.py measured 1.4e-5 relative at most, and the fixed
         # (derandomized) example set of one hypothesis release hit 1.42e-5, so the bound leaves 2x room.
         assert float((np.abs(a - b) / np.maximum(1.0, np.abs(b))).max()) <= 3e-5
         reject = min(rejected, feed)

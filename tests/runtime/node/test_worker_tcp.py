@@ -118,7 +118,7 @@ def test_run_local_streams_text(bundles: dict[int, Path]) -> None:
 
 
 def test_stages_compile_with_the_manifests_measured_cpu_hints(bundles: dict[int, Path]) -> None:
-    """A compile records the CPU plugin defaults chosen by bench/decode_overhead.py (and that measurement) in
+    """A compile records the CPU plugin defaults chosen by bench/against_llama_cpp/decode_overhead.py (and that measurement) in
     the manifest's runtime hints; a stage compiles with them, and a caller's setting (--exact) wins key by key."""
     import dataclasses
 

@@ -23,7 +23,7 @@ from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.scheduling.block_tables import BlockManager
 from ovshard.runtime.scheduling.engine import Deliver, Engine
 from ovshard.runtime.scheduling.requests import Phase, Request
-from ovshard.runtime.scheduling.ticks import batch_config
+from ovshard.runtime.scheduling.ticks import tick_budget
 from ovshard.runtime.wire import protocol as p
 
 VOCAB, MAX_POSITIONS, BS = 64, 256, 4
@@ -93,7 +93,7 @@ class ScriptedLink:
 
     def _answers(self, batch: p.Batch) -> list[p.Message | StageFailure]:
         if self.fail_tick == len(self.sent) - 1:
-            return [StageFailure(f"tick {batch.seq} lost", recoverable=True)]
+            return [StageFailure(f"tick {batch.tick} lost", recoverable=True)]
         ids = batch.tensor.to_array().tolist()
         out: list[p.Message | StageFailure] = []
         refused = []
@@ -108,14 +108,14 @@ class ScriptedLink:
             rows = fed[-p.rows_read(row.want, row.count):]
             nexts = np.array([[NEXT(t) for t in rows]], np.int64)  # [1, R]
             if row.want.startswith("argmax"):
-                out.append(p.Result(row.stream, batch.seq, p.Tensor.from_array(nexts), {}))
+                out.append(p.Result(row.stream, batch.tick, p.Tensor.from_array(nexts), {}))
                 continue
             k = p.parse_want(row.want)[1] or 1
             indices = np.stack([(nexts + j) % VOCAB for j in range(k)], axis=-1)  # [1, R, K]: the right id first
             values = np.broadcast_to(-np.arange(k, dtype=np.float32) * 10, indices.shape).copy()
-            out.append(p.Result(row.stream, batch.seq, p.Tensor.from_array(values, "f32"), {},
+            out.append(p.Result(row.stream, batch.tick, p.Tensor.from_array(values, "f32"), {},
                                 p.Tensor.from_array(indices)))
-        return [*out, p.BatchDone(batch.seq, {"stage0": 0.001}, refused)]
+        return [*out, p.BatchDone(batch.tick, {"stage0": 0.001}, refused)]
 
 
 class ScriptedHost:
@@ -152,7 +152,7 @@ class OffByOne:
 
 
 def engine_over(link: ScriptedLink, host: ScriptedHost | None = None, **config: int) -> Engine:
-    settings = batch_config(config.get("max_seqs", 8), max_chunk=config.get("max_chunk"))
+    settings = tick_budget(config.get("max_seqs", 8), max_chunk=config.get("max_chunk"))
     return Engine(host or ScriptedHost(), link, settings, MAX_POSITIONS, VOCAB, retry_s=30, timeout=30)
 
 
@@ -469,7 +469,7 @@ class ScriptedStreams:
             return StageFailure("stage 1 closed the connection", recoverable=True)
         mask = self.caches.get(msg.stream)
         if mask is None or n == self.refuse_step:
-            return p.Error("no_stream", f"stream {msg.stream} is not open", msg.stream, msg.seq)
+            return p.Error("no_stream", f"stream {msg.stream} is not open", msg.stream, msg.step)
         fed = msg.tensor.to_array()[0].tolist()
         for i in [i for i, m in enumerate(mask) if m][len([m for m in mask if m]) - msg.rewind:]:
             mask[i] = 0
@@ -479,7 +479,7 @@ class ScriptedStreams:
         assert len(mask) + len(fed) <= self.max_positions, f"stream {msg.stream} overflows without compact"
         mask += [1] * len(fed)
         rows = fed[-p.rows_read(msg.want, len(fed)):]
-        return p.Result(msg.stream, msg.seq, p.Tensor.from_array(np.array([[NEXT(t) for t in rows]])),
+        return p.Result(msg.stream, msg.step, p.Tensor.from_array(np.array([[NEXT(t) for t in rows]])),
                         {"stage0": 0.001, "stage1": 0.001})
 
 
@@ -503,7 +503,7 @@ def streams_engine(max_positions: int = MAX_POSITIONS, slots: int = 4, hold: boo
                                                                                                     StreamsHost]:
     host = StreamsHost(max_positions)
     link = stream_link(host, slots, hold)
-    return Engine(host, link, batch_config(8), max_positions, VOCAB, retry_s=30, timeout=30), host
+    return Engine(host, link, tick_budget(8), max_positions, VOCAB, retry_s=30, timeout=30), host
 
 
 def test_stateful_streams_give_solo_tokens_a_stream_each_with_rewinds_and_no_cached_prefix() -> None:

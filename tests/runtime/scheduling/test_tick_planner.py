@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from ovshard.errors import ConfigError
 from ovshard.runtime.engine.paged import blocks_for
 from ovshard.runtime.scheduling.block_tables import BlockManager
-from ovshard.runtime.scheduling.tick_planner import BatchConfig, BatchError, Sampled, TickPlan, TickPlanner
+from ovshard.runtime.scheduling.tick_planner import BatchError, Sampled, TickBudget, TickPlan, TickPlanner
 
 BS = 4  # positions a block in these tests
 VOCAB = 5
@@ -141,15 +141,15 @@ class Head:
 def scheduler(num_blocks: int = 64, budget: int = 16, max_seqs: int = 4, chunk: int | None = None,
               prefix_cache: bool = True, defer: bool = True) -> TickPlanner:
     return TickPlanner(BlockManager(num_blocks, BS, prefix_cache=prefix_cache),
-                          BatchConfig(budget, max_seqs, chunk, defer))
+                          TickBudget(budget, max_seqs, chunk, defer))
 
 
 def test_config_refuses_more_sequences_than_rows():
     """max_seqs > token_budget would leave a running sequence without its row: refused, saying what to do."""
     with pytest.raises(ConfigError, match="raise the budget"):
-        BatchConfig(token_budget=4, max_seqs=5)
+        TickBudget(token_budget=4, max_seqs=5)
     with pytest.raises(ConfigError, match="max_chunk"):
-        BatchConfig(max_chunk=0)
+        TickBudget(max_chunk=0)
 
 
 def test_prompt_prefills_in_one_tick_and_wants_its_last_row():

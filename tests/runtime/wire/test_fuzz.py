@@ -81,7 +81,7 @@ class Sessions(RuleBasedStateMachine):
         self.visible: list[dict[int, int]] = [{}, {}]
         self.history: list[dict[int, tuple]] = [{}, {}]
         self.outcomes: dict[tuple, list[int]] = {}  # steps since an Open -> the argmax ids of the last one
-        self.seq = 0
+        self.last_step = 0
 
     def teardown(self) -> None:
         for sock in self.socks:
@@ -97,9 +97,9 @@ class Sessions(RuleBasedStateMachine):
         return first
 
     def step(self, who: int, stream: int, position: int, tokens: list[int], rewind: int = 0) -> p.Message | None:
-        self.seq += 1
+        self.last_step += 1
         ids = p.Tensor.from_array(np.array([tokens], np.int64))
-        return self.ask(who, p.Step(stream, self.seq, position, "argmax", ids, {}, rewind))
+        return self.ask(who, p.Step(stream, self.last_step, position, "argmax", ids, {}, rewind))
 
     @rule(who=st.integers(0, 1), stream=STREAMS)
     def open(self, who: int, stream: int) -> None:
@@ -138,9 +138,9 @@ class Sessions(RuleBasedStateMachine):
         rewind = data.draw(st.integers(0, visible))
         reply = self.step(who, stream, visible - rewind, tokens, rewind)
         if stream not in self.visible[who]:
-            assert isinstance(reply, p.Error) and (reply.code, reply.seq) == ("no_stream", self.seq), reply
+            assert isinstance(reply, p.Error) and (reply.code, reply.reply_to) == ("no_stream", self.last_step), reply
             return
-        assert isinstance(reply, p.Result) and (reply.stream, reply.seq) == (stream, self.seq), reply
+        assert isinstance(reply, p.Result) and (reply.stream, reply.reply_to) == (stream, self.last_step), reply
         got = reply.tensor.to_array()[0].tolist()
         assert len(got) == len(tokens) and all(0 <= t < self.spec.vocab for t in got)
         history = (*self.history[who][stream], (rewind, *tokens))
@@ -158,7 +158,7 @@ class Sessions(RuleBasedStateMachine):
         else:  # a rewind past the first position
             reply = self.step(who, stream, visible, tokens, rewind=visible + 1)
         code = "position" if stream in self.visible[who] else "no_stream"
-        assert isinstance(reply, p.Error) and (reply.code, reply.stream, reply.seq) == (code, stream, self.seq), reply
+        assert isinstance(reply, p.Error) and (reply.code, reply.stream, reply.reply_to) == (code, stream, self.last_step), reply
 
     @precondition(lambda self: any(s not in self.visible[1 - w] for w in (0, 1) for s in self.visible[w]))
     @rule(data=st.data())
@@ -218,7 +218,7 @@ def test_a_step_with_more_timings_than_stages_before_it_is_refused(spec: Spec) -
         timings = {f"hop{i}": 0.001 for i in range(64)}
         sock.sendall(encode(p.Step(0, 1, 0, "argmax", p.Tensor.from_array(np.array([[1, 403]], np.int64)), timings)))
         refused = receive(sock)
-        assert isinstance(refused, p.Error) and refused.code == "failed" and refused.seq == 1
+        assert isinstance(refused, p.Error) and refused.code == "failed" and refused.reply_to == 1
         sock.sendall(encode(p.Ping(3)))
         assert receive(sock) == p.Pong(3)
 

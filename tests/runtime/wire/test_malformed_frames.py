@@ -134,7 +134,7 @@ def test_mistyped_fields_of_every_kind_are_refused() -> None:
     (6, {**STEP, "timings": {f"s{i}": 0.0 for i in range(65)}}, ids.data),
     (6, {**STEP, "timings": {"s": -0.5}}, ids.data),
     (6, {**STEP, "timings": {"s" * 257: 0.5}}, ids.data),
-    (6, b'{"stream":1,"seq":1,"position":0,"want":"argmax","tensor":{"dtype":"i64","shape":[1,3]},'
+    (6, b'{"stream":1,"step":1,"position":0,"want":"argmax","tensor":{"dtype":"i64","shape":[1,3]},'
         b'"timings":{"s":1e400}}', ids.data),
     (9, {"code": "", "message": "m"}, b""),
     (9, {"code": "c" * 33, "message": "m"}, b""),
@@ -230,7 +230,7 @@ def test_result_indices_must_match_the_values() -> None:
     wrong = Tensor.from_array(np.array([[1, 2, 3]], np.int64))
     with pytest.raises(ValueError, match="Result.indices"):
         Result(1, 1, values, {}, indices=wrong)
-    header = {"stream": 1, "seq": 1, "tensor": {"dtype": "f32", "shape": [1, 1, 4]}, "timings": {},
+    header = {"stream": 1, "reply_to": 1, "tensor": {"dtype": "f32", "shape": [1, 1, 4]}, "timings": {},
               "indices": {"dtype": "i64", "shape": [1, 3]}}
     assert_refused(frame(8, header, values.data + wrong.data), "bad_header")
 

@@ -288,7 +288,7 @@ def test_a_stage_that_stays_down_fails_cleanly_with_the_partial_output(bundles: 
 
 @pytest.fixture(scope="module")
 def credentials(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ovshard.runtime.wire.keygen import keygen
+    from ovshard.runtime.tools.keygen import keygen
 
     folder = tmp_path_factory.mktemp("keys") / "cluster"
     keygen(folder, stages=["s0", "s1"], heads=["head"])
@@ -299,7 +299,7 @@ def test_tls_links_give_the_same_tokens_and_plain_clients_are_refused(bundles: d
                                                                       tmp_path: Path) -> None:
     """Workers with --credentials: a head with credentials generates the reference tokens over TLS on every
     link; a plain-TCP client, a client without credentials and one with another cluster's are all refused."""
-    from ovshard.runtime.wire.keygen import keygen
+    from ovshard.runtime.tools.keygen import keygen
     from ovshard.runtime.wire.tls import client_context, load_credentials
 
     expected = reference(bundles[2], PROMPT_A, 30)
@@ -464,14 +464,14 @@ def test_steps_are_checked_against_the_stages_own_state(bundles: dict[int, Path]
         sock = raw_head(w.addresses[0], bundles[1])
         assert ask(sock, p.Open(1)) == p.OpenOk(1)
         reply = ask(sock, step(1, 3, [1, 403]))
-        assert isinstance(reply, p.Error) and reply.code == "position" and reply.seq == 0
+        assert isinstance(reply, p.Error) and reply.code == "position" and reply.reply_to == 0
         reply = ask(sock, p.Step(1, 1, 0, "argmax", p.Tensor.from_array(np.array([[1]], np.int64)), rewind=4))
         assert isinstance(reply, p.Error) and reply.code == "position"
         reply = ask(sock, step(1, 0, [1, 99999]))
         assert isinstance(reply, p.Error) and "token ids must be in [0, 512)" in reply.message
         assert ask(sock, p.Ping(5)) == p.Pong(5)
         body = np.zeros((2, 1), np.int64).tobytes()
-        header = (b'{"kind":6,"stream":1,"seq":2,"position":0,"want":"argmax",'
+        header = (b'{"kind":6,"stream":1,"step":2,"position":0,"want":"argmax",'
                   b'"tensor":{"dtype":"i64","shape":[2,1]}}')
         sock.sendall(PREFIX.pack(b"OVSH", p.PROTOCOL_VERSION, 6, 0, len(header), len(body)) + header + body)
         reply = read_message(sock)
@@ -523,8 +523,8 @@ def test_hello_with_wrong_fields_is_a_protocol_error_not_a_crash(bundles: dict[i
     """A Hello with a short session id or an unknown field gets a `bad_header` Error; the worker lives on."""
     with workers(bundles[1]) as w:
         host, port = w.addresses[0].split(":")
-        for header in (b'{"kind":1,"role":"head","protocol":4,"bundle_fingerprint":"x","stage":0,"session":"00"}',
-                       b'{"kind":1,"role":"head","protocol":4,"bundle_fingerprint":"x","stage":0,"session":"'
+        for header in (b'{"kind":1,"role":"head","protocol":5,"bundle_fingerprint":"x","stage":0,"session":"00"}',
+                       b'{"kind":1,"role":"head","protocol":5,"bundle_fingerprint":"x","stage":0,"session":"'
                        + b"0" * 32 + b'","auth":{}}'):
             with socket.create_connection((host, int(port)), timeout=10) as sock:
                 sock.sendall(struct.pack("<4sHBBII", b"OVSH", p.PROTOCOL_VERSION, 1, 0, len(header), 0) + header)

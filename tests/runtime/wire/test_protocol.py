@@ -52,28 +52,28 @@ def test_every_message_round_trips_through_bytes(msg: Message) -> None:
 
 def test_frames_are_these_exact_bytes() -> None:
     """The wire format byte for byte: magic, version 4, kind, flags, the two lengths, the JSON header, the body."""
-    assert encode(Ping(1)) == b"OVSH\x04\x00\x0a\x00" + struct.pack("<II", 21, 0) + b'{"kind":10,"nonce":1}'
-    header = (b'{"kind":8,"stream":7,"seq":1,"tensor":{"dtype":"i64","shape":[1,1]},'
+    assert encode(Ping(1)) == b"OVSH\x05\x00\x0a\x00" + struct.pack("<II", 21, 0) + b'{"kind":10,"nonce":1}'
+    header = (b'{"kind":8,"stream":7,"reply_to":1,"tensor":{"dtype":"i64","shape":[1,1]},'
               b'"timings":{"stage1":0.5},"indices":null}')
     result = Result(7, 1, Tensor.from_array(np.array([[42]], np.int64)), {"stage1": 0.5})
-    assert encode(result) == (b"OVSH\x04\x00\x08\x00" + struct.pack("<II", len(header), 8) + header
+    assert encode(result) == (b"OVSH\x05\x00\x08\x00" + struct.pack("<II", len(header), 8) + header
                               + (42).to_bytes(8, "little"))
 
 
 def test_a_step_is_these_exact_bytes() -> None:
     """A Step carries counts, not lists: position, rewind and the [1, T] shape; the ids are the body."""
-    header = (b'{"kind":6,"stream":7,"seq":0,"position":0,"want":"argmax","tensor":{"dtype":"i64","shape":[1,3]},'
+    header = (b'{"kind":6,"stream":7,"step":0,"position":0,"want":"argmax","tensor":{"dtype":"i64","shape":[1,3]},'
               b'"timings":{},"rewind":0,"compact":false}')
     body = b"".join(t.to_bytes(8, "little") for t in (1, 403, 407))
-    assert encode(EXAMPLES[7]) == b"OVSH\x04\x00\x06\x00" + struct.pack("<II", len(header), 24) + header + body
+    assert encode(EXAMPLES[7]) == b"OVSH\x05\x00\x06\x00" + struct.pack("<II", len(header), 24) + header + body
 
 
 def test_a_hello_is_these_exact_bytes() -> None:
     """A Hello names role, protocol, bundle, stage, session, next hop and the KV blocks asked; it has no auth
     field."""
-    header = (b'{"kind":1,"role":"head","protocol":4,"bundle_fingerprint":"sha256:abc","stage":0,'
+    header = (b'{"kind":1,"role":"head","protocol":5,"bundle_fingerprint":"sha256:abc","stage":0,'
               b'"session":"0123456789abcdef0123456789abcdef","next_hop":"10.0.0.2:7001","kv_blocks":null}')
-    assert encode(EXAMPLES[0]) == b"OVSH\x04\x00\x01\x00" + struct.pack("<II", len(header), 0) + header
+    assert encode(EXAMPLES[0]) == b"OVSH\x05\x00\x01\x00" + struct.pack("<II", len(header), 0) + header
 
 
 def test_prefix_layout_is_sixteen_little_endian_bytes() -> None:
@@ -209,7 +209,7 @@ def test_a_bad_want_on_the_wire_is_bad_header() -> None:
 def test_error_helper_checks_the_code_and_cuts_the_message() -> None:
     """p.error() takes only ERROR_CODES, keeps stream and seq, and cuts a long message to what the wire allows."""
     made = error("position", "x" * 10_000, 7, 3)
-    assert (made.code, made.stream, made.seq, len(made.message)) == ("position", 7, 3, 4096)
+    assert (made.code, made.stream, made.reply_to, len(made.message)) == ("position", 7, 3, 4096)
     assert decode(*split(encode(made))) == made
     with pytest.raises(ValueError, match="unknown error code"):
         error("stage_failed", "no such code")

@@ -6,7 +6,7 @@ appends one token at its next position (context 64 -> 64 + rounds); the three me
 process, tick by tick, and the medians' ratios are reported (timings drift +-50% between processes here).
 Results: bench/results/paged_batch.{json,md}.
 
-    .venv/bin/python bench/paged_batch.py [--bundle B] [--sequences 8] [--rounds 200] [--exact]
+    .venv/bin/python bench/batching/paged_batch.py [--bundle B] [--sequences 8] [--rounds 200] [--exact]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 from harness import STORIES, interleaved, write_results  # noqa: E402  (bench/ is not a package)
 

@@ -10,7 +10,7 @@ Two parts, each interleaved in rounds (timings drift between processes, so only 
 - ``settings``: the bundle's stage 0 (a one-stage bundle: the whole model) under each CPU plugin setting,
   in one process, a stream of single-token steps after a short prompt: ms per step.
 
-    .venv/bin/python bench/decode_overhead.py [BUNDLE] [--rounds 3] [--tokens 128] [--part paths,settings]
+    .venv/bin/python bench/against_llama_cpp/decode_overhead.py [BUNDLE] [--rounds 3] [--tokens 128] [--part paths,settings]
 
 Writes bench/results/decode_overhead.json and prints a table.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 from harness import RESULTS, write_results  # noqa: E402  (bench/ is not a package)
 

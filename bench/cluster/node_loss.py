@@ -15,7 +15,7 @@ and the last stream's (every stream progressing again), and reads the re-plan's 
 status`. Every stream's text is checked against an
 uninterrupted run. A round adds a node back for the next one.
 
-Run: .venv/bin/python bench/node_loss.py [--rounds 2] [--grace-s 5] [--streams 4]
+Run: .venv/bin/python bench/cluster/node_loss.py [--rounds 2] [--grace-s 5] [--streams 4]
      [--out bench/results/node-loss.json]
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 
 import openai
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import machine  # noqa: E402  (bench/ is not a package: the machine every result names)
 
 from ovshard.compile import CompileConfig, compile_bundle  # noqa: E402
@@ -42,7 +42,7 @@ from ovshard.passes import WeightFormat  # noqa: E402
 from ovshard.runtime.cluster.actors import THREADS_ENV  # noqa: E402
 
 CLI = [sys.executable, "-m", "ovshard.cli", "-q"]
-STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
+STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K"
 PROMPTS = ["Once upon a time", "The little dog", "One day, a girl named", "Tom and his mom", "The sun was"]
 TOKENS = 400
 

@@ -7,7 +7,7 @@ Apache-2.0 license text repeated) and waits for the first token; ``--prefill-chu
 one step. Chunk sizes run interleaved in rounds, in a rotated order; reported: median seconds and the speed-up
 over one step.
 
-    CI=true .venv/bin/python bench/chunked_prefill.py [--tokens 2048] [--chunks 0,128,256,512] [--rounds 3]
+    CI=true .venv/bin/python bench/batching/chunked_prefill.py [--tokens 2048] [--chunks 0,128,256,512] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 from harness import RESULTS, interleaved, write_results  # noqa: E402  (bench/ is not a package)
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from conftest import REPO
 
-from ovshard.runtime.wire.wanproxy import DelayProxy
+from ovshard.runtime.tools.wanproxy import DelayProxy
 
 ROOT = REPO
 TIMEOUT_S = 10.0
@@ -192,9 +192,9 @@ def test_target_close_reaches_client_after_pending_data() -> None:
 
 
 def test_import_needs_only_the_standard_library() -> None:
-    """Importing ovshard.runtime.wire.wanproxy loads no module outside the standard library and ovshard."""
+    """Importing ovshard.runtime.tools.wanproxy loads no module outside the standard library and ovshard."""
     code = (
-        "import sys; before = set(sys.modules); import ovshard.runtime.wire.wanproxy; "
+        "import sys; before = set(sys.modules); import ovshard.runtime.tools.wanproxy; "
         "new = {m.split('.')[0] for m in set(sys.modules) - before}; "
         "print(sorted(new - set(sys.stdlib_module_names) - {'ovshard'}))"
     )

@@ -8,7 +8,7 @@ sensitivity within the graph), then run on CPU defaults and scored on a 191-toke
 calibrate on the model's own greedy continuations of four neutral prompts (96 tokens each). This runs
 NNCF on the whole graph, not layer by layer: it measures the methods, not the streaming compile.
 
-    CI=true .venv/bin/python bench/nncf_options.py [--options asym128,asym64_awq_se,...] [--out bench/results]
+    CI=true .venv/bin/python bench/compile/nncf_options.py [--options asym128,asym64_awq_se,...] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ovshard.runtime.client.inprocess import LocalPipeline
 from ovshard.runtime.engine.stage import EXACT_HINTS
 from ovshard.verify import perplexity
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from int4_frontier import tokenizer  # noqa: E402
 
 TEXT = (
@@ -128,7 +128,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     logging.getLogger("nncf").setLevel(logging.WARNING)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     from real_gemma import gemma_gguf_path
 
     rows = []

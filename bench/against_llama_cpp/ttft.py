@@ -7,7 +7,7 @@ cache dropped (``/proc/sys/vm/drop_caches``, needs root; skipped with a note oth
 empty compiled-model cache; **warm**: the same run again, files in the page cache and ovshard's compiled
 model in its cache. Rounds alternate the order of the sides; reported: medians and ovshard / llama.cpp.
 
-    .venv/bin/python bench/ttft.py [--model gemma3-270m] [--rounds 3] [--threads 2]
+    .venv/bin/python bench/against_llama_cpp/ttft.py [--model gemma3-270m] [--rounds 3] [--threads 2]
 
 Writes bench/results/ttft.json and prints a table.
 """
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 from harness import RESULTS, write_results  # noqa: E402
 from peers import bundle, gguf_files, llama_cpp, log  # noqa: E402

@@ -11,7 +11,7 @@ alternating rounds; each round times greedy decoding with 1 stream and with 2 st
 whole `ovshard up` command from its start to the first token of a request. Reports the median ratio of
 measured / even decode throughput per round.
 
-Run: .venv/bin/python bench/placement.py [--emulate share|threads] [--rounds 3] [--tokens 48]
+Run: .venv/bin/python bench/cluster/placement.py [--emulate share|threads] [--rounds 3] [--tokens 48]
      [--out bench/results/placement-<emulate>.json]
 """
 
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import machine  # noqa: E402  (bench/ is not a package: the machine every result names)
 
 from ovshard.compile import CompileConfig, compile_bundle  # noqa: E402

@@ -9,7 +9,7 @@ and prompt lookup (``--speculative prompt-lookup --draft-k auto``) run interleav
 decode tokens/s of each, the median of per-round ratios, and whether every speculative run printed the
 same text as every plain run of its hint set (speculative == plain, every run).
 
-    .venv/bin/python bench/spec_copy.py [--rounds 3] [--tokens 128]
+    .venv/bin/python bench/against_llama_cpp/spec_copy.py [--rounds 3] [--tokens 128]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 import report  # noqa: E402  (bench/report.py: the suite's tables)
 from peers import bundle, log  # noqa: E402  (the same cached Gemma compile as the peer benchmark)
@@ -75,7 +75,7 @@ def main() -> int:
                          "same text every run": len(texts["plain"]) == 1 and texts["plain"] == texts["lookup"],
                          "distinct texts (plain, lookup)": [len(texts["plain"]), len(texts["lookup"])],
                          "samples": speeds})
-    command = ".venv/bin/python bench/spec_copy.py " + " ".join(sys.argv[1:])
+    command = ".venv/bin/python bench/against_llama_cpp/spec_copy.py " + " ".join(sys.argv[1:])
     columns = ["hints", "task", "plain tok/s", "lookup tok/s", "speed-up (median of rounds)", "acceptance",
                "same text every run"]
     print(report.write_rows(args.out, "spec_copy", command, rows, columns))

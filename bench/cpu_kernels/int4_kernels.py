@@ -10,7 +10,7 @@ speed only. With ``--checkpoint`` (a real model: a folder with its tokenizer, or
 compile calibrates its INT4 weights, and the row "default, data-free" measures what calibration costs in
 decode speed (``--formats 0,1`` compares just those two).
 
-    CI=true .venv/bin/python bench/int4_kernels.py [--rounds 3] [--tokens 64] [--checkpoint PATH] [--formats 0,1]
+    CI=true .venv/bin/python bench/cpu_kernels/int4_kernels.py [--rounds 3] [--tokens 64] [--checkpoint PATH] [--formats 0,1]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 import report  # noqa: E402  (bench/report.py: the suite's tables)
 from compile_memory import ensure_checkpoint  # noqa: E402  (make bench's 1B checkpoint)
@@ -95,7 +95,7 @@ def main() -> int:
              "vs default (median of rounds)": round(statistics.median(
                  [a / b for a, b in zip(samples[label], samples[base], strict=True)]), 3),
              "samples": samples[label]} for label in labels]
-    command = "CI=true .venv/bin/python bench/int4_kernels.py " + " ".join(sys.argv[1:])
+    command = "CI=true .venv/bin/python bench/cpu_kernels/int4_kernels.py " + " ".join(sys.argv[1:])
     columns = ["format", "bin MB", "decode tok/s", "vs default (median of rounds)"]
     print(report.write_rows(args.out, "int4_kernels", command, rows, columns))
     return 0

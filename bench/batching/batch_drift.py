@@ -7,7 +7,7 @@ each step and sequence it compares the last stage's logits: max |batched - alone
 logit spread (max - min), and whether the greedy token agrees. Hints: the manifest's defaults (f16/bf16
 math, a u8 KV cache, dynamic quantization) and EXACT_HINTS (f32).
 
-    .venv/bin/python bench/batch_drift.py BUNDLE [--sequences 8] [--steps 32]
+    .venv/bin/python bench/batching/batch_drift.py BUNDLE [--sequences 8] [--steps 32]
 
 Writes bench/results/batch_drift.{json,md}; a table on stdout.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 from harness import write_results  # noqa: E402  (bench/ is not a package)
 

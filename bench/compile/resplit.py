@@ -1,6 +1,6 @@
 """Re-split time as a share of a cold compile: 2 stages cold (empty cache), then 3 stages from the cache.
 
-Run: .venv/bin/python bench/resplit.py /tmp/resplit   (writes a random 130M-parameter Llama there once).
+Run: .venv/bin/python bench/compile/resplit.py /tmp/resplit   (writes a random 130M-parameter Llama there once).
 Writes bench/results/resplit.{json,md} (bench/harness.py) and prints the table.
 """
 
@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import write_results  # noqa: E402  (bench/ is not a package)
 
 

@@ -11,7 +11,7 @@ does; a row of M activations goes through (M=1: decode; M=512: a prompt). Report
 MatMul, and the weight bytes read per second (M=1) or the multiply-adds per second (M>1); beside them the
 machine's copy bandwidth with the same thread count (numpy copies in threads, read + write counted).
 
-    CI=true .venv/bin/python bench/fc_kernels.py [--shapes 2048x8192,576x1536] [--threads 1,2] [--rows 1]
+    CI=true .venv/bin/python bench/cpu_kernels/fc_kernels.py [--shapes 2048x8192,576x1536] [--threads 1,2] [--rows 1]
         [--formats i4:128,i4:32,i4:-1,u4:128,u8:-1] [--settings bf16,f32dq32,f32dq128,f32nodq] [--mb 256]
 
 Writes ``--out`` (bench/results)/fc_kernels.{json,md,png}.
@@ -31,7 +31,7 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 import report  # noqa: E402  (bench/report.py: JSON + table + plot)
 from harness import command_line, machine  # noqa: E402

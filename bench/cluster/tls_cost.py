@@ -3,10 +3,10 @@
 Two chains of two stage workers on loopback (stories260K by default, fp32, --exact): one plain, one with
 `ovshard keygen` credentials. Rounds alternate the order; each round decodes --tokens greedy tokens on each
 chain and records the mean head-measured step time (the decode phase, without the prefill). Bytes: each
-chain is measured once more behind zero-latency counting relays (ovshard.runtime.wire.wanproxy.DelayProxy) in
+chain is measured once more behind zero-latency counting relays (ovshard.runtime.tools.wanproxy.DelayProxy) in
 front of both stages, so every byte of the three hops (head -> stage 0 -> stage 1 -> head) is counted.
 
-    .venv/bin/python bench/tls_cost.py [--checkpoint PATH] [--rounds 7] [--tokens 64]
+    .venv/bin/python bench/cluster/tls_cost.py [--checkpoint PATH] [--rounds 7] [--tokens 64]
 
 Writes bench/results/tls_cost.{json,md} (bench/harness.py) and prints the table.
 """
@@ -20,7 +20,7 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -32,10 +32,10 @@ from ovshard.runtime.client.head import Head  # noqa: E402
 from ovshard.runtime.client.launch import WorkerProcess, serve_command  # noqa: E402
 from ovshard.runtime.decoding.decode import Stats  # noqa: E402
 from ovshard.runtime.engine.sampler import SamplingConfig  # noqa: E402
+from ovshard.runtime.tools.keygen import keygen  # noqa: E402
+from ovshard.runtime.tools.wanproxy import DelayProxy  # noqa: E402
 from ovshard.runtime.wire.address import parse_address  # noqa: E402
-from ovshard.runtime.wire.keygen import keygen  # noqa: E402
 from ovshard.runtime.wire.tls import client_context, load_credentials  # noqa: E402
-from ovshard.runtime.wire.wanproxy import DelayProxy  # noqa: E402
 
 PROMPT = [1, 403, 407, 261, 378]
 

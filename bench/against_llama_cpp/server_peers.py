@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """ovshard's API against llama.cpp's own server on the same real model, threads and clients: aggregate tok/s.
 
-    .venv/bin/python bench/server_peers.py [--clients 8] [--requests 2] [--tokens 64] [--rounds 3]
+    .venv/bin/python bench/against_llama_cpp/server_peers.py [--clients 8] [--requests 2] [--tokens 64] [--rounds 3]
         [--gguf FILE] [--stages 2]
 
 The real Gemma 3 270M (its Q4_K_M GGUF, tests/real_gemma.py), or ``--gguf``'s model. llama.cpp's ``llama-server`` serves the file with
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 import peers  # noqa: E402  (bench/peers.py: builds llama.cpp once)
@@ -182,7 +182,7 @@ def main() -> int:
     rows = [{"clients": args.clients, "ovshard_kv": args.kv, "ovshard_tok_s": round(statistics.median(samples["ovshard"]), 1),
              "llama_server_tok_s": round(statistics.median(samples["llama-server"]), 1),
              "ovshard_vs_llama_server": round(ratio, 2), "target": ">= 1.2x"}]
-    command = " ".join([".venv/bin/python", "bench/server_peers.py", *sys.argv[1:]])
+    command = " ".join([".venv/bin/python", "bench/against_llama_cpp/server_peers.py", *sys.argv[1:]])
     print(write_rows(args.results, "server_peers", command, [{**rows[0], "samples": samples}], list(rows[0])))
     return 0
 

@@ -1,7 +1,7 @@
 """Cost of the compiler's whole-model INT8 choice alone (``ovshard.plan.precision.choose_int8``) on a checkpoint.
 
     CI=true .venv/bin/ovshard synth llama-3.2-1b -o /tmp/l1b --dtype bfloat16
-    CI=true .venv/bin/python bench/int8_choice_cost.py /tmp/l1b
+    CI=true .venv/bin/python bench/compile/int8_choice_cost.py /tmp/l1b
 
 Prints the figures; writes bench/results/int8_choice_cost.{json,md}.
 """
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import write_results  # noqa: E402  (bench/ is not a package)
 
 from ovshard.bundle.weights import WeightFormat  # noqa: E402

@@ -7,7 +7,7 @@ kernels (KV cache precision, f32 compute, dynamic quantization off). Reported: t
 difference, whether every row's argmax agrees, and a one-token decode step's time (single run: a rough
 guide, timings drift here).
 
-    CI=true .venv/bin/python bench/batch_rows.py [--bundle BUNDLE]
+    CI=true .venv/bin/python bench/batching/batch_rows.py [--bundle BUNDLE]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 from harness import RESULTS, write_results  # noqa: E402  (bench/ is not a package)
 

@@ -7,7 +7,7 @@ Each round compiles both formats into a fresh folder with the layer cache off; t
 one-time imports and is reported apart. Compare two commits by running this on each, interleaved
 (``git stash`` / ``git checkout``), on a quiet machine.
 
-    CI=true .venv/bin/python bench/compile_overhead.py [--rounds 3]
+    CI=true .venv/bin/python bench/compile/compile_overhead.py [--rounds 3]
 
 Writes bench/results/compile_overhead.{json,md} (bench/harness.py) and prints the table.
 """
@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import STORIES, interleaved, write_results  # noqa: E402  (bench/ is not a package)
 
 from ovshard.bundle.weights import WeightFormat  # noqa: E402

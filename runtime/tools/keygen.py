@@ -1,4 +1,4 @@
-"""``ovshard keygen``: a cluster CA and one certificate per node, for mutual TLS (see security.py).
+"""``ovshard keygen``: a cluster CA and one certificate per node, for the mutual TLS of ``wire/tls.py``.
 
 Layout written (``folder`` is new, empty, or with ``force`` an earlier keygen folder, replaced whole)::
 
@@ -11,6 +11,7 @@ Layout written (``folder`` is new, empty, or with ``force`` an earlier keygen fo
 Everything is written into a temporary folder next to ``folder`` and renamed into place, so a failure
 leaves nothing half-written. Keys are EC P-256. This is the only module that needs ``cryptography``
 (the ``ovshard[secure]`` extra); it is imported inside :func:`keygen`, so a serving node never loads it.
+A tool, not the wire: it writes credentials once, where keys are made; the wire only loads them.
 """
 
 from __future__ import annotations

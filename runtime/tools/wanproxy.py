@@ -19,7 +19,7 @@ jitter, and the round trip of the TCP handshake (the connection to the target op
 
 A side that closes (or fails) ends its direction: the other side receives everything still queued,
 then end of stream. The connection pair is released once both directions have ended, or at once when
-a send fails.
+a send fails. A tool, not the wire: nothing a head or a stage runs goes through it unless a user puts it there.
 """
 
 from __future__ import annotations

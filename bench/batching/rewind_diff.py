@@ -5,7 +5,7 @@ Random feed / reject sequences, as tests/runtime/decoding/test_speculative.py dr
 logits of a cache rewound by mask against one trimmed physically, grouped by whether the masked cache
 has holes and whether the step feeds one token or several. Reproduce:
 
-    CI=true .venv/bin/python bench/rewind_diff.py [--sequences 300]
+    CI=true .venv/bin/python bench/batching/rewind_diff.py [--sequences 300]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import STORIES, write_results  # noqa: E402  (bench/ is not a package)
 
 from ovshard.compile import CompileConfig, compile_bundle  # noqa: E402

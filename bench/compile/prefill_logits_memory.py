@@ -6,7 +6,7 @@ this process that sends an 8,000-token prompt as one step and asks for the next 
 Reported: the worker's peak RSS (``VmHWM``) over its RSS once loaded, interleaved A/B over ``--rounds``.
 Before the change the last stage computed ``logits [1, 8000, 128256]`` (4.1 GB of f32) to read one row.
 
-    CI=true .venv/bin/python bench/prefill_logits_memory.py [--tokens 8000] [--rounds 2]
+    CI=true .venv/bin/python bench/compile/prefill_logits_memory.py [--tokens 8000] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ threading.Thread(target=lambda: (sys.stdin.read(), worker.stop()), daemon=True).
 worker.serve_forever()
 """
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import RESULTS, interleaved, write_results  # noqa: E402  (bench/ is not a package)
 
 

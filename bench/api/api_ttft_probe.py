@@ -1,6 +1,6 @@
 """Time to the first text through `ovshard api`: a raw socket client against the official `openai` client.
 
-Run: .venv/bin/python bench/api_ttft_probe.py BUNDLE   (a compiled 2-stage bundle, e.g. stories260K fp32)
+Run: .venv/bin/python bench/api/api_ttft_probe.py BUNDLE   (a compiled 2-stage bundle, e.g. stories260K fp32)
 Prints the fastest 4 of 8 requests each, in ms: how much of the API's first-token time is the client's.
 """
 
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from api_server import Api  # noqa: E402  (stage workers plus an `ovshard api` process)
 
 BODY = {"prompt": [1, 400, 300], "max_tokens": 4, "temperature": 0, "stream": True}

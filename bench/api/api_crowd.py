@@ -7,8 +7,8 @@ with the Retry-After values seen), the median and slowest latency of the kept on
 chunk), the KV blocks in use and requests running or waiting once the crowd is over, and each process's RSS
 (the API process, then its workers) after a warm-up of 8 clients and after the crowd.
 
-    .venv/bin/python bench/api_crowd.py BUNDLE                          # the defaults
-    .venv/bin/python bench/api_crowd.py BUNDLE -- --streams 4 --queue 16  # user-set limits
+    .venv/bin/python bench/api/api_crowd.py BUNDLE                          # the defaults
+    .venv/bin/python bench/api/api_crowd.py BUNDLE -- --streams 4 --queue 16  # user-set limits
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 os.environ.setdefault("CI", "true")  # before openvino loads: no telemetry forks, also in the child processes
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 import openai  # noqa: E402
 import psutil  # noqa: E402

@@ -12,7 +12,7 @@ once (two threads, one per stage, each inference on its own thread): on one mach
 bus and caches, which separate PCs do not; "ceiling, both at once" uses those times for the N-stream groups.
 Results: bench/results/tick_cost.{json,md}.
 
-    .venv/bin/python bench/tick_cost.py [--bundle B] [--threads 1] [--rounds 12]
+    .venv/bin/python bench/batching/tick_cost.py [--bundle B] [--threads 1] [--rounds 12]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 from harness import write_results  # noqa: E402  (bench/ is not a package)
 

@@ -7,7 +7,7 @@ format takes a group size, ADJUST where a row is not divisible), and the result 
 perplexity (``bench/int4_frontier.py``: same text, context and fp32 reference). A format NNCF refuses on these
 IRs is reported with its error.
 
-    CI=true .venv/bin/python bench/nncf_formats.py [--model smollm2-135m] [--formats nf4,cb4,mxfp4]
+    CI=true .venv/bin/python bench/compile/nncf_formats.py [--model smollm2-135m] [--formats nf4,cb4,mxfp4]
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import int4_frontier as frontier
-import nncf
-import openvino as ov
-from nncf.quantization.advanced_parameters import AdvancedCompressionParameters, GroupSizeFallbackMode
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import int4_frontier as frontier  # noqa: E402  (bench/int4_frontier.py: its models, texts and perplexity)
+import nncf  # noqa: E402
+import openvino as ov  # noqa: E402
+from nncf.quantization.advanced_parameters import AdvancedCompressionParameters, GroupSizeFallbackMode  # noqa: E402
 
 from ovshard.bundle.manifest import read_manifest
 from ovshard.runtime.client.inprocess import LocalPipeline
