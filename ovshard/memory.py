@@ -38,6 +38,18 @@ class MemoryPeak:
     rss_bytes: int | None  # whole resident set, file-backed mappings included
 
 
+def available_bytes() -> int | None:
+    """Memory available to new work: MemAvailable from ``/proc/meminfo``; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    return None
+
+
 def read_status(path: Path = STATUS) -> dict[str, int]:
     """``anon``, ``rss`` and ``hwm`` in bytes from ``/proc/self/status``; empty where there is none."""
     try:

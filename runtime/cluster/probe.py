@@ -27,6 +27,7 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
+from ovshard import memory
 from ovshard.bundle.dims import ModelDims
 from ovshard.bundle.manifest import Manifest
 from ovshard.bundle.weights import WeightFormat
@@ -227,14 +228,10 @@ def _last_level_cache_bytes() -> int:
 
 def free_memory_bytes() -> int:
     """Memory available to new work: MemAvailable from /proc/meminfo, else free pages times the page size."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # reported in kB
-    except OSError:
-        pass
-    return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    available = memory.available_bytes()
+    if available is None:
+        available = int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    return available
 
 
 class EchoServer:

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import openvino as ov
 
+from ovshard import memory
 from ovshard.bundle import names
 from ovshard.errors import PagedUnsupportedError
 
@@ -49,25 +50,13 @@ def _shapes(primary: str, hidden: int | None, num_blocks: int) -> dict[str, tupl
             names.SAMPLED_ROWS: ([1], np.int64)}
 
 
-def available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo; None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # reported in kB
-    except OSError:
-        pass
-    return None
-
-
 def why_no_copy(weight_bytes: int) -> str | None:
     """Why a stage with ``weight_bytes`` of weights gets no static copy, or None where it gets one: it must be small
     enough that the copy's fixed saving a step counts (``COPY_MAX_BYTES``), and the memory available now must hold
     the copy with as much again to spare (unknown: assumed so)."""
     if weight_bytes > COPY_MAX_BYTES:
         return f"its {weight_bytes // 10**6} MB of weights make a step long enough that a copy would not pay"
-    available = available_bytes()
+    available = memory.available_bytes()
     if available is not None and available < 2 * weight_bytes:
         return f"too little memory available for a static copy of {weight_bytes // 10**6} MB of weights"
     return None

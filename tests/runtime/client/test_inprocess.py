@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import compile_fp32
 
+from ovshard import memory
 from ovshard.bundle.manifest import read_manifest
 from ovshard.errors import PagedUnsupportedError
 from ovshard.runtime.client import inprocess
@@ -93,7 +94,7 @@ def test_without_memory_for_a_static_copy_decode_runs_dynamic(bundles: dict[int,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     """Where the memory available cannot hold a static copy, none is made (logged at INFO) and decode still
     chooses the stateful tokens."""
-    monkeypatch.setattr(static_step, "available_bytes", lambda: 0)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 0)
     with caplog.at_level(logging.INFO, logger=paged_module.__name__):
         pipe = LocalPipeline(bundles[1], config=EXACT_HINTS, slice_logits=True, paged=True)
     assert pipe.stages[0].paged.decode is None
