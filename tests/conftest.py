@@ -126,6 +126,16 @@ def hf_greedy(checkpoint: Path, prompt: list[int], new_tokens: int) -> tuple[lis
     return tokens, logits
 
 
+def assert_greedy_like_hf(bundle: Path, checkpoint: Path, prompt: list[int], new_tokens: int = 16,
+                          max_logit_diff: float = 1e-4) -> None:
+    """``bundle`` greedy-decodes the tokens Hugging Face decodes from ``checkpoint``, every logit within
+    ``max_logit_diff``."""
+    tokens, rows = run_greedy(bundle, prompt, new_tokens)
+    expected, reference = hf_greedy(checkpoint, prompt, new_tokens)
+    assert tokens == expected
+    assert float(np.abs(rows - reference).max()) <= max_logit_diff
+
+
 _COMPILED: dict[str, Path] = {}  # one compile per checkpoint and options in a test run; tests get copies
 _COMPILED_ROOT = Path(tempfile.mkdtemp(prefix="ovshard-test-bundles-"))
 atexit.register(shutil.rmtree, _COMPILED_ROOT, ignore_errors=True)

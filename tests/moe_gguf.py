@@ -95,6 +95,14 @@ def _finish(writer: Any, tensors: dict[str, np.ndarray], qtype: str, quantized: 
     writer.close()
 
 
+def _stacked_experts(state: dict[str, np.ndarray], names: Any, sparse: range, experts: int) -> dict[str, np.ndarray]:
+    """The converter's stacked experts of ``mlp.experts.{e}``-named checkpoints (GLM, DeepSeek): per sparse layer and
+    projection one [experts, out, in] tensor under its llama.cpp name."""
+    return {names.get_name(f"model.layers.{i}.mlp.experts.{w}.weight", try_suffixes=(".weight",)):
+            np.stack([state[f"model.layers.{i}.mlp.experts.{e}.{w}.weight"] for e in range(experts)])
+            for i in sparse for w in ("down_proj", "gate_proj", "up_proj")}
+
+
 def write_mixtral_gguf(checkpoint: Path, path: Path, qtype: str = "F32") -> Path:
     """The GGUF of the Mixtral ``checkpoint`` (one safetensors file) with matrices stored as ``qtype``."""
     import gguf
@@ -228,10 +236,7 @@ def write_glm4_moe_gguf(checkpoint: Path, path: Path, qtype: str = "F32", gating
             continue
         name = name.replace("e_score_correction_bias", "e_score_correction.bias")
         tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = w
-    for i in range(config["first_k_dense_replace"], layers):  # [E, out, in]
-        for w in ("down_proj", "gate_proj", "up_proj"):
-            stacked = np.stack([state[f"model.layers.{i}.mlp.experts.{e}.{w}.weight"] for e in range(experts)])
-            tensors[names.get_name(f"model.layers.{i}.mlp.experts.{w}.weight", try_suffixes=(".weight",))] = stacked
+    tensors |= _stacked_experts(state, names, range(config["first_k_dense_replace"], layers), experts)
     rng = np.random.default_rng(0)
     last = f"blk.{layers - 1}."
     tensors |= {f"blk.{layers}." + n.removeprefix(last): rng.standard_normal(w.shape).astype(np.float32)
@@ -305,10 +310,7 @@ def write_deepseek_gguf(checkpoint: Path, path: Path, split_kv_b: bool = True, g
             continue
         name = name.replace("e_score_correction_bias", "e_score_correction.bias")
         tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = w
-    for i in range(config["first_k_dense_replace"], layers):  # [E, out, in]
-        for w in ("down_proj", "gate_proj", "up_proj"):
-            stacked = np.stack([state[f"model.layers.{i}.mlp.experts.{e}.{w}.weight"] for e in range(experts)])
-            tensors[names.get_name(f"model.layers.{i}.mlp.experts.{w}.weight", try_suffixes=(".weight",))] = stacked
+    tensors |= _stacked_experts(state, names, range(config["first_k_dense_replace"], layers), experts)
     _finish(writer, tensors, "F32", lambda name, data: False)
     return path
 

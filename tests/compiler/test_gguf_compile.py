@@ -16,8 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import compile_fp32, run_greedy
-from conftest import hf_greedy as hf_checkpoint_greedy
+from conftest import assert_greedy_like_hf, compile_fp32
 from families import Family, write_random_checkpoint
 from moe_gguf import gpt_oss_config, mixtral_config, write_gpt_oss_gguf, write_mixtral_gguf
 from real_gemma import gemma_gguf, gemma_hf_reference  # noqa: F401  (fixtures)
@@ -189,10 +188,7 @@ def test_mixtral_gguf_two_stages_match_its_checkpoint(tmp_path: Path) -> None:
     bundle = compile_fp32(write_mixtral_gguf(checkpoint, tmp_path / "mixtral.gguf"), tmp_path / "bundle", stages=2)
     assert read_manifest(bundle).num_stages == 2
     prompt = [1, 17, 42, 99, 5, 123, 77]
-    tokens, rows = run_greedy(bundle, prompt, 16)
-    expected, reference = hf_checkpoint_greedy(checkpoint, prompt, 16)
-    assert tokens == expected
-    assert float(np.abs(rows - reference).max()) <= MAX_LOGIT_DIFF
+    assert_greedy_like_hf(bundle, checkpoint, prompt, max_logit_diff=MAX_LOGIT_DIFF)
 
 
 def test_gpt_oss_gguf_two_stages_match_its_checkpoint(tmp_path: Path) -> None:
@@ -202,7 +198,4 @@ def test_gpt_oss_gguf_two_stages_match_its_checkpoint(tmp_path: Path) -> None:
     bundle = compile_fp32(write_gpt_oss_gguf(checkpoint, tmp_path / "gpt-oss.gguf"), tmp_path / "bundle", stages=2,
                           max_positions=256)
     prompt = [1, 17, 42, 99, 5, 123, 77]
-    tokens, rows = run_greedy(bundle, prompt, 16)
-    expected, reference = hf_checkpoint_greedy(checkpoint, prompt, 16)
-    assert tokens == expected
-    assert float(np.abs(rows - reference).max()) <= MAX_LOGIT_DIFF
+    assert_greedy_like_hf(bundle, checkpoint, prompt, max_logit_diff=MAX_LOGIT_DIFF)

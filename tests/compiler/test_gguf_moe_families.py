@@ -13,8 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import compile_fp32, run_greedy
-from conftest import hf_greedy as hf_checkpoint_greedy
+from conftest import assert_greedy_like_hf, compile_fp32
 from families import FAMILIES, Family, write_random_checkpoint
 from moe_gguf import (
     deepseek_plain_q_config,
@@ -27,7 +26,7 @@ from moe_gguf import (
 
 from ovshard.errors import UnsupportedArchitectureError
 from ovshard.frontend.description import describe
-from ovshard.frontend.gguf import open_gguf
+from ovshard.frontend.gguf import GGUFCheckpoint, open_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +44,20 @@ def assert_describes_source(config: dict, source: Path) -> None:
     theirs["rms_norm_eps"] = float(np.float32(theirs["rms_norm_eps"]))
     ours, hf = describe(config), describe(theirs)
     assert (ours.arch, ours.dims, ours.block, dict(ours.rope)) == (hf.arch, hf.dims, hf.block, dict(hf.rope))
+
+
+def assert_equals_source(ckpt: GGUFCheckpoint, source: Path) -> dict[str, torch.Tensor]:
+    """An F32 file ``ckpt`` holds the tensors of the checkpoint ``source`` bit for bit and describes its model;
+    returns the source's tensors."""
+    from safetensors.torch import load_file
+
+    ckpt.validate_tensors()
+    assert_describes_source(ckpt.config, source)
+    saved = load_file(source / "model.safetensors")
+    assert set(ckpt.tensor_names()) == set(saved)
+    for name, w in saved.items():
+        assert torch.equal(ckpt.load(name), w), name
+    return saved
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
@@ -82,10 +95,7 @@ def test_glm4_moe_gguf_two_stages_match_its_checkpoint(tmp_path: Path, glm_check
     checkpoint = glm_checkpoint if variant == "glm4_moe" else write_random_checkpoint(FAMILIES[variant], tmp_path / "hf")
     bundle = compile_fp32(write_glm4_moe_gguf(checkpoint, tmp_path / "glm.gguf"), tmp_path / "bundle", stages=2)
     prompt = [1, 17, 42, 99, 5, 123, 77]
-    tokens, rows = run_greedy(bundle, prompt, 16)
-    expected, reference = hf_checkpoint_greedy(checkpoint, prompt, 16)
-    assert tokens == expected
-    assert float(np.abs(rows - reference).max()) <= MAX_LOGIT_DIFF
+    assert_greedy_like_hf(bundle, checkpoint, prompt, max_logit_diff=MAX_LOGIT_DIFF)
 
 
 def test_softmax_gated_glm4_moe_refused(tmp_path: Path, glm_checkpoint: Path) -> None:
@@ -104,16 +114,9 @@ def test_deepseek_gguf_equals_its_checkpoint(tmp_path: Path, variant: str, split
     attn_k_b/attn_v_b, or whole as older files hold it; yarn's mscale as yarn_log_multiplier): every tensor equals
     the source checkpoint's, kv_b_proj joined back (also row by row); the config describes the source's model (the
     latent ranks, head widths, yarn, grouped routing), with and without the q latent."""
-    from safetensors.torch import load_file
-
     checkpoint = write_random_checkpoint(DEEPSEEK[variant], tmp_path / "hf")
     ckpt = open_gguf(write_deepseek_gguf(checkpoint, tmp_path / "ds.gguf", split_kv_b))
-    ckpt.validate_tensors()
-    assert_describes_source(ckpt.config, checkpoint)
-    saved = load_file(checkpoint / "model.safetensors")
-    assert set(ckpt.tensor_names()) == set(saved)
-    for name, w in saved.items():
-        assert torch.equal(ckpt.load(name), w), name
+    saved = assert_equals_source(ckpt, checkpoint)
     kv_b = "model.layers.1.self_attn.kv_b_proj.weight"
     assert torch.equal(ckpt.load_rows(kv_b, 3, 30), saved[kv_b][3:30])
 
@@ -126,10 +129,7 @@ def test_deepseek_gguf_two_stages_match_its_checkpoint(tmp_path: Path, variant: 
     checkpoint = write_random_checkpoint(DEEPSEEK[variant], tmp_path / "hf")
     bundle = compile_fp32(write_deepseek_gguf(checkpoint, tmp_path / "ds.gguf"), tmp_path / "bundle", stages=2)
     prompt = [1, 17, 42, 99, 5, 123, 77, 8, 250, 31, 64, 12, 90, 7, 201, 44, 3, 19, 160, 55]
-    tokens, rows = run_greedy(bundle, prompt, 16)
-    expected, reference = hf_checkpoint_greedy(checkpoint, prompt, 16)
-    assert tokens == expected
-    assert float(np.abs(rows - reference).max()) <= MAX_LOGIT_DIFF
+    assert_greedy_like_hf(bundle, checkpoint, prompt, max_logit_diff=MAX_LOGIT_DIFF)
 
 
 def test_deepseek_gguf_without_sigmoid_routing_refused(tmp_path: Path) -> None:
@@ -144,23 +144,12 @@ def test_llama4_gguf_equals_its_checkpoint_and_compiles_to_its_tokens(tmp_path: 
     width as feed_forward_length): every tensor equals the source checkpoint's; the config describes the source's
     model with what llama.cpp fixes (chunks of 8192, every 4th layer NoPE, temperature 8192/0.1, q/k norms); compiled
     to 2 fp32 stages (stateful) it greedy-decodes transformers' tokens from the source, logits within 1e-4."""
-    from safetensors.torch import load_file
-
     checkpoint = write_random_checkpoint(Family(llama4_config), tmp_path / "hf")
     path = write_llama4_gguf(checkpoint, tmp_path / "llama4.gguf")
-    ckpt = open_gguf(path)
-    ckpt.validate_tensors()
-    assert_describes_source(ckpt.config, checkpoint)
-    saved = load_file(checkpoint / "model.safetensors")
-    assert set(ckpt.tensor_names()) == set(saved)
-    for name, w in saved.items():
-        assert torch.equal(ckpt.load(name), w), name
+    assert_equals_source(open_gguf(path), checkpoint)
     bundle = compile_fp32(path, tmp_path / "bundle", stages=2)
     prompt = [1, 17, 42, 99, 5, 123, 77]
-    tokens, rows = run_greedy(bundle, prompt, 16)
-    expected, reference = hf_checkpoint_greedy(checkpoint, prompt, 16)
-    assert tokens == expected
-    assert float(np.abs(rows - reference).max()) <= MAX_LOGIT_DIFF
+    assert_greedy_like_hf(bundle, checkpoint, prompt, max_logit_diff=MAX_LOGIT_DIFF)
 
 
 def test_llama4_gguf_without_chunks_refused(tmp_path: Path) -> None:
