@@ -375,7 +375,7 @@ class PagedStage:
         """One inference over every sequence's new rows; returns each sequence's output rows:
         hidden [T, H] (or logits [T, V]; [want, V] on a sliced last stage)."""
         self._check(seqs)
-        if self.decode is not None and len(seqs) == 1 and seqs[0].count == 1:  # a decode step: static shapes
+        if self.decode is not None and len(seqs) == 1 and seqs[0].count == 1 and seqs[0].want != 0:  # decode
             rows = seqs[0]
             return [self.decode.run(rows.x, rows.position, rows.blocks[:-(-rows.end // self.block_size)])]
         self.request.infer(paged_inputs(self.primary, seqs, self.block_size, self.sliced))

@@ -35,7 +35,7 @@ from ovshard.runtime.client.text import Text, TextStream
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.scheduling.requests import Request
 from ovshard.runtime.serve.metrics import Metrics
-from ovshard.runtime.serve.openai_types import Answer, ApiError, Params, parse_messages, parse_params
+from ovshard.runtime.serve.openai_types import Answer, ApiError, Params, parse_messages, parse_params, sse
 from ovshard.runtime.serve.pipeline_view import PipelineView
 
 log = logging.getLogger(__name__)
@@ -231,15 +231,11 @@ def _check_model(service: ApiService, body: dict) -> None:
                        param="model", code="model_not_found")
 
 
-def _sse(obj: dict | str) -> bytes:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
-
-
 async def _stream(run: Run, answer: Answer) -> AsyncIterator[bytes]:
     """Server-sent events of one run, one event per text piece; the events queued by the time the loop
     gets to them go out in one write. A client that goes away cancels the run (the stream is freed)."""
     try:
-        yield _sse(answer.chunk(None, None, first=True))
+        yield sse(answer.chunk(None, None, first=True))
         while True:
             events = await run.events.take()
             out, ended = _events(run, answer, [e for kind, value in events for e in run.absorb(kind, value)])
@@ -259,13 +255,13 @@ def _events(run: Run, answer: Answer, events: list[tuple[str, Any]]) -> tuple[by
         if kind == "text":
             out.append(answer.text_event(value))
         elif kind == "error":
-            return b"".join([*out, _sse(value.body()), _sse("[DONE]")]), True
+            return b"".join([*out, sse(value.body()), sse("[DONE]")]), True
         else:
             finish, usage = value
-            out.append(_sse(answer.chunk(None, finish)))
+            out.append(sse(answer.chunk(None, finish)))
             if run.params.include_usage:
-                out.append(_sse(answer.usage_chunk(usage)))
-            return b"".join([*out, _sse("[DONE]")]), True
+                out.append(sse(answer.usage_chunk(usage)))
+            return b"".join([*out, sse("[DONE]")]), True
     return b"".join(out), False
 
 

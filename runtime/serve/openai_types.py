@@ -114,6 +114,11 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
     return out
 
 
+def sse(obj: dict | str) -> bytes:
+    """One server-sent event: ``data:`` and the JSON of ``obj`` (a string as it is, e.g. ``[DONE]``)."""
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+
+
 class Answer:
     """The ids, times and shapes of one response (a chat completion or a text completion)."""
 
@@ -132,7 +137,7 @@ class Answer:
         return before + json.dumps(text).encode() + after
 
     def _event(self, text: str) -> bytes:
-        return f"data: {json.dumps(self.chunk(text, None))}\n\n".encode()
+        return sse(self.chunk(text, None))
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
