@@ -469,7 +469,8 @@ def main() -> int:
     parser.add_argument("--llama-src", type=Path, required=True, help="a llama.cpp source tree (its CMakeLists.txt)")
     parser.add_argument("--only", default="kernels,setup,settings,profile,one,table", help="phases, in this order")
     parser.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b", help="one-node shapes; the last one is "
-                        "the table's and the compile cost's")
+                        "the table's and, without --cost-shape, the compile cost's")
+    parser.add_argument("--cost-shape", help="the shape whose compile cost per layer the cost phase measures")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", default="2,4,8", help="one node's thread counts (the largest shape from 4)")
@@ -484,7 +485,7 @@ def main() -> int:
     state: dict[str, Any] = results.data.get("setup", {})
     threads = [int(t) for t in args.threads.split(",")]
     steps = {"setup": lambda: state.update(setup(args.work, args.llama_src, shapes, results)),
-             "cost": lambda: cost(args.work, results, shapes[-1]),
+             "cost": lambda: cost(args.work, results, args.cost_shape or shapes[-1]),
              "one": lambda: one_node(state, results, shapes, args.rounds, args.tokens,
                                      [int(t) for t in args.threads.split(",")]),
              "table": lambda: table(state, results, shapes[-1], args.rounds, args.tokens, layout),
