@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -250,8 +251,9 @@ CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[object]:
-    """Debian's headless chromium through its chromium-driver (installed by .ci/run; never a download)."""
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """Debian's headless chromium through its chromium-driver (installed by .ci/run; never a download); its
+    profile and temporary folders go under the test's own temporary folder, not /tmp."""
     if CHROMIUM is None or CHROMEDRIVER is None:
         pytest.skip("chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)")
     from selenium import webdriver
@@ -259,9 +261,12 @@ def browser() -> Iterator[object]:
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+    home = tmp_path_factory.mktemp("chromium")
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                 f"--user-data-dir={home / 'profile'}"):
         options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    service = Service(executable_path=CHROMEDRIVER, env={**os.environ, "TMPDIR": str(home)})
+    driver = webdriver.Chrome(service=service, options=options)
     try:
         yield driver
     finally:
