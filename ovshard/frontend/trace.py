@@ -211,7 +211,7 @@ def _example_inputs(dims: ModelDims, stage: StageSpec, batch: int = 2, seq: int 
         x = torch.randn(batch, seq, dims.hidden_size)
     mask = torch.ones(batch, past + seq, dtype=torch.int64)
     positions = torch.arange(past, past + seq, dtype=torch.int64).expand(batch, seq).contiguous()
-    kv = [torch.zeros(batch, dims.num_kv_heads, past, dim) for _ in stage.layers for dim in dims.cache_dims]
+    kv = [torch.zeros(batch, dims.cache_heads, past, dim) for _ in stage.layers for dim in dims.cache_dims]
     return (x, mask, positions, *kv)
 
 
@@ -225,7 +225,7 @@ def output_names(stage: StageSpec) -> list[str]:
 
 def _input_signature(dims: ModelDims, stage: StageSpec) -> list[tuple[ov.PartialShape, ov.Type]]:
     dyn = ov.Dimension.dynamic()
-    kv = [(ov.PartialShape([dyn, dims.num_kv_heads, dyn, dim]), ov.Type.f32) for dim in dims.cache_dims]
+    kv = [(ov.PartialShape([dyn, dims.cache_heads, dyn, dim]), ov.Type.f32) for dim in dims.cache_dims]
     first = (
         (ov.PartialShape([dyn, dyn]), ov.Type.i64)
         if stage.first
