@@ -11,9 +11,10 @@ key, not what kv_b expands them into: ``kv_b`` is absorbed (as DeepSeek's own in
 do). Head h's non-rotary score q_nope . (W_UK[h] c) is (q_nope W_UK[h]) . c, and its output sum_j p_j W_UV[h]
 c_j is W_UV[h] (sum_j p_j c_j), so attention is multi-query: ONE KV head whose key is [c; k_rot]
 (kv_lora_rank + rope wide) and whose value is c (kv_lora_rank wide), each head's query [q_nope W_UK[h]; q_rot],
-the scale unchanged (it counts nope + rope); each head's output then times W_UV[h], then o. A key bias of kv_b
-adds the same q . b to every score of a row (softmax drops it); a value bias adds b once (the weights sum to
-1). The cache is keys (kv_lora_rank + rope) and values (kv_lora_rank) of one head a token and layer, one
+the scale unchanged (it counts nope + rope); each head's output then times W_UV[h], then o (kv_b has no bias:
+MLA_NAMES). W_UK as [heads, nope, rank] and W_UV as [heads, rank, v_dim] are cut from kv_b when a layer is
+loaded (:func:`absorbed_kv_b`), so each feeds its MatMul directly and keeps kv_b's name (:func:`name_kv_b`): the
+INT8 choice of kv_b holds for both halves. The cache is keys (kv_lora_rank + rope) and values (kv_lora_rank) of one head a token and layer, one
 SDPA op whose key width differs from its value width, which OpenVINO's KV fusion and paged attention take as
 they take grouped-query attention. The expanded form (every head's key and value cached) stays for comparison
 (``mla_cache="expanded"`` in the compile config; bench/mla_step.py measures both).
@@ -62,7 +63,7 @@ def mla_qkv(d: ModelDims, blk: Block, layer: Any, x: torch.Tensor, cos: torch.Te
     q_rot, k_rot = apply_rotary(q_rot, cos, sin, rope), apply_rotary(k_rot, cos, sin, rope)
     if d.latent_cache:
         latent = latent.reshape(b, t, 1, d.kv_lora_rank).transpose(1, 2)  # [batch, 1, seq, rank]
-        q_latent = torch.matmul(q_nope, _kv_b(d, layer)[:, :nope])  # [batch, heads, seq, rank]: q_nope W_UK[h]
+        q_latent = torch.matmul(q_nope, layer.kv_b_key_weight)  # [batch, heads, seq, rank]: q_nope W_UK[h]
         return torch.cat((q_latent, q_rot), dim=-1), torch.cat((latent, k_rot), dim=-1), latent
     kv = F.linear(latent, layer.kv_b_weight, layer.kv_b_bias)
     kv = kv.view(b, t, heads, nope + d.v_dim).transpose(1, 2)  # [batch, heads, seq, nope + v_dim]
@@ -71,16 +72,29 @@ def mla_qkv(d: ModelDims, blk: Block, layer: Any, x: torch.Tensor, cos: torch.Te
     return q, k, kv[..., nope:]
 
 
-def latent_output(d: ModelDims, layer: Any, out: torch.Tensor) -> torch.Tensor:
+def latent_output(layer: Any, out: torch.Tensor) -> torch.Tensor:
     """The latent form's attention output [batch, heads, seq, rank] (each head's weighted latent) -> each head's
-    value output [batch, heads, seq, v_dim]: times W_UV[h] (kv_b's value rows of head h), plus kv_b's value bias."""
+    value output [batch, heads, seq, v_dim]: times W_UV[h]."""
+    return torch.matmul(out, layer.kv_b_value_weight)
+
+
+def absorbed_kv_b(d: ModelDims, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """kv_b's weight [heads * (nope + v_dim), rank] (each head's key rows, then its value rows) as the latent
+    form reads it: ``kv_b_key`` W_UK [heads, nope, rank] and ``kv_b_value`` W_UV transposed [heads, rank, v_dim]."""
     nope = d.head_dim - d.rope_head_dim
-    out = torch.matmul(out, _kv_b(d, layer)[:, nope:].transpose(1, 2))  # [batch, heads, seq, v_dim]
-    if layer.kv_b_bias is None:
-        return out
-    return out + layer.kv_b_bias.view(d.num_heads, 1, nope + d.v_dim)[..., nope:]
+    by_head = weight.view(d.num_heads, nope + d.v_dim, d.kv_lora_rank)
+    return {"kv_b_key": by_head[:, :nope].contiguous(), "kv_b_value": by_head[:, nope:].transpose(1, 2).contiguous()}
 
 
-def _kv_b(d: ModelDims, layer: Any) -> torch.Tensor:
-    """kv_b's weight by head [heads, nope + v_dim, rank]: W_UK[h] its first nope rows, W_UV[h] the rest."""
-    return layer.kv_b_weight.view(d.num_heads, d.head_dim - d.rope_head_dim + d.v_dim, d.kv_lora_rank)
+_HALVES = ("kv_b_key_weight", "kv_b_value_weight")
+
+
+def name_kv_b(model: Any) -> None:
+    """Name the converted graph's kv_b halves (constants ``<path>.kv_b_key_weight`` and ``.kv_b_value_weight``)
+    ``key:<path>.kv_b_weight`` and ``value:<path>.kv_b_weight``: weight compression finds a layer's projections by
+    the ``layers.<n>.<projection>_weight`` their names end with, so both halves take kv_b's format."""
+    for op in model.get_ops():
+        name = op.get_friendly_name()
+        for half in _HALVES:
+            if op.get_type_name() == "Constant" and name.endswith("." + half):
+                op.set_friendly_name(f"{half.split('_')[2]}:{name[: -len(half)]}kv_b_weight")

@@ -23,6 +23,7 @@ from torch import nn
 
 from ovshard.bundle import names
 from ovshard.bundle.stage import StageSpec
+from ovshard.frontend.mla import name_kv_b
 from ovshard.frontend.rope import rotary_tables
 from ovshard.frontend.stage_module import (
     EmbedScaleModule,
@@ -50,6 +51,7 @@ def _trace(module: nn.Module, example: tuple, inputs: Sequence[Port], outputs: S
         traced = torch.jit.trace(module.eval(), example, check_trace=False)
         model = ov.convert_model(traced, example_input=example, input=[(s, t) for _, s, t in inputs])
     del traced
+    name_kv_b(model)
     for port, (name, _, _) in zip(model.inputs, inputs, strict=True):
         port.get_tensor().set_names({name})
     for param, (name, _, _) in zip(model.get_parameters(), inputs, strict=True):

@@ -270,7 +270,7 @@ def decoder_layer(d: ModelDims, blk: Block, layer: Weights, h: torch.Tensor, cos
     out = attention(q, repeat_kv(k, groups), repeat_kv(v, groups), mask, blk,
                     layer.sinks if blk.attention_sinks else None)  # [batch, heads, seq, d]
     if d.latent_cache:
-        out = latent_output(d, layer, out)
+        out = latent_output(layer, out)
     out = F.linear(out.transpose(1, 2).reshape(b, t, d.num_heads * d.v_dim), layer.o_weight, layer.o_bias)
     if blk.sandwich_norms:
         out = rms_norm(out, layer.attn_out_norm, eps, offset)

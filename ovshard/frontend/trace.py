@@ -35,6 +35,7 @@ from ovshard.bundle import names
 from ovshard.bundle.dims import ModelDims
 from ovshard.bundle.stage import StageSpec
 from ovshard.errors import CheckpointError, OvshardError
+from ovshard.frontend.mla import absorbed_kv_b, name_kv_b
 from ovshard.frontend.rope import rotary_tables
 from ovshard.frontend.stage_module import StageModule, Weights, layer_weights
 from ovshard.frontend.tensors import MLA_NAMES, MLA_NORMS, mla_shapes
@@ -144,6 +145,8 @@ def _mla_attention(ckpt: Checkpoint, i: int, stage: StageSpec) -> tuple[
         name, biased = MLA_NAMES[key]
         bias = _load(ckpt, f"{prefix}.{name}.bias", stage) if biased and dims.attention_bias else None
         linears[key] = (_load(ckpt, f"{prefix}.{name}.weight", stage), bias)
+    if dims.latent_cache:  # kv_b absorbed: its two halves by head (MLA_NAMES: never biased)
+        linears.update((half, (w, None)) for half, w in absorbed_kv_b(dims, linears.pop("kv_b")[0]).items())
     norms = {role: _load(ckpt, f"{prefix}.{name}.weight", stage) for role, name in MLA_NORMS.items()
              if role != "q_a_norm" or dims.q_lora_rank}
     return linears, norms
@@ -310,6 +313,7 @@ def _torchscript_model(ckpt: Checkpoint, stage: StageSpec, max_positions: int | 
         traced = torch.jit.trace(module, example, check_trace=False)
         model = ov.convert_model(traced, example_input=example, input=_input_signature(dims, stage))
     del traced, module
+    name_kv_b(model)
     return model
 
 
