@@ -145,8 +145,9 @@ def _mla_attention(ckpt: Checkpoint, i: int, stage: StageSpec) -> tuple[
         name, biased = MLA_NAMES[key]
         bias = _load(ckpt, f"{prefix}.{name}.bias", stage) if biased and dims.attention_bias else None
         linears[key] = (_load(ckpt, f"{prefix}.{name}.weight", stage), bias)
-    if dims.latent_cache:  # kv_b absorbed: its two halves by head (MLA_NAMES: never biased)
-        linears.update((half, (w, None)) for half, w in absorbed_kv_b(dims, linears.pop("kv_b")[0]).items())
+    if dims.latent_cache:  # kv_b absorbed: its two halves by head (MLA_NAMES: never biased); kv_b itself stays for
+        # the INT8 choice's scoring (plan/precision.py) and is never traced
+        linears.update((half, (w, None)) for half, w in absorbed_kv_b(dims, linears["kv_b"][0]).items())
     norms = {role: _load(ckpt, f"{prefix}.{name}.weight", stage) for role, name in MLA_NORMS.items()
              if role != "q_a_norm" or dims.q_lora_rank}
     return linears, norms
