@@ -7,7 +7,9 @@ The stage: the ``deepseek-v3`` preset cut to ``--layers`` layers (its first thre
 attention + an MLP of 18,432 a layer), vocabulary cut to ``--vocab``, one-stage default compile (INT4), once per
 form from one checkpoint. Each form's cache is filled to each ``--contexts`` length by setting the state tensors
 (random values: a step's time does not depend on them; one untimed step after), then one-token decode steps are
-timed; a ``--prefill``-token prompt into an empty cache is timed as one call. The caches are held as the CPU
+timed, on the stateful stage and on the stage converted to paged attention (as a worker runs it: one
+sequence, ``ctx`` positions in its blocks); a ``--prefill``-token prompt into an empty stateful cache is timed as
+one call. The caches are held as the CPU
 plugin's default KV precision (``KV_CACHE_PRECISION``).
 
 Cases are interleaved in one process (bench/harness.py); medians, and the median of the rounds' ratios.
@@ -34,6 +36,7 @@ from harness import interleaved, progress, write_results  # noqa: E402  (bench/ 
 
 from ovshard.bundle.manifest import read_manifest  # noqa: E402
 from ovshard.compile import CompileConfig, compile_bundle  # noqa: E402
+from ovshard.runtime.engine.paged import BLOCK_SIZE, PagedRows, PagedStage, blocks_for, compile_paged  # noqa: E402
 from ovshard.tools.shapes import preset  # noqa: E402
 from ovshard.tools.synth import with_layers, write_checkpoint  # noqa: E402
 
@@ -93,6 +96,18 @@ class StageAt:
         return times
 
 
+def paged_steps(stage: PagedStage, ctx: int, count: int) -> list[float]:
+    """``count`` one-token decode steps of one sequence with ``ctx`` positions cached (the caches' contents as they
+    are: a step's time does not depend on them)."""
+    times = []
+    for n in range(count):
+        rows = PagedRows(np.array([5 + n], np.int64), ctx, list(range(blocks_for(ctx + 1, BLOCK_SIZE))))
+        start = time.perf_counter()
+        stage.run([rows])
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for the checkpoint and bundle (reused)")
@@ -101,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", default="16,1024,4096", help="the first is the base")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--kv-precision", default=None, help="KV_CACHE_PRECISION for both forms (default: the "
+                        "plugin's)")
     parser.add_argument("--prefill", type=int, default=512, help="prompt tokens of the timed prefill (0: none)")
     parser.add_argument("--build-only", action="store_true", help="write and compile the bundle, time nothing")
     args = parser.parse_args(argv)
@@ -111,16 +128,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     core, rng = ov.Core(), np.random.default_rng(0)
     cases: dict[str, Any] = {}
-    compiled, dims = {}, {}
+    compiled, dims, paged = {}, {}, {}
+    config = {"KV_CACHE_PRECISION": args.kv_precision} if args.kv_precision else {}
     for form, bundle in bundles.items():
         manifest = read_manifest(bundle)
         dims[form] = manifest.architecture
-        compiled[form] = core.compile_model(str(bundle / manifest.stages[0].model_xml), "CPU")
+        progress(f"compiling the {form} stage, stateful and paged")
+        compiled[form] = core.compile_model(str(bundle / manifest.stages[0].model_xml), "CPU", config)
+        paged[form] = compile_paged(core, bundle, manifest, 0, config=config or None, slice_logits=True,
+                                    num_blocks=blocks_for(max(contexts) + 1, BLOCK_SIZE))
     for ctx in contexts:
         for form in FORMS:
             stage = StageAt(compiled[form], ctx, rng)
             stage.steps(2)  # warm-up
             cases[f"{form} {ctx}"] = lambda stage=stage: stage.steps(args.steps)
+            paged_steps(paged[form], ctx, 2)  # warm-up
+            cases[f"{form} paged {ctx}"] = lambda form=form, ctx=ctx: paged_steps(paged[form], ctx, args.steps)
     if args.prefill:
         for form in FORMS:
             stage = StageAt(compiled[form], 0, rng)
@@ -136,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{"case": f"step at {ctx}", "latent_ms": round(ms[f"latent {ctx}"], 3),
              "expanded_ms": round(ms[f"expanded {ctx}"], 3),
              "expanded_over_latent": ratio(f"expanded {ctx}", f"latent {ctx}")} for ctx in contexts]
+    rows += [{"case": f"paged step at {ctx}", "latent_ms": round(ms[f"latent paged {ctx}"], 3),
+              "expanded_ms": round(ms[f"expanded paged {ctx}"], 3),
+              "expanded_over_latent": ratio(f"expanded paged {ctx}", f"latent paged {ctx}")} for ctx in contexts]
     if args.prefill:
         rows.append({"case": f"prefill {args.prefill}", "latent_ms": round(ms["latent prefill"], 3),
                      "expanded_ms": round(ms["expanded prefill"], 3),
@@ -143,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     one = compiled["latent"]
     meta = {"layers": args.layers, "vocab": args.vocab, "steps": args.steps, "rounds": args.rounds,
             "kv_cache_precision": str(one.get_property("KV_CACHE_PRECISION")),
+            "paged_cache_bytes_token_layer": {form: paged[form].bytes_per_token // args.layers for form in FORMS},
             "inference_precision": str(one.get_property("INFERENCE_PRECISION_HINT")),
             **{f"{form}_cache_elements_token_layer": dims[form].kv_elements_per_token for form in FORMS}}
     print(write_results("mla_step", rows, meta,
