@@ -5,7 +5,6 @@ rows of test_families.py (latent form) and test_expanded_cache_gives_the_latent_
 from __future__ import annotations
 
 from dataclasses import replace
-
 from pathlib import Path
 
 import numpy as np
