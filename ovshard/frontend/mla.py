@@ -17,7 +17,7 @@ loaded (:func:`absorbed_kv_b`), so each feeds its MatMul directly and keeps kv_b
 INT8 choice of kv_b holds for both halves. The cache is keys (kv_lora_rank + rope) and values (kv_lora_rank) of one head a token and layer, one
 SDPA op whose key width differs from its value width, which OpenVINO's KV fusion and paged attention take as
 they take grouped-query attention. The expanded form (every head's key and value cached) stays for comparison
-(``mla_cache="expanded"`` in the compile config; bench/mla_step.py measures both).
+(``--mla-cache expanded``, CompileConfig.mla_cache; bench/mla_step.py measures both).
 
 ``rope_interleave`` (DeepSeek's checkpoints) rotates interleaved pairs (x0, x1), (x2, x3), ...: taking the even
 dims then the odd ones and rotating the halves is the same rotation (transformers'

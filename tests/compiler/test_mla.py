@@ -17,6 +17,7 @@ from ovshard.bundle import names
 from ovshard.bundle.manifest import read_manifest
 from ovshard.bundle.plan import format_bytes
 from ovshard.bundle.weights import WeightFormat
+from ovshard.cli import main
 from ovshard.compile import CompileConfig, compile_bundle
 from ovshard.errors import CheckpointError, UnsupportedArchitectureError
 from ovshard.frontend.description import describe
@@ -88,12 +89,16 @@ def test_stages_cache_keys_and_values_of_their_own_widths(tmp_path: Path) -> Non
 
 
 def test_expanded_cache_gives_the_latent_cache_tokens(tmp_path: Path) -> None:
-    """fp32, 2 stages: the expanded form (mla_cache="expanded": 4 heads of keys 24 and values 12 cached) and the
-    latent form give the same greedy tokens, logits within 1e-4, and inspect names the form each holds."""
+    """fp32, 2 stages: the expanded form (`ovshard compile --mla-cache expanded`: 4 heads of keys 24 and values 12
+    cached) and the latent form give the same greedy tokens, logits within 1e-4, and inspect names the form each
+    holds."""
     checkpoint = write_random_checkpoint(FAMILIES["deepseek_v3"], tmp_path / "ckpt")
+    compile_fp32(checkpoint, tmp_path / "latent", stages=2)
+    assert main(["-q", "compile", str(checkpoint), "-o", str(tmp_path / "expanded"), "--stages", "2", "--weights",
+                 "fp32", "--no-cache", "--mla-cache", "expanded"]) == 0
     found = {}
     for form in ("latent", "expanded"):
-        bundle = compile_fp32(checkpoint, tmp_path / form, stages=2, mla_cache=form)
+        bundle = tmp_path / form
         assert read_manifest(bundle).architecture.latent_cache == (form == "latent")
         ids, rows = LocalPipeline(bundle, config=EXACT_HINTS).generate_greedy([2, 17, 42, 99], 12)
         found[form] = ids, np.stack(rows)
