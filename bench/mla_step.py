@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--kv-precision", default=None, help="KV_CACHE_PRECISION for both forms (default: the "
                         "plugin's)")
+    parser.add_argument("--stateful-only", action="store_true", help="no paged cases (the CPU plugin's paged "
+                        "attention takes u8 or f32 caches only)")
     parser.add_argument("--prefill", type=int, default=512, help="prompt tokens of the timed prefill (0: none)")
     parser.add_argument("--build-only", action="store_true", help="write and compile the bundle, time nothing")
     args = parser.parse_args(argv)
@@ -135,15 +137,17 @@ def main(argv: list[str] | None = None) -> int:
         dims[form] = manifest.architecture
         progress(f"compiling the {form} stage, stateful and paged")
         compiled[form] = core.compile_model(str(bundle / manifest.stages[0].model_xml), "CPU", config)
-        paged[form] = compile_paged(core, bundle, manifest, 0, config=config or None, slice_logits=True,
-                                    num_blocks=blocks_for(max(contexts) + 1, BLOCK_SIZE))
+        if not args.stateful_only:
+            paged[form] = compile_paged(core, bundle, manifest, 0, config=config or None, slice_logits=True,
+                                        num_blocks=blocks_for(max(contexts) + 1, BLOCK_SIZE))
     for ctx in contexts:
         for form in FORMS:
             stage = StageAt(compiled[form], ctx, rng)
             stage.steps(2)  # warm-up
             cases[f"{form} {ctx}"] = lambda stage=stage: stage.steps(args.steps)
-            paged_steps(paged[form], ctx, 2)  # warm-up
-            cases[f"{form} paged {ctx}"] = lambda form=form, ctx=ctx: paged_steps(paged[form], ctx, args.steps)
+            if paged:
+                paged_steps(paged[form], ctx, 2)  # warm-up
+                cases[f"{form} paged {ctx}"] = lambda form=form, ctx=ctx: paged_steps(paged[form], ctx, args.steps)
     if args.prefill:
         for form in FORMS:
             stage = StageAt(compiled[form], 0, rng)
@@ -161,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
              "expanded_over_latent": ratio(f"expanded {ctx}", f"latent {ctx}")} for ctx in contexts]
     rows += [{"case": f"paged step at {ctx}", "latent_ms": round(ms[f"latent paged {ctx}"], 3),
               "expanded_ms": round(ms[f"expanded paged {ctx}"], 3),
-              "expanded_over_latent": ratio(f"expanded paged {ctx}", f"latent paged {ctx}")} for ctx in contexts]
+              "expanded_over_latent": ratio(f"expanded paged {ctx}", f"latent paged {ctx}")} for ctx in contexts
+             if paged]
     if args.prefill:
         rows.append({"case": f"prefill {args.prefill}", "latent_ms": round(ms["latent prefill"], 3),
                      "expanded_ms": round(ms["expanded prefill"], 3),
@@ -169,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     one = compiled["latent"]
     meta = {"layers": args.layers, "vocab": args.vocab, "steps": args.steps, "rounds": args.rounds,
             "kv_cache_precision": str(one.get_property("KV_CACHE_PRECISION")),
-            "paged_cache_bytes_token_layer": {form: paged[form].bytes_per_token // args.layers for form in FORMS},
+            "paged_cache_bytes_token_layer": {form: stage.bytes_per_token // args.layers for form, stage in paged.items()},
             "inference_precision": str(one.get_property("INFERENCE_PRECISION_HINT")),
             **{f"{form}_cache_elements_token_layer": dims[form].kv_elements_per_token for form in FORMS}}
     print(write_results("mla_step", rows, meta,
