@@ -14,9 +14,11 @@ c_j is W_UV[h] (sum_j p_j c_j), so attention is multi-query: ONE KV head whose k
 the scale unchanged (it counts nope + rope); each head's output then times W_UV[h], then o (kv_b has no bias:
 MLA_NAMES). W_UK as [heads, nope, rank] and W_UV as [heads, rank, v_dim] are cut from kv_b when a layer is
 loaded (:func:`absorbed_kv_b`), so each feeds its MatMul directly and keeps kv_b's name (:func:`name_kv_b`): the
-INT8 choice of kv_b holds for both halves. The cache is keys (kv_lora_rank + rope) and values (kv_lora_rank) of one head a token and layer, one
-SDPA op whose key width differs from its value width, which OpenVINO's KV fusion and paged attention take as
-they take grouped-query attention. The expanded form (every head's key and value cached) stays for comparison
+INT8 choice of kv_b holds for both halves. The cache is keys (kv_lora_rank + rope) and values (kv_lora_rank)
+of one head a token and layer, one SDPA op whose key width differs from its value width, which OpenVINO's KV
+fusion and paged attention take as they take grouped-query attention. The expanded form (every head's key and
+value cached: a faster decode step on CPU, whose attention kernel scores each head against the shared key on its
+own, for 38x the cache at DeepSeek-V3's width; docs/families.md) is built on request
 (``--mla-cache expanded``, CompileConfig.mla_cache; bench/mla_step.py measures both).
 
 ``rope_interleave`` (DeepSeek's checkpoints) rotates interleaved pairs (x0, x1), (x2, x3), ...: taking the even
