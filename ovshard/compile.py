@@ -304,6 +304,8 @@ def _compile_bundle(config: CompileConfig, progress: LayerProgress) -> Manifest:
     started = time.perf_counter()
     return_freed_blocks()  # layer-sized buffers go back to the kernel when freed: memory follows one layer
     ckpt = open_source(config.checkpoint)
+    if config.mla_cache == "expanded" and ckpt.dims.latent_cache:
+        ckpt.description = replace(ckpt.description, dims=replace(ckpt.dims, latent_cache=False))
     ckpt.validate_tensors()
     generation = _generation(ckpt)
     if config.weights.is_int4 and not config.weights.int8_weights:  # one choice for the whole model

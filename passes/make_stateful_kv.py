@@ -29,7 +29,7 @@ def _empty_cache(model: ov.Model, ctx: PassContext, dim: int) -> ov.Node:
     head width, ``ModelDims.cache_dims``)."""
     primary = graph.parameter(model, names.INPUT_IDS if ctx.stage.first else names.HIDDEN_STATES)
     batch = ops.gather(ops.shape_of(primary), ops.constant(np.array([0], np.int64)), ops.constant(np.int64(0)))
-    rest = ops.constant(np.array([ctx.dims.num_kv_heads, 0, dim], np.int64))
+    rest = ops.constant(np.array([ctx.dims.cache_heads, 0, dim], np.int64))
     shape = ops.concat([batch, rest], axis=0)  # [batch, kv_heads, 0, head_dim]
     return ops.broadcast(ops.constant(np.float32(0)), shape)
 

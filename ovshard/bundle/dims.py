@@ -50,6 +50,9 @@ class ModelDims:
     q_lora_rank: int = 0
     rope_head_dim: int = 0
     value_head_dim: int = 0  # 0: head_dim
+    # MLA's cache: True, the latent (after kv_a_layernorm) and the rotary key, one KV head shared by every query
+    # head, kv_b absorbed into the query and the output (frontend/mla.py); False, every head's key and value
+    latent_cache: bool = False
 
     @property
     def mla(self) -> bool:
@@ -61,15 +64,22 @@ class ModelDims:
         return self.value_head_dim or self.head_dim
 
     @property
+    def cache_heads(self) -> int:
+        """The KV cache's heads (its axis 1): num_kv_heads, or 1 for MLA's latent cache."""
+        return 1 if self.latent_cache else self.num_kv_heads
+
+    @property
     def cache_dims(self) -> tuple[int, int]:
-        """The last axis of a layer's cached keys and values, in that order (the KV cache is [batch, kv_heads,
-        positions, dim])."""
+        """The last axis of a layer's cached keys and values, in that order (the KV cache is [batch, cache_heads,
+        positions, dim]): MLA's latent cache keys [latent; rotary key], values the latent."""
+        if self.latent_cache:
+            return self.kv_lora_rank + self.rope_head_dim, self.kv_lora_rank
         return self.head_dim, self.v_dim
 
     @property
     def kv_elements_per_token(self) -> int:
-        """Cached elements a token costs one layer (keys and values of every KV head)."""
-        return self.num_kv_heads * (self.head_dim + self.v_dim)
+        """Cached elements a token costs one layer (keys and values of every cache head)."""
+        return self.cache_heads * sum(self.cache_dims)
 
     @property
     def moe(self) -> bool:

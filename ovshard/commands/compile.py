@@ -39,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="what --stages (and --budgets, among the splits that fit) even out: each stage's weight "
                    "bytes read per decode step, its step time (default; the lm_head counts, the embedding's "
                    "gathered rows hardly), or its memory (weights + KV cache)")
+    p.add_argument("--mla-cache", default="latent", choices=("latent", "expanded"),
+                   help="multi-head latent attention (DeepSeek-V3): cache the latent and rotary key (default; 38x "
+                   "fewer bytes at V3's width) or every head's key and value (a faster decode step on CPU)")
     p.add_argument("--weights", default="int4_sym",
                    choices=("fp32", "fp16", "int8", "int4_sym", "int4_asym"), help=WEIGHT_HELP)
     p.add_argument("--group-size", type=int, default=128, help="INT4 group size (default 128)")
@@ -143,6 +146,7 @@ def compile_config(args: argparse.Namespace) -> CompileConfig:
         calibration=args.calibration,
         calibration_samples=args.calibration_samples,
         calibration_tokens=args.calibration_tokens,
+        mla_cache=args.mla_cache,
     )
 
 

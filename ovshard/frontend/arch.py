@@ -403,7 +403,8 @@ def _expert_dims(spec: ArchSpec, config: dict[str, Any]) -> dict[str, Any]:
 
 def _mla_dims(spec: ArchSpec, config: dict[str, Any], heads: int) -> dict[str, Any]:
     """Multi-head latent attention's numbers (nothing for other families): a key head is qk_nope_head_dim +
-    qk_rope_head_dim wide, a value head v_head_dim; every head has its own key and value (the expanded cache)."""
+    qk_rope_head_dim wide, a value head v_head_dim; every head has its own key and value, which the latent cache
+    holds as the latent and the rotary key they come from (frontend/mla.py)."""
     if not spec.mla:
         return {}
     kv_heads = int(config.get("num_key_value_heads") or heads)
@@ -413,7 +414,7 @@ def _mla_dims(spec: ArchSpec, config: dict[str, Any], heads: int) -> dict[str, A
     nope, rope = int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"])
     return {"head_dim": nope + rope, "num_kv_heads": heads, "kv_lora_rank": int(config["kv_lora_rank"]),
             "q_lora_rank": int(config.get("q_lora_rank") or 0), "rope_head_dim": rope,
-            "value_head_dim": int(config["v_head_dim"])}
+            "value_head_dim": int(config["v_head_dim"]), "latent_cache": True}
 
 
 def dense_layers(spec: ArchSpec, config: dict[str, Any], layers: int) -> tuple[int, ...]:

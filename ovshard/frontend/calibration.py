@@ -198,7 +198,7 @@ def _generate(ckpt: Checkpoint, prompts: list[list[int]], tokens: int,
     mask = np.zeros((len(prompts), width), np.int64)
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, 1
-    past: list[torch.Tensor] = [torch.zeros(len(prompts), d.num_kv_heads, 0, dim) for _ in range(d.num_layers)
+    past: list[torch.Tensor] = [torch.zeros(len(prompts), d.cache_heads, 0, dim) for _ in range(d.num_layers)
                                 for dim in d.cache_dims]
     new, started = ids, time.perf_counter()
     log.info("calibration: the model writes %d samples of %d tokens (each token reads every layer once)",
@@ -326,7 +326,7 @@ class Activations:
         for h in self.hidden:
             item = {names.piece_hidden(piece.start): h.numpy()}
             item.update(zip(ports, (v.numpy() for v in self._context(layers, h.shape[1])), strict=True))
-            item.update({past: np.zeros((1, d.num_kv_heads, 0, d.cache_dims[n % 2]), np.float32)
+            item.update({past: np.zeros((1, d.cache_heads, 0, d.cache_dims[n % 2]), np.float32)
                          for n, (past, _) in enumerate(names.kv_pairs(layers))})
             items.append(item)
         return items
@@ -342,7 +342,7 @@ class Activations:
         for length, rows in by_length.items():
             batch = torch.cat([self.hidden[n] for n in rows])  # [samples, seq, hidden]
             key_dim, value_dim = d.cache_dims
-            empty = torch.zeros(len(rows), d.num_kv_heads, 0, key_dim), torch.zeros(len(rows), d.num_kv_heads, 0, value_dim)
+            empty = torch.zeros(len(rows), d.cache_heads, 0, key_dim), torch.zeros(len(rows), d.cache_heads, 0, value_dim)
             h = _layer(self.ckpt, i, batch, self._context(range(i, i + 1), length), empty, weights)[0]
             for k, n in enumerate(rows):
                 out[n] = h[k:k + 1]

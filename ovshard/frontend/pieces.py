@@ -23,6 +23,7 @@ from torch import nn
 
 from ovshard.bundle import names
 from ovshard.bundle.stage import StageSpec
+from ovshard.frontend.mla import name_kv_b
 from ovshard.frontend.rope import rotary_tables
 from ovshard.frontend.stage_module import (
     EmbedScaleModule,
@@ -50,6 +51,7 @@ def _trace(module: nn.Module, example: tuple, inputs: Sequence[Port], outputs: S
         traced = torch.jit.trace(module.eval(), example, check_trace=False)
         model = ov.convert_model(traced, example_input=example, input=[(s, t) for _, s, t in inputs])
     del traced
+    name_kv_b(model)
     for port, (name, _, _) in zip(model.inputs, inputs, strict=True):
         port.get_tensor().set_names({name})
     for param, (name, _, _) in zip(model.get_parameters(), inputs, strict=True):
@@ -100,11 +102,11 @@ def layers_piece(ckpt: Checkpoint, start: int, end: int, stage: StageSpec,
     context_example = [torch.ones(_BATCH, 1, _SEQ, 1) if name == names.PIECE_TEMPERATURE
                        else torch.zeros(_BATCH, 1, _SEQ, _PAST + _SEQ) if shape.rank.get_length() == 4
                        else torch.randn(_BATCH, _SEQ, ckpt.block.rotary_dim) for name, shape, _ in context]
-    kv_examples = [torch.zeros(_BATCH, d.num_kv_heads, _PAST, dim) for _ in layers for dim in d.cache_dims]
+    kv_examples = [torch.zeros(_BATCH, d.cache_heads, _PAST, dim) for _ in layers for dim in d.cache_dims]
     example = (torch.randn(_BATCH, _SEQ, d.hidden_size), *context_example, *kv_examples)
     f32 = ov.Type.f32
     inputs = [(names.piece_hidden(start), _dyn(None, None, d.hidden_size), f32), *context]
-    inputs += [(past, _dyn(None, d.num_kv_heads, None, d.cache_dims[n % 2]), f32)
+    inputs += [(past, _dyn(None, d.cache_heads, None, d.cache_dims[n % 2]), f32)
                for n, past in enumerate(p for p, _ in names.kv_pairs(layers))]
     outputs = [names.piece_hidden(end), *(present for _, present in names.kv_pairs(layers))]
     model = _trace(module, example, inputs, outputs)

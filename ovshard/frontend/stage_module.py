@@ -24,7 +24,7 @@ from torch import nn
 from ovshard.bundle.dims import ModelDims
 from ovshard.frontend.block import Block
 from ovshard.frontend.layer_math import apply_rotary, deinterleave, l2_norm, rms_norm
-from ovshard.frontend.mla import mla_qkv
+from ovshard.frontend.mla import latent_output, mla_qkv
 from ovshard.frontend.mlp import activation as _activation
 from ovshard.frontend.mlp import gated_mlp, routed_experts, with_shared
 
@@ -251,7 +251,7 @@ def decoder_layer(d: ModelDims, blk: Block, layer: Weights, h: torch.Tensor, cos
                   sin: torch.Tensor | None, mask: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
                   sparse: bool = False, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
                                                                                    torch.Tensor]:
-    """One pre-norm decoder layer: h [batch, seq, hidden] -> (h, keys, values [batch, kv_heads, past + seq, d]);
+    """One pre-norm decoder layer: h [batch, seq, hidden] -> (h, keys, values [batch, cache_heads, past + seq, d]);
     its MLP the experts when ``sparse`` (``ModelDims.sparse``), else dense; no rotary without ``cos`` and ``sin``
     (a NoPE layer), its queries times ``scale`` where given (temperature tuning)."""
     b, t, _ = h.shape
@@ -264,10 +264,13 @@ def decoder_layer(d: ModelDims, blk: Block, layer: Weights, h: torch.Tensor, cos
         q, k, v = mla_qkv(d, blk, layer, x, cos, sin)
     else:
         q, k, v = _qkv(d, blk, layer, x, cos, sin, scale)
-    k = torch.cat((past_k, k), dim=2)  # [batch, kv_heads, past + seq, head_dim]
+    k = torch.cat((past_k, k), dim=2)  # [batch, cache_heads, past + seq, head_dim]
     v = torch.cat((past_v, v), dim=2)
-    out = attention(q, repeat_kv(k, d.kv_groups), repeat_kv(v, d.kv_groups), mask, blk,
+    groups = d.num_heads // d.cache_heads
+    out = attention(q, repeat_kv(k, groups), repeat_kv(v, groups), mask, blk,
                     layer.sinks if blk.attention_sinks else None)  # [batch, heads, seq, d]
+    if d.latent_cache:
+        out = latent_output(layer, out)
     out = F.linear(out.transpose(1, 2).reshape(b, t, d.num_heads * d.v_dim), layer.o_weight, layer.o_bias)
     if blk.sandwich_norms:
         out = rms_norm(out, layer.attn_out_norm, eps, offset)

@@ -35,6 +35,7 @@ from ovshard.bundle import names
 from ovshard.bundle.dims import ModelDims
 from ovshard.bundle.stage import StageSpec
 from ovshard.errors import CheckpointError, OvshardError
+from ovshard.frontend.mla import absorbed_kv_b, name_kv_b
 from ovshard.frontend.rope import rotary_tables
 from ovshard.frontend.stage_module import StageModule, Weights, layer_weights
 from ovshard.frontend.tensors import MLA_NAMES, MLA_NORMS, mla_shapes
@@ -144,6 +145,9 @@ def _mla_attention(ckpt: Checkpoint, i: int, stage: StageSpec) -> tuple[
         name, biased = MLA_NAMES[key]
         bias = _load(ckpt, f"{prefix}.{name}.bias", stage) if biased and dims.attention_bias else None
         linears[key] = (_load(ckpt, f"{prefix}.{name}.weight", stage), bias)
+    if dims.latent_cache:  # kv_b absorbed: its two halves by head (MLA_NAMES: never biased); kv_b itself stays for
+        # the INT8 choice's scoring (plan/precision.py) and is never traced
+        linears.update((half, (w, None)) for half, w in absorbed_kv_b(dims, linears["kv_b"][0]).items())
     norms = {role: _load(ckpt, f"{prefix}.{name}.weight", stage) for role, name in MLA_NORMS.items()
              if role != "q_a_norm" or dims.q_lora_rank}
     return linears, norms
@@ -211,7 +215,7 @@ def _example_inputs(dims: ModelDims, stage: StageSpec, batch: int = 2, seq: int 
         x = torch.randn(batch, seq, dims.hidden_size)
     mask = torch.ones(batch, past + seq, dtype=torch.int64)
     positions = torch.arange(past, past + seq, dtype=torch.int64).expand(batch, seq).contiguous()
-    kv = [torch.zeros(batch, dims.num_kv_heads, past, dim) for _ in stage.layers for dim in dims.cache_dims]
+    kv = [torch.zeros(batch, dims.cache_heads, past, dim) for _ in stage.layers for dim in dims.cache_dims]
     return (x, mask, positions, *kv)
 
 
@@ -225,7 +229,7 @@ def output_names(stage: StageSpec) -> list[str]:
 
 def _input_signature(dims: ModelDims, stage: StageSpec) -> list[tuple[ov.PartialShape, ov.Type]]:
     dyn = ov.Dimension.dynamic()
-    kv = [(ov.PartialShape([dyn, dims.num_kv_heads, dyn, dim]), ov.Type.f32) for dim in dims.cache_dims]
+    kv = [(ov.PartialShape([dyn, dims.cache_heads, dyn, dim]), ov.Type.f32) for dim in dims.cache_dims]
     first = (
         (ov.PartialShape([dyn, dyn]), ov.Type.i64)
         if stage.first
@@ -310,6 +314,7 @@ def _torchscript_model(ckpt: Checkpoint, stage: StageSpec, max_positions: int | 
         traced = torch.jit.trace(module, example, check_trace=False)
         model = ov.convert_model(traced, example_input=example, input=_input_signature(dims, stage))
     del traced, module
+    name_kv_b(model)
     return model
 
 

@@ -83,7 +83,7 @@ def model_costs(spec: ArchSpec, dims: ModelDims, fmt: WeightFormat, stage_bytes:
     # a step gathers the fed tokens' rows of the embedding: a row's bytes, against all of the lm_head's
     embed = Block("embed", "embed", None, int(table * bytes_per_weight(fmt, int8_backup)), 0,
                   read_bytes=int(dims.hidden_size * bytes_per_weight(fmt, int8_backup)))
-    kv = dims.kv_elements_per_token * KV_ELEMENT_BYTES  # heads x (key + value dims): MLA's expanded cache too
+    kv = dims.kv_elements_per_token * KV_ELEMENT_BYTES  # cache heads x (key + value dims): MLA's latent cache too
     layers = [_layer_block(spec, dims, fmt, i, kv) for i in range(dims.num_layers)]
     head = Block("head", "head", None, int(table * bytes_per_weight(fmt, int8_backup)) + 4 * dims.hidden_size, 0)
     return ModelCosts(blocks=(embed, *layers, head), activation_bytes_per_token=dims.hidden_size * WIRE_ELEMENT_BYTES,

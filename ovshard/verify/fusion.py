@@ -70,11 +70,12 @@ def _is_router_softmax(node: ov.Node) -> bool:
     return feeds_topk or any(_layer_type(v.get_node()) == "TopK" for v in node.input_values())
 
 
-def _is_expert_matmul(node: ov.Node) -> bool:
-    """A MatMul over stacked expert weights (a static [experts, out, in] input) left ungathered (Llama 4's input-scaled
-    experts), not attention's (whose inputs have dynamic sequence axes)."""
+def _is_weight_matmul(node: ov.Node) -> bool:
+    """A MatMul over a weight, not attention's (whose inputs have dynamic sequence axes): stacked expert weights (a
+    static [experts, out, in] input) left ungathered (Llama 4's input-scaled experts), or latent attention's
+    per-head kv_b halves absorbed into the query and the output (a static [1, heads, rows, cols] input)."""
     shapes = [v.get_partial_shape() for v in node.input_values()]
-    return any(shape.is_static and shape.rank.get_length() == 3 for shape in shapes)
+    return any(shape.is_static and shape.rank.get_length() in (3, 4) for shape in shapes)
 
 
 def explicit_attention_layers(manifest, layers: int) -> int:
@@ -99,8 +100,8 @@ def runtime_fusion(compiled: ov.CompiledModel, stage: int, layers: int, explicit
     kinds = Counter(_layer_type(op) for op in ops)
     fused = sum(1 for op in ops if _layer_type(op) == "ScaledDotProductAttention" and _is_fused_sdpa(op))
     routers = sum(1 for op in ops if _layer_type(op) == "Softmax" and _is_router_softmax(op))
-    experts = sum(1 for op in ops if _layer_type(op) == "MatMul" and _is_expert_matmul(op))
-    unfused = kinds.get("MatMul", 0) + kinds.get("Softmax", 0) - routers - experts
+    weights = sum(1 for op in ops if _layer_type(op) == "MatMul" and _is_weight_matmul(op))
+    unfused = kinds.get("MatMul", 0) + kinds.get("Softmax", 0) - routers - weights
     return FusionReport(stage, layers, fused, unfused, dict(kinds), explicit_layers, moe_layers,
                         kinds.get("GatherMatmul", 0), expert_projections)
 

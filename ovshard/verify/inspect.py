@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import openvino as ov
@@ -62,17 +62,21 @@ def summary(bundle: Path, m: Manifest) -> str:
 
 
 def kv_line(m: Manifest) -> str:
-    """The KV cache's bytes a token and layer as the plan counts them (f16 elements); an MLA model's cache is held
-    expanded, so its line also gives what the compressed latent and rotary key would hold."""
+    """The KV cache's bytes a token and layer as the plan counts them (KV_ELEMENT_BYTES an element); an MLA model's
+    line says which form its cache holds and what the other would cost."""
     d = m.architecture
     keys, values = d.cache_dims
-    line = (f"KV cache: {d.kv_elements_per_token * KV_ELEMENT_BYTES:,} B a token a layer ({d.num_kv_heads} heads x "
-            f"(keys {keys} + values {values}) x {KV_ELEMENT_BYTES} B)")
-    if d.mla:
-        latent = (d.kv_lora_rank + d.rope_head_dim) * KV_ELEMENT_BYTES
-        line += (f"; latent attention held expanded: the compressed latent {d.kv_lora_rank} + rotary key "
-                 f"{d.rope_head_dim} would be {latent:,} B")
-    return line
+    line = (f"KV cache: {d.kv_elements_per_token * KV_ELEMENT_BYTES:,} B a token a layer ({d.cache_heads} "
+            f"{'head' if d.cache_heads == 1 else 'heads'} x (keys {keys} + values {values}) x {KV_ELEMENT_BYTES} B)")
+    if not d.mla:
+        return line
+    other = replace(d, latent_cache=not d.latent_cache)
+    other_bytes = other.kv_elements_per_token * KV_ELEMENT_BYTES
+    if d.latent_cache:
+        return (line + f"; latent attention's latent cache (keys: latent {d.kv_lora_rank} + rotary key "
+                f"{d.rope_head_dim}, values: the latent), held expanded it would be {other_bytes:,} B")
+    return (line + f"; latent attention held expanded: its latent cache (keys: latent {d.kv_lora_rank} + rotary "
+            f"key {d.rope_head_dim}, values: the latent) would be {other_bytes:,} B")
 
 
 def _part_note(m: Manifest) -> str:

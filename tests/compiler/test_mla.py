@@ -1,8 +1,10 @@
-"""Multi-head latent attention (deepseek_v3): what its expanded KV cache costs, where each count reads it, and what
-a compiled stage holds. Its logits against Hugging Face are the deepseek_v3 rows of test_families.py."""
+"""Multi-head latent attention (deepseek_v3): what its latent KV cache costs (and the expanded one it replaces),
+where each count reads it, and what a compiled stage holds. Its logits against Hugging Face are the deepseek_v3
+rows of test_families.py (latent form) and test_expanded_cache_gives_the_latent_cache_tokens here."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ from ovshard.bundle import names
 from ovshard.bundle.manifest import read_manifest
 from ovshard.bundle.plan import format_bytes
 from ovshard.bundle.weights import WeightFormat
+from ovshard.cli import main
 from ovshard.compile import CompileConfig, compile_bundle
 from ovshard.errors import CheckpointError, UnsupportedArchitectureError
 from ovshard.frontend.description import describe
@@ -26,16 +29,20 @@ from ovshard.verify.fusion import check_cpu_fusion
 from ovshard.verify.inspect import summary
 
 
-def test_deepseek_v3_preset_counts_its_parameters_and_its_expanded_cache() -> None:
-    """The deepseek-v3 shape holds 671B parameters; a cached token costs each layer 128 heads x (192 + 128) x 2
-    bytes, dense and sparse layers alike."""
+def test_deepseek_v3_preset_counts_its_parameters_and_its_latent_cache() -> None:
+    """The deepseek-v3 shape holds 671B parameters; a cached token costs each layer one head of keys (latent 512 +
+    rotary key 64) and values (the latent, 512) x 2 bytes, dense and sparse layers alike; held expanded it would
+    cost 128 heads x (192 + 128) x 2."""
     model = describe(preset("deepseek-v3"))
     d = model.dims
     assert parameter_count(model.arch, d) == 671_026_419_200
-    assert d.cache_dims == (192, 128) and d.num_kv_heads == 128 and d.dense_layers == (0, 1, 2)
+    assert d.latent_cache and d.cache_dims == (576, 512) and d.cache_heads == 1 and d.dense_layers == (0, 1, 2)
     assert model.block.rotary_dim == 64 and model.block.rope_interleave
     layers = [b for b in model_costs(model.arch, d, WeightFormat("int4_asym", 128)).blocks if b.kind == "layer"]
-    assert {b.kv_bytes_per_token for b in layers} == {128 * (192 + 128) * KV_ELEMENT_BYTES} == {81_920}
+    assert {b.kv_bytes_per_token for b in layers} == {(576 + 512) * KV_ELEMENT_BYTES} == {2_176}
+    expanded = replace(d, latent_cache=False)
+    assert expanded.cache_dims == (192, 128) and expanded.cache_heads == 128
+    assert expanded.kv_elements_per_token * KV_ELEMENT_BYTES == 81_920
 
 
 def test_yarn_mscale_scales_the_softmax() -> None:
@@ -57,27 +64,49 @@ def test_fewer_key_value_heads_than_heads_is_refused() -> None:
 
 
 def test_stages_cache_keys_and_values_of_their_own_widths(tmp_path: Path) -> None:
-    """A 2-stage bundle's KV states are keys [batch, heads, ?, 16 + 8] and values [batch, heads, ?, 12], and
-    `ovshard inspect` shows each stage's planned KV bytes per token (layers x heads x (24 + 12) x 2) and a layer's
-    per token, beside what the compressed latent (16) and rotary key (8) would hold."""
+    """A 2-stage bundle's KV states are one head of keys [batch, 1, ?, latent 16 + rotary key 8] and values
+    [batch, 1, ?, 16], and `ovshard inspect` shows each stage's planned KV bytes per token (layers x (24 + 16) x 2)
+    and a layer's per token, beside what the expanded cache (4 heads x (24 + 12)) would hold."""
     checkpoint = write_random_checkpoint(FAMILIES["deepseek_v3"], tmp_path / "ckpt")
     bundle = compile_fp32(checkpoint, tmp_path / "b", stages=2)
     manifest = read_manifest(bundle)
-    assert manifest.architecture.cache_dims == (24, 12)
+    assert manifest.architecture.cache_dims == (24, 16) and manifest.architecture.cache_heads == 1
     for entry in manifest.stages:
         model = ov.Core().read_model(bundle / entry.model_xml)
-        widths = {op.get_friendly_name(): op.get_output_partial_shape(0)[3].get_length()
+        shapes = {op.get_friendly_name(): (op.get_output_partial_shape(0)[1].get_length(),
+                                           op.get_output_partial_shape(0)[3].get_length())
                   for op in model.get_ops() if op.get_type_name() == "ReadValue"}
         layers = range(*entry.layers)
-        expected = {names.past_key(i): 24 for i in layers} | {names.past_value(i): 12 for i in layers}
-        assert widths == expected
+        expected = {names.past_key(i): (1, 24) for i in layers} | {names.past_value(i): (1, 16) for i in layers}
+        assert shapes == expected
         planned = manifest.plan.stages[entry.index]
-        assert planned.kv_bytes_per_token == len(layers) * 4 * (24 + 12) * KV_ELEMENT_BYTES
+        assert planned.kv_bytes_per_token == len(layers) * (24 + 16) * KV_ELEMENT_BYTES
     shown = summary(bundle, manifest)
     assert all(format_bytes(s.kv_bytes_per_token) in shown for s in manifest.plan.stages), shown
-    assert (f"KV cache: {4 * (24 + 12) * KV_ELEMENT_BYTES} B a token a layer (4 heads x (keys 24 + values 12) x 2 B); "
-            f"latent attention held expanded: the compressed latent 16 + rotary key 8 would be "
-            f"{(16 + 8) * KV_ELEMENT_BYTES} B") in shown, shown
+    assert (f"KV cache: {(24 + 16) * KV_ELEMENT_BYTES} B a token a layer (1 head x (keys 24 + values 16) x "
+            f"{KV_ELEMENT_BYTES} B); latent attention's latent cache (keys: latent 16 + rotary key 8, values: the "
+            f"latent), held expanded it would be {4 * (24 + 12) * KV_ELEMENT_BYTES} B") in shown, shown
+
+
+def test_expanded_cache_gives_the_latent_cache_tokens(tmp_path: Path) -> None:
+    """fp32, 2 stages: the expanded form (`ovshard compile --mla-cache expanded`: 4 heads of keys 24 and values 12
+    cached) and the latent form give the same greedy tokens, logits within 1e-4, and inspect names the form each
+    holds."""
+    checkpoint = write_random_checkpoint(FAMILIES["deepseek_v3"], tmp_path / "ckpt")
+    compile_fp32(checkpoint, tmp_path / "latent", stages=2)
+    assert main(["-q", "compile", str(checkpoint), "-o", str(tmp_path / "expanded"), "--stages", "2", "--weights",
+                 "fp32", "--no-cache", "--mla-cache", "expanded"]) == 0
+    found = {}
+    for form in ("latent", "expanded"):
+        bundle = tmp_path / form
+        assert read_manifest(bundle).architecture.latent_cache == (form == "latent")
+        ids, rows = LocalPipeline(bundle, config=EXACT_HINTS).generate_greedy([2, 17, 42, 99], 12)
+        found[form] = ids, np.stack(rows)
+    assert found["latent"][0] == found["expanded"][0]
+    assert float(np.abs(found["latent"][1] - found["expanded"][1]).max()) <= 1e-4
+    shown = summary(tmp_path / "expanded", read_manifest(tmp_path / "expanded"))
+    assert (f"{4 * (24 + 12) * KV_ELEMENT_BYTES} B a token a layer (4 heads x (keys 24 + values 12) x "
+            f"{KV_ELEMENT_BYTES} B); latent attention held expanded: its latent cache") in shown, shown
 
 
 def test_whole_stage_trace_equals_the_streamed_compile(tmp_path: Path) -> None:
@@ -96,14 +125,19 @@ def test_whole_stage_trace_equals_the_streamed_compile(tmp_path: Path) -> None:
 
 def test_latent_projections_the_int8_choice_names_stay_int8(tmp_path: Path) -> None:
     """An INT4 compile whose INT8 share names a layer's q_a, q_b, kv_a and kv_b (as the budget's choice does at
-    DeepSeek-V3's width) keeps those four INT8 (q_a and kv_a fused: they read one input) and o INT4."""
+    DeepSeek-V3's width) keeps those four INT8 (q_a and kv_a fused: they read one input; kv_b's two absorbed
+    halves, W_UK and W_UV by head, both) and o INT4."""
     checkpoint = write_random_checkpoint(FAMILIES["deepseek_v3"], tmp_path / "ckpt")
     fmt = WeightFormat("int4_sym", group_size=8, budget=1.15, int8_weights=("1.q_a", "1.q_b", "1.kv_a", "1.kv_b"))
     manifest = compile_bundle(CompileConfig(checkpoint, tmp_path / "b", stages=1, weights=fmt))
+    constants = [op for op in ov.Core().read_model(tmp_path / "b" / manifest.stages[0].model_xml).get_ordered_ops()
+                 if op.get_type_name() == "Constant" and "layers.1." in op.get_friendly_name()]
     types = {op.get_friendly_name().split("layers.")[-1]: op.get_output_element_type(0).get_type_name()
-             for op in ov.Core().read_model(tmp_path / "b" / manifest.stages[0].model_xml).get_ordered_ops()
-             if op.get_type_name() == "Constant" and "layers.1." in op.get_friendly_name()}
-    assert {types["1.kv_a_weight+q_a_weight"], types["1.q_b_weight"], types["1.kv_b_weight"]} == {"u8"}, types
+             for op in constants}
+    halves = {op.get_friendly_name().split(":")[0]: op.get_output_element_type(0).get_type_name() for op in constants
+              if op.get_friendly_name().endswith("layers.1.kv_b_weight")}
+    assert halves == {"key": "u8", "value": "u8"}, halves
+    assert {types["1.kv_a_weight+q_a_weight"], types["1.q_b_weight"]} == {"u8"}, types
     assert types["1.o_weight"] == "i4", types
 
 

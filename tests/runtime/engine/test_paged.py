@@ -266,23 +266,26 @@ def test_sliding_window_layers_keep_their_windows(tmp_path: Path, family: str):
         assert_matches(found[seq], run_greedy(bundle, prompt, 13))
 
 
-def test_latent_attention_runs_paged_with_caches_of_two_widths(tmp_path: Path):
-    """DeepSeek-V3's multi-head latent attention (expanded: keys 16 + 8 wide, values 12) converts to paged
-    attention with a key cache and a value cache of their own widths, and several sequences in a tick over 2 stages
-    give the stateful path's tokens and logits."""
+@pytest.mark.parametrize(("mla_cache", "heads", "widths"), [("latent", 1, (24, 16)), ("expanded", 4, (24, 12))])
+def test_latent_attention_runs_paged_with_caches_of_two_widths(tmp_path: Path, mla_cache: str, heads: int,
+                                                              widths: tuple[int, int]):
+    """DeepSeek-V3's multi-head latent attention converts to paged attention with a key cache and a value cache of
+    their own widths: the latent cache one head of keys [latent 16; rotary key 8] and values the latent (16), the
+    expanded one 4 heads of keys 16 + 8 and values 12; several sequences in a tick over 2 stages give the stateful
+    path's tokens and logits."""
     from families import FAMILIES, write_random_checkpoint
 
     checkpoint = write_random_checkpoint(FAMILIES["deepseek_v3"], tmp_path / "checkpoint")
-    bundle = compile_fp32(checkpoint, tmp_path / "bundle", stages=2)
+    bundle = compile_fp32(checkpoint, tmp_path / "bundle", stages=2, mla_cache=mla_cache)
     manifest, core = read_manifest(bundle), ov.Core()
     paged = [compile_paged(core, bundle, manifest, i, config=EXACT_HINTS, num_blocks=NUM_BLOCKS, slice_logits=True)
              for i in range(2)]
     for stage in paged:
-        widths = {stage.cache(spec.name).shape[1:] for spec in stage.specs}
-        assert widths == {(4, 32, 24), (4, 32, 12)}, widths
-        assert stage.bytes_per_token == len(stage.specs) // 2 * 4 * (24 + 12) * 4
+        found = {stage.cache(spec.name).shape[1:] for spec in stage.specs}
+        assert found == {(heads, 32, widths[0]), (heads, 32, widths[1])}, found
+        assert stage.bytes_per_token == len(stage.specs) // 2 * heads * sum(widths) * 4
     rng = np.random.default_rng(5)
     prompts = {f"s{i}": [1, *(int(t) for t in rng.integers(3, 300, 40 - 9 * i))] for i in range(3)}
-    found = Pipeline(paged).greedy(prompts, 10)
+    found_ids = Pipeline(paged).greedy(prompts, 10)
     for seq, prompt in prompts.items():
-        assert_matches(found[seq], run_greedy(bundle, prompt, 11))
+        assert_matches(found_ids[seq], run_greedy(bundle, prompt, 11))
