@@ -119,6 +119,15 @@ ROWS = {
     # its INT8 copy costs more bits than INT8 decoder weights; b1.50 leaves every decoder weight INT8 there (5.9 bits)
     "int4_asym g32 b1.50 all": ["--weights", "int4_asym", "--group-size", "32", "--budget", "1.5", "--all-layers", *FREE],
     "int4_sym g32 b1.50 all": ["--weights", "int4_sym", "--group-size", "32", "--budget", "1.5", "--all-layers", *FREE],
+    # the embedding and lm_head INT4 beside the default's decoder (--embedding): "emb asym g32" NNCF's data-free
+    # asymmetric groups of 32, "emb sym g32" symmetric groups fitted to the lm_head's inputs (the final hidden
+    # states of the calibration text); the bytes the table saves buy INT8 decoder weights, b1.07 keeps SmolLM2 under
+    # llama.cpp Q4_K_M's 6.17 bits a parameter
+    "int4_sym g128 b1.07 fit text emb asym g32": ["--budget", "1.07", "--embedding", "int4_asym"],
+    "int4_sym g128 b1.07 fit text emb sym g32": ["--budget", "1.07", "--embedding", "int4_sym"],
+    "int4_sym g128 b1.15 fit text emb sym g32": ["--embedding", "int4_sym"],
+    "int4_sym g128 b1.50 fit text emb sym g32": ["--budget", "1.5", "--embedding", "int4_sym"],
+    "int4_sym g128 b1.50 emb asym g32": ["--budget", "1.5", "--embedding", "int4_asym", *FREE],
     # data-aware (NNCF, layer by layer in the streamed compile); "auto": the model's own text
     "int4_sym g128 b1.15 fit text": [],  # the default
     "int4_sym g128 b1.15 fit text all": ["--all-layers"],  # the default with an INT4 embedding and lm_head

@@ -188,16 +188,21 @@ class CompressWeightsPass(GraphPass):
         import nncf
 
         logging.getLogger("nncf").setLevel(logging.WARNING)
-        backup = set() if self.fmt.mode == "int8" else backup_ops(model, ctx, self.fmt)
-        rest = [op.get_friendly_name() for op in weight_ops(model) if op.get_friendly_name() not in backup]
+        ops_here = weight_ops(model)
+        tables = _ends(model, ctx, ops_here) if self.fmt.table is not None else set()
+        backup = (set() if self.fmt.mode == "int8" else backup_ops(model, ctx, self.fmt)) - tables
+        rest = [op.get_friendly_name() for op in ops_here if op.get_friendly_name() not in backup | tables]
         routers = router_ops(model)
         where = f"stage {ctx.stage.index}" + (f" {ctx.piece}" if ctx.piece is not None else "")
         log.log(logging.DEBUG if ctx.piece is not None else logging.INFO, "%s: NNCF %s on %d weights, %d in INT8",
-                where, self.fmt.mode, len(rest) + len(backup), len(backup))
+                where, self.fmt.mode, len(rest) + len(backup) + len(tables), len(backup))
         with contextlib.redirect_stdout(sys.stderr):  # NNCF's progress bars: stdout carries results only
-            if backup:
+            if tables:
+                self._tables(model, ctx, tables, [*backup, *rest, *routers])
+                backup |= tables  # compressed already: every later NNCF call leaves them alone
+            if backup - tables:
                 nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM,
-                                      ignored_scope=_ignored([*rest, *routers]))
+                                      ignored_scope=_ignored([*rest, *routers, *tables]))
             if rest and OWN_FIT in self.fmt.methods:
                 fitted = self._fit(model, ctx, set(rest), where)
                 rest = [name for name in rest if name not in fitted]
@@ -209,6 +214,32 @@ class CompressWeightsPass(GraphPass):
                 if data_aware:  # NNCF's statistics and graphs are cyclic garbage: free them before the next layer
                     del data_aware
                     gc.collect()
+
+    def _tables(self, model: ov.Model, ctx: PassContext, tables: set[str], others: list[str]) -> None:
+        """The embedding and lm_head in the format's INT4 table format (``WeightFormat.table``): symmetric ones in a
+        calibrated streamed compile fitted to the lm_head's inputs (``Calibration.fit_table``), else NNCF's
+        data-free INT4."""
+        import nncf
+        from nncf.quantization.advanced_parameters import AdvancedCompressionParameters, GroupSizeFallbackMode
+
+        table = self.fmt.table
+        assert table is not None
+        if table.mode == "int4_sym" and OWN_FIT in self.fmt.methods and ctx.calibration is not None:
+            for op in (op for op in weight_ops(model) if op.get_friendly_name() in tables):
+                gather = op.get_type_name() == "Gather"
+                const = op.input_value(0 if gather else 1).get_node()
+                shape = tuple(const.get_output_shape(0))
+                group = table.group_for(shape[-1])
+                if group is None or len(shape) != 2 or not (gather or op.get_attributes()["transpose_b"]):
+                    raise PassError(f"{ctx.where(self.name)}: the table {op.get_friendly_name()} ({shape}) is not a "
+                                    "[rows, hidden] Gather or lm_head this fit knows; compile with --embedding int8")
+                codes, scales = ctx.calibration.fit_table(const.get_data(), group)
+                const.output(0).replace(int4_weight(const.get_friendly_name(), codes, scales, shape).output(0))
+            return
+        mode = {"int4_sym": nncf.CompressWeightsMode.INT4_SYM, "int4_asym": nncf.CompressWeightsMode.INT4_ASYM}
+        nncf.compress_weights(model, mode=mode[table.mode], group_size=table.group_size, ratio=1.0, all_layers=True,
+                              ignored_scope=_ignored(others), advanced_parameters=AdvancedCompressionParameters(
+                                  group_size_fallback_mode=GroupSizeFallbackMode.ADJUST))
 
     def _fit(self, model: ov.Model, ctx: PassContext, ops_wanted: set[str], where: str) -> set[str]:
         """Symmetric INT4 of the decoder weights among ``ops_wanted`` fitted to their calibration inputs

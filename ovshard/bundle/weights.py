@@ -15,6 +15,9 @@ DATA_AWARE = (*NNCF_DATA_AWARE, OWN_FIT)
 # (docs/results/2026-12-int4-fit.md); NNCF's scale estimation for int4_asym, which the fit does not cover
 DEFAULT_DATA_AWARE = (OWN_FIT,)
 DEFAULT_DATA_AWARE_ASYM = ("scale_estimation",)
+# the embedding and lm_head beside INT4 decoder weights: INT8 per channel, or INT4 in groups of ``embedding_group``
+# (int4_sym in a calibrated compile fitted to the lm_head's inputs, the final hidden states: ovshard.frontend.int4_fit)
+TABLE_FORMATS = ("int8", "int4_sym", "int4_asym")
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,8 @@ class WeightFormat:
     methods: tuple[str, ...] = ()  # NNCF's data-aware methods on the INT4 weights, layer by layer (DATA_AWARE)
     calibration: str = "none"  # where their text came from: "none", "auto", "text" or "file NAME"
     calibration_digest: str = ""  # sha256 of the calibration token ids (ovshard.frontend.calibration.CalibrationText)
+    embedding: str = "int8"  # the embedding and lm_head beside INT4 decoder weights (TABLE_FORMATS), unless all_layers
+    embedding_group: int = 32  # its INT4 group size
 
     def __post_init__(self) -> None:
         if self.mode not in WEIGHT_FORMATS:
@@ -66,6 +71,11 @@ class WeightFormat:
             raise ConfigError(f"--calibration-methods {','.join(self.methods)} with --weights {self.mode}: {OWN_FIT} "
                               "fits symmetric INT4 and runs alone; use --weights int4_sym with it, or NNCF's "
                               "methods (e.g. scale_estimation) instead")
+        if self.embedding not in TABLE_FORMATS:
+            raise ConfigError(f"--embedding {self.embedding!r}: expected one of {', '.join(TABLE_FORMATS)}")
+        if self.embedding_group < MIN_INT4_GROUP or self.embedding_group & (self.embedding_group - 1):
+            raise ConfigError(f"--embedding-group-size {self.embedding_group}: expected a power of two of at least "
+                              f"{MIN_INT4_GROUP}, e.g. 32")
         if self.methods and not self.is_int4:
             raise ConfigError(f"--calibration calibrates INT4 weights; --weights {self.mode} has none: use "
                               "--weights int4_sym or int4_asym, or --calibration none")
@@ -73,6 +83,14 @@ class WeightFormat:
     @property
     def is_int4(self) -> bool:
         return self.mode.startswith("int4")
+
+    @property
+    def table(self) -> WeightFormat | None:
+        """The embedding's and lm_head's INT4 format where it differs from the decoder's: None where they stay INT8
+        (the default) or follow the decoder's format (``all_layers``, or no INT4 at all)."""
+        if not self.is_int4 or self.all_layers or self.embedding == "int8":
+            return None
+        return WeightFormat(self.embedding, self.embedding_group, ratio=1.0, all_layers=True, budget=1.0)
 
     def group_for(self, in_features: int) -> int | None:
         """The INT4 group NNCF uses over ``in_features`` inputs, or None where it stores the weight in INT8.
@@ -100,6 +118,8 @@ class WeightFormat:
         elif self.is_int4:
             shown.update(group_size=str(self.group_size), ratio=str(self.ratio), budget=str(self.budget),
                          all_layers=str(self.all_layers), int8_weights=str(len(self.int8_weights)))
+            if self.table is not None:
+                shown.update(embedding=f"{self.embedding} g{self.embedding_group}")
             if self.methods:
                 shown.update(methods="+".join(self.methods), calibration=self.calibration)
         return ", ".join(f"{k}={v}" for k, v in shown.items())

@@ -50,6 +50,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(default 0.0; 1.0: every decoder weight INT4)")
     p.add_argument("--all-layers", action="store_true",
                    help="INT4 also for the embedding and the lm_head (default: those stay INT8)")
+    p.add_argument("--embedding", default="int8", choices=("int8", "int4_sym", "int4_asym"),
+                   help="INT4: the embedding and lm_head's format (default int8, per channel); int4_sym in a calibrated "
+                   "compile is fitted to the lm_head's inputs (the final hidden states of the calibration text)")
+    p.add_argument("--embedding-group-size", type=int, default=32,
+                   help="INT4 group size of an INT4 --embedding (default 32)")
     p.add_argument("--calibration", default="default", metavar="text|auto|none|FILE",
                    help="INT4: data-aware compression, layer by layer in the streamed compile (ovshard's own scale fit "
                    "for int4_sym, NNCF's scale estimation for int4_asym), on calibration text: text (the ~2,300 tokens "
@@ -115,7 +120,8 @@ def compile_config(args: argparse.Namespace) -> CompileConfig:
     from ovshard.plan.partition import parse_budgets, parse_layers
 
     methods = tuple(m.strip() for m in args.calibration_methods.split(",") if m.strip()) if args.calibration_methods else ()
-    weights = WeightFormat(args.weights, args.group_size, args.ratio, args.all_layers, args.budget, methods=methods)
+    weights = WeightFormat(args.weights, args.group_size, args.ratio, args.all_layers, args.budget, methods=methods,
+                           embedding=args.embedding, embedding_group=args.embedding_group_size)
     known = [p.name for p in pipeline(weights)]
     dump_dir = args.dump_dir or (args.output.parent / f"{args.output.name}.dumps")
     emit = (lambda text: print(text, flush=True)) if args.print_after_change else None

@@ -65,7 +65,9 @@ def int4_error(weight: np.ndarray, fmt: WeightFormat) -> float:
 
 def embedding_bytes(dims: ModelDims, fmt: WeightFormat) -> float:
     """Stored bytes of one copy of the embedding table (or an lm_head of its shape) in ``fmt``: INT8 beside
-    INT4 weights unless ``all_layers``, else as the format stores any matrix."""
+    INT4 weights unless ``all_layers`` or an INT4 ``embedding`` format, else as the format stores any matrix."""
+    if fmt.table is not None:
+        return int4_bytes(fmt.table, dims.vocab_size, dims.hidden_size)
     if fmt.is_int4:
         return int4_bytes(fmt, dims.vocab_size, dims.hidden_size) if fmt.all_layers else \
             int8_bytes(dims.vocab_size, dims.hidden_size)
