@@ -158,6 +158,27 @@ def int4_weight(name: str, codes: np.ndarray, scales: np.ndarray, shape: tuple[i
     return ops.convert(weight, ov.Type.f32, name=f"{name}/fq_weights_1/convert")
 
 
+def int4_asym_weight(name: str, codes: np.ndarray, zeros: np.ndarray, scales: np.ndarray,
+                     shape: tuple[int, ...]) -> ov.Node:
+    """An asymmetric INT4 weight in NNCF's form: u4 codes and u4 zero points -> Convert f16 -> Subtract -> Multiply
+    by the f16 scales -> Reshape -> Convert f32."""
+
+    def u4(values: np.ndarray, label: str) -> ov.Node:
+        flat = values.reshape(-1).astype(np.uint8) & 0x0F
+        flat = np.concatenate([flat, np.zeros(len(flat) % 2, np.uint8)]).reshape(-1, 2)
+        const = ov.op.Constant(ov.Tensor(flat[:, 0] | (flat[:, 1] << 4), list(values.shape), ov.Type.u4),
+                               shared_memory=False)
+        const.set_friendly_name(label)
+        return const
+
+    stored = u4(codes, name)
+    zero = ops.convert(u4(zeros, f"{name}/zero_point"), ov.Type.f16)
+    scale = ops.constant(scales, dtype=ov.Type.f16, name=f"{name}/scale")
+    weight = ops.multiply(ops.subtract(ops.convert(stored, ov.Type.f16), zero), scale, name=f"{name}/fq_weights_1")
+    weight = ops.reshape(weight, ops.constant(np.array(shape, np.int64)), special_zero=False)
+    return ops.convert(weight, ov.Type.f32, name=f"{name}/fq_weights_1/convert")
+
+
 def _to_fp16(model: ov.Model, weights: list[ov.Node]) -> None:
     for const in weights:
         half = ops.constant(const.get_data().astype(np.float16))
@@ -216,15 +237,14 @@ class CompressWeightsPass(GraphPass):
                     gc.collect()
 
     def _tables(self, model: ov.Model, ctx: PassContext, tables: set[str], others: list[str]) -> None:
-        """The embedding and lm_head in the format's INT4 table format (``WeightFormat.table``): symmetric ones in a
-        calibrated streamed compile fitted to the lm_head's inputs (``Calibration.fit_table``), else NNCF's
-        data-free INT4."""
+        """The embedding and lm_head in the format's INT4 table format (``WeightFormat.table``): in a calibrated
+        streamed compile fitted to the lm_head's inputs (``Calibration.fit_table``), else NNCF's data-free INT4."""
         import nncf
         from nncf.quantization.advanced_parameters import AdvancedCompressionParameters, GroupSizeFallbackMode
 
         table = self.fmt.table
         assert table is not None
-        if table.mode == "int4_sym" and OWN_FIT in self.fmt.methods and ctx.calibration is not None:
+        if OWN_FIT in self.fmt.methods and ctx.calibration is not None:
             for op in (op for op in weight_ops(model) if op.get_friendly_name() in tables):
                 gather = op.get_type_name() == "Gather"
                 const = op.input_value(0 if gather else 1).get_node()
@@ -233,8 +253,10 @@ class CompressWeightsPass(GraphPass):
                 if group is None or len(shape) != 2 or not (gather or op.get_attributes()["transpose_b"]):
                     raise PassError(f"{ctx.where(self.name)}: the table {op.get_friendly_name()} ({shape}) is not a "
                                     "[rows, hidden] Gather or lm_head this fit knows; compile with --embedding int8")
-                codes, scales = ctx.calibration.fit_table(const.get_data(), group)
-                const.output(0).replace(int4_weight(const.get_friendly_name(), codes, scales, shape).output(0))
+                name = const.get_friendly_name()
+                fitted = ctx.calibration.fit_table(const.get_data(), group, asym=table.mode == "int4_asym")
+                stored = int4_asym_weight(name, *fitted, shape) if len(fitted) == 3 else int4_weight(name, *fitted, shape)
+                const.output(0).replace(stored.output(0))
             return
         mode = {"int4_sym": nncf.CompressWeightsMode.INT4_SYM, "int4_asym": nncf.CompressWeightsMode.INT4_ASYM}
         nncf.compress_weights(model, mode=mode[table.mode], group_size=table.group_size, ratio=1.0, all_layers=True,

@@ -290,10 +290,11 @@ class Activations:
                             "(data-free INT4) and report the model, whose layer reads that weight another way")
         return self._fit(projection, weight, group)
 
-    def fit_table(self, weight: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
-        """INT4 codes and f16 scales of rows of the lm_head (or the embedding tied to it), fitted to the lm_head's
-        inputs: every sample run through every float32 layer (once; for the first stage's embedding, before its
-        layers, which then start again from the embedding) and the final norm."""
+    def fit_table(self, weight: np.ndarray, group: int, asym: bool = False) -> tuple[np.ndarray, ...]:
+        """INT4 codes and f16 scales (asymmetric: codes, zero points, scales) of rows of the lm_head (or the
+        embedding tied to it), fitted to the lm_head's inputs: every sample run through every float32 layer (once;
+        for the first stage's embedding, before its layers, which then start again from the embedding) and the
+        final norm."""
         if group not in self.table_moments:
             d, blk = self.ckpt.dims, self.ckpt.block
             self._move_to(d.num_layers)
@@ -303,8 +304,9 @@ class Activations:
                                     for h in self.hidden])
             self.table_moments[group] = int4_fit.second_moments(inputs, group)
             watchdog.beat("calibration: the lm_head's inputs kept")
-        codes, scales = int4_fit.fit(torch.from_numpy(np.array(weight, np.float32)), self.table_moments[group])
-        return codes.numpy(), scales.numpy()
+        rows = torch.from_numpy(np.array(weight, np.float32))
+        fitted = (int4_fit.fit_asym if asym else int4_fit.fit)(rows, self.table_moments[group])
+        return tuple(t.numpy() for t in fitted)
 
     def _fit(self, projection: str, weight: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
         inputs = self.caught.get(projection)

@@ -43,15 +43,18 @@ def test_table_formats_are_checked_and_counted(stories: Path) -> None:
     assert embedding_bytes(dims, WeightFormat()) == rows * (width + 3.0)  # INT8 per channel, as before
 
 
-def test_the_fitted_table_errs_less_than_min_max_on_the_lm_heads_inputs(stories: Path, tmp_path: Path) -> None:
-    """The table fitted to the final hidden states (``Activations.fit_table``) against NNCF's data-free symmetric
-    min-max groups of 32: the lm_head's output error on those hidden states, summed over tokens and rows."""
+@pytest.mark.parametrize("asym", [False, True], ids=["sym", "asym"])
+def test_the_fitted_table_errs_less_than_min_max_on_the_lm_heads_inputs(stories: Path, tmp_path: Path,
+                                                                        asym: bool) -> None:
+    """The table fitted to the final hidden states (``Activations.fit_table``) against NNCF's data-free min-max
+    groups of 32 (symmetric, or asymmetric with a zero point): the lm_head's output error on those hidden states,
+    summed over tokens and rows."""
     from ovshard.frontend.calibration import Activations, calibration_text
 
     ckpt = open_source(stories)
     activations = Activations(ckpt, calibration_text(ckpt, "text", 4, 64, tmp_path))
     table = ckpt.load(ckpt.spec.embed).float().numpy()
-    codes, scales = activations.fit_table(table, 32)
+    fitted = activations.fit_table(table, 32, asym=asym)
     assert activations.at == ckpt.dims.num_layers  # every sample run through every layer
     d = ckpt.dims
     norm = ckpt.load(ckpt.spec.final_norm)
@@ -59,16 +62,27 @@ def test_the_fitted_table_errs_less_than_min_max_on_the_lm_heads_inputs(stories:
                         for h in activations.hidden]).double()
     reference = torch.from_numpy(table).double() @ inputs.T
 
-    def error(q: torch.Tensor, s: torch.Tensor) -> float:
-        restored = (q.double() * s.double()).reshape(table.shape)
+    def error(q: np.ndarray, z: np.ndarray | float, s: np.ndarray) -> float:
+        restored = torch.from_numpy(((q.astype(np.float64) - z) * s.astype(np.float64)).reshape(table.shape))
         return float(((restored @ inputs.T - reference) ** 2).sum())
 
-    plain_codes, plain_scales = int4_fit.minmax(torch.from_numpy(table), 32)
-    fitted = error(torch.from_numpy(codes), torch.from_numpy(scales))
+    grouped = table.reshape(d.vocab_size, -1, 32)
+    if asym:
+        codes, zeros, scales = fitted
+        assert codes.dtype == zeros.dtype == np.uint8 and codes.max() <= 15 and zeros.max() <= 15
+        low, high = grouped.min(-1, keepdims=True), grouped.max(-1, keepdims=True)
+        s = ((high - low) / 15).astype(np.float16).astype(np.float32)
+        z = np.clip(np.round(-low / s), 0, 15)
+        plain = error(np.clip(np.round(grouped / s) + z, 0, 15), z, s)
+        mine = error(codes, zeros.astype(np.float64), scales)
+    else:
+        codes, scales = fitted
+        plain = error(*(lambda q, s: (q.numpy(), 0.0, s.numpy()))(*int4_fit.minmax(torch.from_numpy(table), 32)))
+        mine = error(codes, 0.0, scales)
     assert codes.shape == (d.vocab_size, d.hidden_size // 32, 32) and scales.dtype == np.float16
-    assert fitted < 0.9 * error(plain_codes, plain_scales), (fitted, error(plain_codes, plain_scales))
-    again = activations.fit_table(table[:100], 32)  # the moments are kept: a row chunk gets the same codes
-    assert np.array_equal(again[0], codes[:100]) and np.array_equal(again[1], scales[:100])
+    assert mine < 0.9 * plain, (mine, plain)
+    again = activations.fit_table(table[:100], 32, asym=asym)  # the moments are kept: a row chunk gets the same codes
+    assert all(np.array_equal(a, b[:100]) for a, b in zip(again, fitted, strict=True))
 
 
 def _table_constants(bundle: Path) -> list[bytes]:
