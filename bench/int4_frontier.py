@@ -119,14 +119,19 @@ ROWS = {
     # its INT8 copy costs more bits than INT8 decoder weights; b1.50 leaves every decoder weight INT8 there (5.9 bits)
     "int4_asym g32 b1.50 all": ["--weights", "int4_asym", "--group-size", "32", "--budget", "1.5", "--all-layers", *FREE],
     "int4_sym g32 b1.50 all": ["--weights", "int4_sym", "--group-size", "32", "--budget", "1.5", "--all-layers", *FREE],
-    # the embedding and lm_head INT4 beside the default's decoder (--embedding): "emb asym g32" NNCF's data-free
-    # asymmetric groups of 32, "emb sym g32" symmetric groups fitted to the lm_head's inputs (the final hidden
-    # states of the calibration text); the bytes the table saves buy INT8 decoder weights, b1.07 keeps SmolLM2 under
-    # llama.cpp Q4_K_M's 6.17 bits a parameter
+    # min-max INT4 groups of 32 with an f16 zero point (llama.cpp's Q4_1 form), data-free: a Q4_0 or Q4_1 source's
+    # blocks as they are; b1.06 keeps the INT8 share under Q4_K_M's bits on Gemma 3 270M
+    "int4_affine g32 b1.00": ["--weights", "int4_affine", "--group-size", "32", "--budget", "1.0", *FREE],
+    "int4_affine g32 b1.06": ["--weights", "int4_affine", "--group-size", "32", "--budget", "1.06", *FREE],
+    "int4_affine g32 b1.15": ["--weights", "int4_affine", "--group-size", "32", "--budget", "1.15", *FREE],
+    # the embedding and lm_head INT4 groups of 32 beside the default's decoder (--embedding), "asym" or "sym": in a
+    # calibrated ("fit") row fitted to the lm_head's inputs (the final hidden states of the calibration text), else
+    # NNCF's data-free groups; the bytes the table saves buy INT8 decoder weights (b1.50: every one on Gemma 3 270M)
     "int4_sym g128 b1.07 fit text emb asym g32": ["--budget", "1.07", "--embedding", "int4_asym"],
     "int4_sym g128 b1.07 fit text emb sym g32": ["--budget", "1.07", "--embedding", "int4_sym"],
     "int4_sym g128 b1.15 fit text emb sym g32": ["--embedding", "int4_sym"],
     "int4_sym g128 b1.50 fit text emb sym g32": ["--budget", "1.5", "--embedding", "int4_sym"],
+    "int4_sym g128 b1.50 fit text emb asym g32": ["--budget", "1.5", "--embedding", "int4_asym"],
     "int4_sym g128 b1.50 emb asym g32": ["--budget", "1.5", "--embedding", "int4_asym", *FREE],
     # data-aware (NNCF, layer by layer in the streamed compile); "auto": the model's own text
     "int4_sym g128 b1.15 fit text": [],  # the default

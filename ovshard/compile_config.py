@@ -129,8 +129,8 @@ def check_calibration(config: CompileConfig) -> None:
 
 def default_calibration(config: CompileConfig, ckpt: Checkpoint) -> str:
     """The default: INT4 weights calibrated on the shipped text, where this compile can; else data-free, said why."""
-    if not config.weights.is_int4 or config.weights.methods:
-        return "text" if config.weights.methods else "none"
+    if not config.weights.is_int4 or config.weights.methods or config.weights.mode == "int4_affine":
+        return "text" if config.weights.methods else "none"  # int4_affine: data-free min-max
     if not config.streamed:
         why = "the streamed compile calibrates layer by layer (--whole-stage and --frontend onnx trace whole stages)"
     elif config.jobs > 1:

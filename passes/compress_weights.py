@@ -1,7 +1,8 @@
 """CompressWeightsPass: weight compression of the stage's MatMul and embedding weights.
 
 Formats: ``fp32`` (nothing changes), ``fp16`` (weights stored as f16 with a decompression Convert),
-``int8`` (NNCF INT8_ASYM, per channel), ``int4_sym`` / ``int4_asym`` (NNCF, grouped).
+``int8`` (NNCF INT8_ASYM, per channel), ``int4_sym`` / ``int4_asym`` (NNCF, grouped), ``int4_affine`` (grouped
+min-max with an f16 zero point, written here in NNCF's asymmetric form: :func:`int4_affine_weight`).
 
 Which weights keep the backup precision (INT8_ASYM, per channel) is decided for the whole model, never
 per stage: the embedding and the lm_head, unless ``all_layers``, and the decoder weights the format
@@ -179,6 +180,26 @@ def int4_asym_weight(name: str, codes: np.ndarray, zeros: np.ndarray, scales: np
     return ops.convert(weight, ov.Type.f32, name=f"{name}/fq_weights_1/convert")
 
 
+def int4_affine_weight(name: str, w: np.ndarray, shape: tuple[int, ...]) -> ov.Node:
+    """``w`` [out, groups, group] as min-max INT4 with an f16 zero point: the scale ``(max - min) / 15`` and the zero
+    point ``-min / scale`` of each group, both f16 as stored (llama.cpp's Q4_1 keeps the minimum itself); codes
+    in [0, 15]. The CPU plugin fuses it as it does NNCF's u4 zero points (an f32 one per group at run time)."""
+    low = w.min(axis=-1, keepdims=True)
+    scale = ((w.max(axis=-1, keepdims=True) - low) / 15.0).astype(np.float16)
+    scale[np.abs(scale) < np.finfo(np.float16).tiny] = np.finfo(np.float16).tiny  # a constant group
+    s = scale.astype(np.float32)
+    zero = (-low / s).astype(np.float16)
+    codes = np.clip(np.round(w / s + zero.astype(np.float32)), 0, 15).astype(np.uint8).reshape(-1)
+    codes = np.concatenate([codes, np.zeros(len(codes) % 2, np.uint8)]).reshape(-1, 2)
+    stored = ov.op.Constant(ov.Tensor(codes[:, 0] | (codes[:, 1] << 4), list(w.shape), ov.Type.u4), shared_memory=False)
+    stored.set_friendly_name(name)
+    offset = ops.constant(zero, dtype=ov.Type.f16, name=f"{name}/zero_point")
+    weight = ops.multiply(ops.subtract(ops.convert(stored, ov.Type.f16), offset),
+                          ops.constant(scale, dtype=ov.Type.f16, name=f"{name}/scale"), name=f"{name}/fq_weights_1")
+    weight = ops.reshape(weight, ops.constant(np.array(shape, np.int64)), special_zero=False)
+    return ops.convert(weight, ov.Type.f32, name=f"{name}/fq_weights_1/convert")
+
+
 def _to_fp16(model: ov.Model, weights: list[ov.Node]) -> None:
     for const in weights:
         half = ops.constant(const.get_data().astype(np.float16))
@@ -224,6 +245,14 @@ class CompressWeightsPass(GraphPass):
             if backup - tables:
                 nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM,
                                       ignored_scope=_ignored([*rest, *routers, *tables]))
+            if rest and self.fmt.mode == "int4_affine":
+                written = self._affine(model, set(rest))
+                backup |= written
+                rest = [name for name in rest if name not in written]
+                if rest:  # no INT4 group fits them: INT8, as NNCF's ADJUST fallback stores them
+                    nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM,
+                                          ignored_scope=_ignored([*backup, *routers]))
+                    rest = []
             if rest and OWN_FIT in self.fmt.methods:
                 fitted = self._fit(model, ctx, set(rest), where)
                 rest = [name for name in rest if name not in fitted]
@@ -262,6 +291,23 @@ class CompressWeightsPass(GraphPass):
         nncf.compress_weights(model, mode=mode[table.mode], group_size=table.group_size, ratio=1.0, all_layers=True,
                               ignored_scope=_ignored(others), advanced_parameters=AdvancedCompressionParameters(
                                   group_size_fallback_mode=GroupSizeFallbackMode.ADJUST))
+
+    def _affine(self, model: ov.Model, ops_wanted: set[str]) -> set[str]:
+        """``int4_affine`` groups (:func:`int4_affine_weight`) for the [out, in] MatMul weights (and, with
+        ``all_layers``, Gather tables) among ``ops_wanted`` that an INT4 group fits; returns the ops done."""
+        done = set()
+        for op in weight_ops(model):
+            gather = op.get_type_name() == "Gather"
+            const = op.input_value(0 if gather else 1).get_node()
+            shape = tuple(const.get_output_shape(0))
+            group = self.fmt.group_for(shape[-1])
+            if (op.get_friendly_name() not in ops_wanted or group is None or len(shape) != 2
+                    or not (gather or op.get_attributes()["transpose_b"])):
+                continue
+            w = const.get_data().astype(np.float32).reshape(shape[0], -1, group)
+            const.output(0).replace(int4_affine_weight(const.get_friendly_name(), w, shape).output(0))
+            done.add(op.get_friendly_name())
+        return done
 
     def _fit(self, model: ov.Model, ctx: PassContext, ops_wanted: set[str], where: str) -> set[str]:
         """Symmetric INT4 of the decoder weights among ``ops_wanted`` fitted to their calibration inputs

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 from ovshard.errors import ConfigError
 
-WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4_sym", "int4_asym")
+# int4_affine: asymmetric INT4 whose zero point is an f16 per group, not a 4-bit integer (llama.cpp's Q4_1 in
+# groups of 32: codes, a scale and an offset); data-free min-max, which a Q4_0 or Q4_1 source's blocks it matches
+WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4_sym", "int4_asym", "int4_affine")
 MIN_INT4_GROUP = 32  # NNCF's ADJUST fallback: below this power-of-two group a weight is stored in INT8
 OWN_FIT = "scale_fit"  # ovshard's own scale fit of symmetric INT4 (ovshard.frontend.int4_fit), alone
 NNCF_DATA_AWARE = ("awq", "scale_estimation", "gptq", "lora_correction")  # NNCF's methods that need calibration text
@@ -76,6 +78,9 @@ class WeightFormat:
         if self.embedding_group < MIN_INT4_GROUP or self.embedding_group & (self.embedding_group - 1):
             raise ConfigError(f"--embedding-group-size {self.embedding_group}: expected a power of two of at least "
                               f"{MIN_INT4_GROUP}, e.g. 32")
+        if self.methods and self.mode == "int4_affine":
+            raise ConfigError(f"--calibration-methods {','.join(self.methods)} with --weights int4_affine: its groups "
+                              "are data-free min-max; use --calibration none, or --weights int4_sym or int4_asym")
         if self.methods and not self.is_int4:
             raise ConfigError(f"--calibration calibrates INT4 weights; --weights {self.mode} has none: use "
                               "--weights int4_sym or int4_asym, or --calibration none")

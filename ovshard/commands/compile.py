@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
 WEIGHT_HELP = """weight format: fp32 (exact; for parity tests), fp16, int8 (per channel),
 int4_sym (default: with the sensitive weights in INT8 it measured ahead of int4_asym on the real models,
-docs/results/2026-12-int4-accuracy.md), int4_asym"""
+docs/results/2026-12-int4-accuracy.md), int4_asym, int4_affine (asymmetric with an f16 zero point per group,
+llama.cpp's Q4_1 form at --group-size 32; data-free)"""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "bytes read per decode step, its step time (default; the lm_head counts, the embedding's "
                    "gathered rows hardly), or its memory (weights + KV cache)")
     p.add_argument("--weights", default="int4_sym",
-                   choices=("fp32", "fp16", "int8", "int4_sym", "int4_asym"), help=WEIGHT_HELP)
+                   choices=("fp32", "fp16", "int8", "int4_sym", "int4_asym", "int4_affine"), help=WEIGHT_HELP)
     p.add_argument("--group-size", type=int, default=128, help="INT4 group size (default 128)")
     p.add_argument("--budget", type=float, default=1.15,
                    help="INT4: keep the decoder weights INT4 hurts most in INT8, chosen for the whole model, while "

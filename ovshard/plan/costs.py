@@ -34,7 +34,7 @@ def bytes_per_weight(fmt: WeightFormat, backup_int8: bool = False) -> float:
         return 1.0
     # a f16 scale (and, asymmetric, a 4-bit zero point) per group; -1 means one per output channel, which
     # over a row of hundreds of inputs or more is below the rounding of the estimate
-    per_group = 2.0 + (0.5 if fmt.mode == "int4_asym" else 0.0)
+    per_group = 2.0 + {"int4_asym": 0.5, "int4_affine": 2.0}.get(fmt.mode, 0.0)
     return 0.5 + (per_group / fmt.group_size if fmt.group_size > 0 else 0.0)
 
 

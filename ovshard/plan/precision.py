@@ -37,7 +37,7 @@ def int4_bytes(fmt: WeightFormat, out_features: int, in_features: int) -> float:
     group = fmt.group_for(in_features)
     if group is None:
         return int8_bytes(out_features, in_features)
-    per_group = 2.0 + (0.5 if fmt.mode == "int4_asym" else 0.0)
+    per_group = 2.0 + {"int4_asym": 0.5, "int4_affine": 2.0}.get(fmt.mode, 0.0)
     return out_features * (in_features * 0.5 + in_features / group * per_group)
 
 
@@ -52,7 +52,11 @@ def int4_error(weight: np.ndarray, fmt: WeightFormat) -> float:
     if group is None:
         return 0.0
     w = weight.astype(np.float32).reshape(out_features, in_features // group, group)
-    if fmt.mode == "int4_asym":
+    if fmt.mode == "int4_affine":  # an f16 offset: the group's minimum exactly
+        low, high = w.min(axis=-1, keepdims=True), w.max(axis=-1, keepdims=True)
+        scale = np.maximum((high - low) / 15.0, np.finfo(np.float32).tiny)
+        restored = np.round((w - low) / scale) * scale + low
+    elif fmt.mode == "int4_asym":
         low, high = w.min(axis=-1, keepdims=True), w.max(axis=-1, keepdims=True)
         scale = np.maximum((high - low) / 15.0, np.finfo(np.float32).tiny)
         zero = np.clip(np.round(-low / scale), 0, 15)
