@@ -284,7 +284,10 @@ class CompressWeightsPass(GraphPass):
                                     "[rows, hidden] Gather or lm_head this fit knows; compile with --embedding int8")
                 name = const.get_friendly_name()
                 fitted = ctx.calibration.fit_table(const.get_data(), group, asym=table.mode == "int4_asym")
-                stored = int4_asym_weight(name, *fitted, shape) if len(fitted) == 3 else int4_weight(name, *fitted, shape)
+                if len(fitted) == 3:
+                    stored = int4_asym_weight(name, fitted[0], fitted[1], fitted[2], shape)
+                else:
+                    stored = int4_weight(name, fitted[0], fitted[1], shape)
                 const.output(0).replace(stored.output(0))
             return
         mode = {"int4_sym": nncf.CompressWeightsMode.INT4_SYM, "int4_asym": nncf.CompressWeightsMode.INT4_ASYM}

@@ -10,6 +10,7 @@ from ovshard.errors import ConfigError
 # groups of 32: codes, a scale and an offset); data-free min-max, which a Q4_0 or Q4_1 source's blocks it matches
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4_sym", "int4_asym", "int4_affine")
 MIN_INT4_GROUP = 32  # NNCF's ADJUST fallback: below this power-of-two group a weight is stored in INT8
+MIN_TABLE_GROUP = 16  # an INT4 embedding's groups (--embedding-group-size), which ovshard writes itself when fitted
 OWN_FIT = "scale_fit"  # ovshard's own scale fit of symmetric INT4 (ovshard.frontend.int4_fit), alone
 NNCF_DATA_AWARE = ("awq", "scale_estimation", "gptq", "lora_correction")  # NNCF's methods that need calibration text
 DATA_AWARE = (*NNCF_DATA_AWARE, OWN_FIT)
@@ -75,9 +76,9 @@ class WeightFormat:
                               "methods (e.g. scale_estimation) instead")
         if self.embedding not in TABLE_FORMATS:
             raise ConfigError(f"--embedding {self.embedding!r}: expected one of {', '.join(TABLE_FORMATS)}")
-        if self.embedding_group < MIN_INT4_GROUP or self.embedding_group & (self.embedding_group - 1):
+        if self.embedding_group < MIN_TABLE_GROUP or self.embedding_group & (self.embedding_group - 1):
             raise ConfigError(f"--embedding-group-size {self.embedding_group}: expected a power of two of at least "
-                              f"{MIN_INT4_GROUP}, e.g. 32")
+                              f"{MIN_TABLE_GROUP}, e.g. 32")
         if self.methods and self.mode == "int4_affine":
             raise ConfigError(f"--calibration-methods {','.join(self.methods)} with --weights int4_affine: its groups "
                               "are data-free min-max; use --calibration none, or --weights int4_sym or int4_asym")

@@ -40,10 +40,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="what --stages (and --budgets, among the splits that fit) even out: each stage's weight "
                    "bytes read per decode step, its step time (default; the lm_head counts, the embedding's "
                    "gathered rows hardly), or its memory (weights + KV cache)")
-    p.add_argument("--weights", default="int4_sym",
+    p.add_argument("--weights",
                    choices=("fp32", "fp16", "int8", "int4_sym", "int4_asym", "int4_affine"), help=WEIGHT_HELP)
-    p.add_argument("--group-size", type=int, default=128, help="INT4 group size (default 128)")
-    p.add_argument("--budget", type=float, default=1.15,
+    p.add_argument("--group-size", type=int, help="INT4 group size (default 128)")
+    p.add_argument("--budget", type=float,
                    help="INT4: keep the decoder weights INT4 hurts most in INT8, chosen for the whole model, while "
                    "the bundle stays within this multiple of its all-INT4 size (default 1.15; 1.0: none)")
     p.add_argument("--ratio", type=float, default=0.0,
@@ -121,7 +121,8 @@ def compile_config(args: argparse.Namespace) -> CompileConfig:
     from ovshard.plan.partition import parse_budgets, parse_layers
 
     methods = tuple(m.strip() for m in args.calibration_methods.split(",") if m.strip()) if args.calibration_methods else ()
-    weights = WeightFormat(args.weights, args.group_size, args.ratio, args.all_layers, args.budget, methods=methods,
+    weights = WeightFormat(args.weights or "int4_sym", 128 if args.group_size is None else args.group_size, args.ratio,
+                           args.all_layers, 1.15 if args.budget is None else args.budget, methods=methods,
                            embedding=args.embedding, embedding_group=args.embedding_group_size)
     known = [p.name for p in pipeline(weights)]
     dump_dir = args.dump_dir or (args.output.parent / f"{args.output.name}.dumps")
@@ -150,6 +151,7 @@ def compile_config(args: argparse.Namespace) -> CompileConfig:
         calibration=args.calibration,
         calibration_samples=args.calibration_samples,
         calibration_tokens=args.calibration_tokens,
+        weights_from_source=args.weights is None and args.group_size is None and args.budget is None,
     )
 
 
