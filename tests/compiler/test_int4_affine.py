@@ -4,10 +4,15 @@ A weight made of Q4_1 blocks (each group ``m + d k``, ``k`` in [0, 15], ``d`` an
 quantizer writes them: the block's minimum at code 0, its maximum at 15) comes back from the written graph, run
 by the CPU plugin, within a small part of one step (the f16 rounding of the zero point): the format holds such a
 source's weights as they are, where NNCF's 4-bit zero point moves every group by up to half a step. Calibration
-is refused with a clear error: the format is data-free.
+is refused with a clear error: the format is data-free. A GGUF source whose decoder matrices are all Q4_1 gets
+the format by default.
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import openvino as ov
@@ -51,3 +56,31 @@ def test_a_q4_1_weight_comes_back_within_a_small_part_of_a_step_on_the_cpu_plugi
 def test_int4_affine_is_data_free() -> None:
     with pytest.raises(ConfigError, match=r"--weights int4_affine: its groups are data-free min-max"):
         WeightFormat("int4_affine", 32, methods=("scale_estimation",))
+
+
+def test_a_q4_1_gguf_compiles_to_int4_affine_by_default_and_errs_less_than_sym(tmp_path: Path) -> None:
+    """A tiny llama GGUF whose matrices are Q4_1: the default compile (no --weights, --group-size or --budget)
+    stores every decoder weight int4_affine in groups of 32, data-free, and its logits are closer to the fp32
+    bundle's than those of ``--weights int4_sym --group-size 32 --budget 1.0``; an explicit --weights keeps its
+    format."""
+    from dense_gguf import hf_weights, write_gguf
+
+    from ovshard.bundle.manifest import read_manifest
+    from ovshard.runtime.client.inprocess import LocalPipeline
+    from ovshard.runtime.engine.stage import EXACT_HINTS
+
+    source = write_gguf(tmp_path / "q41.gguf", "llama", hf_weights("llama"), qtype="Q4_1")
+    flags = {"fp32": ["--weights", "fp32"], "default": [],
+             "sym": ["--weights", "int4_sym", "--group-size", "32", "--budget", "1.0", "--calibration", "none"]}
+    logits = {}
+    for name, extra in flags.items():
+        done = subprocess.run([sys.executable, "-m", "ovshard.cli", "-q", "compile", str(source), "-o",
+                               str(tmp_path / name), "--no-cache", *extra], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        pipe = LocalPipeline(tmp_path / name, config=EXACT_HINTS)
+        logits[name] = pipe.forward([1, *range(3, 40)])[0]
+    fmt = read_manifest(tmp_path / "default").weights
+    assert (fmt.mode, fmt.group_size, fmt.budget, fmt.int8_weights, fmt.methods) == ("int4_affine", 32, 1.0, (), ())
+    assert read_manifest(tmp_path / "sym").weights.mode == "int4_sym"
+    errors = {name: float(np.mean((logits[name] - logits["fp32"]) ** 2)) for name in ("default", "sym")}
+    assert errors["default"] < 0.5 * errors["sym"], errors
