@@ -65,7 +65,7 @@ class CompileConfig:
     calibration: str = "default"
     calibration_samples: int = 8
     calibration_tokens: int = 128  # tokens per calibration sample
-    weights_from_source: bool = False  # the format left to the default: a Q4_1 source keeps its groups (source_weights)
+    weights_from_source: bool = False  # the format left to the default: a Q4_0/Q4_1 source keeps its groups (source_weights)
 
     def __post_init__(self) -> None:
         _check_counts(self)
@@ -128,26 +128,32 @@ def check_calibration(config: CompileConfig) -> None:
                           "and --frontend onnx")
 
 
-SOURCE_GROUPS = ("Q4_1",)  # GGUF block types that int4_affine g32 stores as they are (min-max of each block)
+# GGUF block types (groups of 32) that a format stores as they are, data-free: Q4_1 (``m + d k``, its minimum at
+# code 0 and its maximum at 15) in int4_affine's min-max groups, Q4_0 (``d (k - 8)``, its largest magnitude at code
+# 0) in int4_sym's signed min-max groups
+SOURCE_GROUPS = {"Q4_1": "int4_affine", "Q4_0": "int4_sym"}
 
 
 def source_weights(config: CompileConfig, ckpt: Checkpoint) -> CompileConfig:
-    """The default format for this checkpoint: where every decoder matrix of a GGUF source is Q4_1 (groups of 32,
-    an f16 scale and minimum each), ``int4_affine`` in groups of 32, every decoder weight (``--budget 1.0``),
-    data-free: those groups hold the source's blocks as they are, so the bundle loses nothing against the source
-    at its size (SmolLM2-135M's Q4_1 file: +0.0% to +0.4% perplexity at 5.65 bits a parameter, against the
-    calibrated int4_sym default's +1.4% to +9.2% at 6.09; docs/results/2026-12-int4-accuracy.md); else unchanged."""
+    """The default format for this checkpoint: where every decoder matrix of a GGUF source is of one block type
+    of :data:`SOURCE_GROUPS`, its format in groups of 32, every decoder weight (``--budget 1.0``), data-free: those
+    groups hold the source's blocks as they are, so the bundle loses next to nothing against the source at its
+    size (SmolLM2-135M's Q4_1 file: +0.0% to +0.4% perplexity at 5.65 bits a parameter, against the calibrated
+    int4_sym default's +1.4% to +9.2% at 6.09; docs/results/2026-12-int4-accuracy.md); else unchanged."""
     from ovshard.frontend.tensors import layer_tensors
 
     if not config.weights_from_source or ckpt.quantization is None:
         return config
     types = {ckpt.tensor_info(name)[0] for i in range(ckpt.dims.num_layers)
              for name, shape in layer_tensors(ckpt.spec, ckpt.dims, i).items() if len(shape) == 2}
-    if not types or not types <= set(SOURCE_GROUPS):
+    if len(types) != 1 or next(iter(types)) not in SOURCE_GROUPS:
         return config
-    log.info("weights: the source's decoder matrices are %s: int4_affine in groups of 32 holds them as they are "
-             "(--weights, --group-size or --budget choose otherwise)", ", ".join(sorted(types)))
-    return replace(config, weights=replace(config.weights, mode="int4_affine", group_size=32, budget=1.0))
+    mode = SOURCE_GROUPS[next(iter(types))]
+    log.info("weights: the source's decoder matrices are %s: %s in groups of 32, data-free, holds them as they are "
+             "(--weights, --group-size or --budget choose otherwise)", next(iter(types)), mode)
+    calibration = "none" if config.calibration == "default" else config.calibration
+    return replace(config, weights=replace(config.weights, mode=mode, group_size=32, budget=1.0),
+                   calibration=calibration)
 
 
 def default_calibration(config: CompileConfig, ckpt: Checkpoint) -> str:

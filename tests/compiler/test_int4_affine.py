@@ -5,7 +5,7 @@ quantizer writes them: the block's minimum at code 0, its maximum at 15) comes b
 by the CPU plugin, within a small part of one step (the f16 rounding of the zero point): the format holds such a
 source's weights as they are, where NNCF's 4-bit zero point moves every group by up to half a step. Calibration
 is refused with a clear error: the format is data-free. A GGUF source whose decoder matrices are all Q4_1 gets
-the format by default.
+the format by default (all Q4_0: int4_sym in groups of 32, data-free, which holds those blocks as they are).
 """
 
 from __future__ import annotations
@@ -58,20 +58,22 @@ def test_int4_affine_is_data_free() -> None:
         WeightFormat("int4_affine", 32, methods=("scale_estimation",))
 
 
-def test_a_q4_1_gguf_compiles_to_int4_affine_by_default_and_errs_less_than_sym(tmp_path: Path) -> None:
-    """A tiny llama GGUF whose matrices are Q4_1: the default compile (no --weights, --group-size or --budget)
-    stores every decoder weight int4_affine in groups of 32, data-free, and its logits are closer to the fp32
-    bundle's than those of ``--weights int4_sym --group-size 32 --budget 1.0``; an explicit --weights keeps its
-    format."""
+@pytest.mark.parametrize(("qtype", "mode", "other"), [("Q4_1", "int4_affine", "int4_sym"),
+                                                      ("Q4_0", "int4_sym", "int4_affine")])
+def test_a_q4_gguf_keeps_its_blocks_by_default(tmp_path: Path, qtype: str, mode: str, other: str) -> None:
+    """A tiny llama GGUF whose matrices are Q4_1 (Q4_0): the default compile (no --weights, --group-size or
+    --budget) stores every decoder weight int4_affine (int4_sym) in groups of 32, data-free, and its logits are
+    closer to the fp32 bundle's than those of the other format in the same groups; an explicit --weights keeps
+    its format."""
     from dense_gguf import hf_weights, write_gguf
 
     from ovshard.bundle.manifest import read_manifest
     from ovshard.runtime.client.inprocess import LocalPipeline
     from ovshard.runtime.engine.stage import EXACT_HINTS
 
-    source = write_gguf(tmp_path / "q41.gguf", "llama", hf_weights("llama"), qtype="Q4_1")
+    source = write_gguf(tmp_path / "q4.gguf", "llama", hf_weights("llama"), qtype=qtype)
     flags = {"fp32": ["--weights", "fp32"], "default": [],
-             "sym": ["--weights", "int4_sym", "--group-size", "32", "--budget", "1.0", "--calibration", "none"]}
+             "other": ["--weights", other, "--group-size", "32", "--budget", "1.0", "--calibration", "none"]}
     logits = {}
     for name, extra in flags.items():
         done = subprocess.run([sys.executable, "-m", "ovshard.cli", "-q", "compile", str(source), "-o",
@@ -80,7 +82,7 @@ def test_a_q4_1_gguf_compiles_to_int4_affine_by_default_and_errs_less_than_sym(t
         pipe = LocalPipeline(tmp_path / name, config=EXACT_HINTS)
         logits[name] = pipe.forward([1, *range(3, 40)])[0]
     fmt = read_manifest(tmp_path / "default").weights
-    assert (fmt.mode, fmt.group_size, fmt.budget, fmt.int8_weights, fmt.methods) == ("int4_affine", 32, 1.0, (), ())
-    assert read_manifest(tmp_path / "sym").weights.mode == "int4_sym"
-    errors = {name: float(np.mean((logits[name] - logits["fp32"]) ** 2)) for name in ("default", "sym")}
-    assert errors["default"] < 0.5 * errors["sym"], errors
+    assert (fmt.mode, fmt.group_size, fmt.budget, fmt.int8_weights, fmt.methods) == (mode, 32, 1.0, (), ())
+    assert fmt.calibration == "none" and read_manifest(tmp_path / "other").weights.mode == other
+    errors = {name: float(np.mean((logits[name] - logits["fp32"]) ** 2)) for name in ("default", "other")}
+    assert errors["default"] < 0.5 * errors["other"], errors
