@@ -134,6 +134,8 @@ ROWS = {
     "int4_sym g128 b1.50 fit text emb asym g32": ["--budget", "1.5", "--embedding", "int4_asym"],
     "int4_sym g128 b1.50 fit text emb asym g16": ["--budget", "1.5", "--embedding", "int4_asym",
                                                    "--embedding-group-size", "16"],
+    "int4_sym g128 b1.50 fit text emb asym g8": ["--budget", "1.5", "--embedding", "int4_asym",
+                                                  "--embedding-group-size", "8"],
     "int4_sym g128 b1.50 emb asym g32": ["--budget", "1.5", "--embedding", "int4_asym", *FREE],
     # data-aware (NNCF, layer by layer in the streamed compile); "auto": the model's own text
     "int4_sym g128 b1.15 fit text": [],  # the default

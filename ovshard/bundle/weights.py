@@ -10,7 +10,7 @@ from ovshard.errors import ConfigError
 # groups of 32: codes, a scale and an offset); data-free min-max, which a Q4_0 or Q4_1 source's blocks it matches
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4_sym", "int4_asym", "int4_affine")
 MIN_INT4_GROUP = 32  # NNCF's ADJUST fallback: below this power-of-two group a weight is stored in INT8
-MIN_TABLE_GROUP = 16  # an INT4 embedding's groups (--embedding-group-size), which ovshard writes itself when fitted
+MIN_TABLE_GROUP = 8  # an INT4 embedding's groups (--embedding-group-size), which ovshard writes itself when fitted
 OWN_FIT = "scale_fit"  # ovshard's own scale fit of symmetric INT4 (ovshard.frontend.int4_fit), alone
 NNCF_DATA_AWARE = ("awq", "scale_estimation", "gptq", "lora_correction")  # NNCF's methods that need calibration text
 DATA_AWARE = (*NNCF_DATA_AWARE, OWN_FIT)

@@ -30,7 +30,7 @@ from ovshard.plan.precision import embedding_bytes
 def test_table_formats_are_checked_and_counted(stories: Path) -> None:
     with pytest.raises(ConfigError, match=r"--embedding 'int5': expected one of int8, int4_sym, int4_asym"):
         WeightFormat(embedding="int5")
-    with pytest.raises(ConfigError, match=r"--embedding-group-size 48: expected a power of two of at least 16"):
+    with pytest.raises(ConfigError, match=r"--embedding-group-size 48: expected a power of two of at least 8"):
         WeightFormat(embedding="int4_asym", embedding_group=48)
     assert WeightFormat().table is None and WeightFormat(embedding="int4_sym", all_layers=True).table is None
     assert WeightFormat("int8", embedding="int4_sym").table is None  # only beside INT4 decoder weights
