@@ -65,7 +65,7 @@ class CompileConfig:
     calibration: str = "default"
     calibration_samples: int = 8
     calibration_tokens: int = 128  # tokens per calibration sample
-    weights_from_source: bool = False  # the format left to the default: a Q4_0/Q4_1 source keeps its groups (source_weights)
+    weights_from_source: bool = False  # the format left to the default: a rule of the checkpoint's (source_weights)
 
     def __post_init__(self) -> None:
         _check_counts(self)
@@ -142,18 +142,42 @@ def source_weights(config: CompileConfig, ckpt: Checkpoint) -> CompileConfig:
     int4_sym default's +1.4% to +9.2% at 6.09; docs/results/2026-12-int4-accuracy.md); else unchanged."""
     from ovshard.frontend.tensors import layer_tensors
 
-    if not config.weights_from_source or ckpt.quantization is None:
+    if not config.weights_from_source:
         return config
+    if ckpt.quantization is None:
+        return large_table(config, ckpt)
     types = {ckpt.tensor_info(name)[0] for i in range(ckpt.dims.num_layers)
              for name, shape in layer_tensors(ckpt.spec, ckpt.dims, i).items() if len(shape) == 2}
     if len(types) != 1 or next(iter(types)) not in SOURCE_GROUPS:
-        return config
+        return large_table(config, ckpt)
     mode = SOURCE_GROUPS[next(iter(types))]
     log.info("weights: the source's decoder matrices are %s: %s in groups of 32, data-free, holds them as they are "
              "(--weights, --group-size or --budget choose otherwise)", next(iter(types)), mode)
     calibration = "none" if config.calibration == "default" else config.calibration
     return replace(config, weights=replace(config.weights, mode=mode, group_size=32, budget=1.0),
                    calibration=calibration)
+
+
+LARGE_TABLE = 0.5  # a tied embedding over this share of the parameters gets its own INT4 format (large_table)
+TABLE_GROUP = 16
+
+
+def large_table(config: CompileConfig, ckpt: Checkpoint) -> CompileConfig:
+    """The default format where a tied embedding is over half the model (Gemma 3 270M: 63%): the table in
+    asymmetric INT4 groups of 16, fitted to the lm_head's inputs in a calibrated compile, and every decoder weight
+    INT8 (``--budget 4.0``). Its INT8 copy alone would be over 4 bits a parameter; this costs 6.30 on Gemma 3 270M
+    and loses +2.4% to +3.4% perplexity on prose, code and dialogue, against llama.cpp Q4_K_M's 7.36 bits
+    (docs/results/2026-12-int4-accuracy.md); else unchanged."""
+    from ovshard.plan.costs import parameter_count
+
+    d, spec = ckpt.dims, ckpt.spec
+    if not d.tie_word_embeddings or d.vocab_size * d.hidden_size <= LARGE_TABLE * parameter_count(spec, d):
+        return config
+    log.info("weights: the tied embedding is %.0f%% of the parameters: INT4 asymmetric groups of %d for it, INT8 for "
+             "every decoder weight (--weights, --group-size or --budget choose otherwise)",
+             100 * d.vocab_size * d.hidden_size / parameter_count(spec, d), TABLE_GROUP)
+    return replace(config, weights=replace(config.weights, embedding="int4_asym", embedding_group=TABLE_GROUP,
+                                           budget=4.0))
 
 
 def default_calibration(config: CompileConfig, ckpt: Checkpoint) -> str:

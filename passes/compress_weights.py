@@ -274,7 +274,10 @@ class CompressWeightsPass(GraphPass):
         table = self.fmt.table
         assert table is not None
         if OWN_FIT in self.fmt.methods and ctx.calibration is not None:
-            for op in (op for op in weight_ops(model) if op.get_friendly_name() in tables):
+            free = [] if ctx.dims.tie_word_embeddings else [  # an untied embedding never feeds the lm_head
+                op.get_friendly_name() for op in weight_ops(model)
+                if op.get_type_name() == "Gather" and op.get_friendly_name() in tables]
+            for op in (op for op in weight_ops(model) if op.get_friendly_name() in tables - set(free)):
                 gather = op.get_type_name() == "Gather"
                 const = op.input_value(0 if gather else 1).get_node()
                 shape = tuple(const.get_output_shape(0))
@@ -289,7 +292,9 @@ class CompressWeightsPass(GraphPass):
                 else:
                     stored = int4_weight(name, fitted[0], fitted[1], shape)
                 const.output(0).replace(stored.output(0))
-            return
+            if not free:
+                return
+            others, tables = [*others, *(tables - set(free))], set(free)
         mode = {"int4_sym": nncf.CompressWeightsMode.INT4_SYM, "int4_asym": nncf.CompressWeightsMode.INT4_ASYM}
         nncf.compress_weights(model, mode=mode[table.mode], group_size=table.group_size, ratio=1.0, all_layers=True,
                               ignored_scope=_ignored(others), advanced_parameters=AdvancedCompressionParameters(

@@ -51,11 +51,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(default 0.0; 1.0: every decoder weight INT4)")
     p.add_argument("--all-layers", action="store_true",
                    help="INT4 also for the embedding and the lm_head (default: those stay INT8)")
-    p.add_argument("--embedding", default="int8", choices=("int8", "int4_sym", "int4_asym"),
-                   help="INT4: the embedding and lm_head's format (default int8, per channel); int4_sym in a calibrated "
-                   "compile is fitted to the lm_head's inputs (the final hidden states of the calibration text)")
-    p.add_argument("--embedding-group-size", type=int, default=32,
-                   help="INT4 group size of an INT4 --embedding (default 32)")
+    p.add_argument("--embedding", choices=("int8", "int4_sym", "int4_asym"),
+                   help="INT4: the embedding and lm_head's format (default int8, per channel; a tied embedding over half "
+                   "the parameters: int4_asym groups of 16); an INT4 table in a calibrated compile is fitted to the "
+                   "lm_head's inputs (the final hidden states of the calibration text)")
+    p.add_argument("--embedding-group-size", type=int, help="INT4 group size of an INT4 --embedding (default 32)")
     p.add_argument("--calibration", default="default", metavar="text|auto|none|FILE",
                    help="INT4: data-aware compression, layer by layer in the streamed compile (ovshard's own scale fit "
                    "for int4_sym, NNCF's scale estimation for int4_asym), on calibration text: text (the ~2,300 tokens "
@@ -123,7 +123,8 @@ def compile_config(args: argparse.Namespace) -> CompileConfig:
     methods = tuple(m.strip() for m in args.calibration_methods.split(",") if m.strip()) if args.calibration_methods else ()
     weights = WeightFormat(args.weights or "int4_sym", 128 if args.group_size is None else args.group_size, args.ratio,
                            args.all_layers, 1.15 if args.budget is None else args.budget, methods=methods,
-                           embedding=args.embedding, embedding_group=args.embedding_group_size)
+                           embedding=args.embedding or "int8",
+                           embedding_group=32 if args.embedding_group_size is None else args.embedding_group_size)
     known = [p.name for p in pipeline(weights)]
     dump_dir = args.dump_dir or (args.output.parent / f"{args.output.name}.dumps")
     emit = (lambda text: print(text, flush=True)) if args.print_after_change else None
@@ -151,7 +152,8 @@ def compile_config(args: argparse.Namespace) -> CompileConfig:
         calibration=args.calibration,
         calibration_samples=args.calibration_samples,
         calibration_tokens=args.calibration_tokens,
-        weights_from_source=args.weights is None and args.group_size is None and args.budget is None,
+        weights_from_source=all(v is None for v in (args.weights, args.group_size, args.budget, args.embedding,
+                                                    args.embedding_group_size)) and not args.all_layers,
     )
 
 

@@ -5,7 +5,7 @@ INT4 groups beside INT4 decoder weights, instead of INT8 per channel. Bad values
 planner and the INT8 budget count are the table format's. On the real stories260K: the symmetric table fitted to
 the lm_head's inputs (the final hidden states of the calibration text) errs less on those inputs' logits than the
 data-free min-max table, and a calibrated compile writes the same table bytes into a one-stage bundle and into both
-stages of a two-stage one.
+stages of a two-stage one. A tied table over half the model (Gemma 3 270M's) gets INT4 groups of 16 by default.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 import openvino as ov
 import pytest
 import torch
+from real_gemma import gemma_gguf  # noqa: F401  (fixture)
 
 from ovshard.bundle.weights import WeightFormat
 from ovshard.errors import ConfigError
@@ -110,3 +111,18 @@ def test_a_calibrated_table_is_the_same_at_one_and_two_stages(stories: Path, tmp
         tables[stages] = _table_constants(out)
     assert len(tables[1]) == 1 and len(tables[2]) == 2, {k: len(v) for k, v in tables.items()}
     assert tables[2][0] == tables[2][1] == tables[1][0]
+
+
+def test_a_tied_table_over_half_the_model_gets_int4_groups_of_16_by_default(gemma_gguf: Path, stories: Path,
+                                                                            tmp_path: Path) -> None:
+    """The real Gemma 3 270M (its tied table 63% of the parameters): left to the default, the table is INT4
+    asymmetric in groups of 16 and every decoder weight INT8; an explicit format keeps its own; stories260K (its
+    table 13%) keeps the default."""
+    from ovshard.compile_config import CompileConfig, source_weights
+
+    gemma = open_source(gemma_gguf)
+    chosen = source_weights(CompileConfig(gemma_gguf, tmp_path / "g", weights_from_source=True), gemma).weights
+    assert (chosen.mode, chosen.embedding, chosen.embedding_group, chosen.budget) == ("int4_sym", "int4_asym", 16, 4.0)
+    assert source_weights(CompileConfig(gemma_gguf, tmp_path / "g"), gemma).weights == WeightFormat()
+    small = source_weights(CompileConfig(stories, tmp_path / "s", weights_from_source=True), open_source(stories))
+    assert small.weights == WeightFormat()
