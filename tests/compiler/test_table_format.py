@@ -113,7 +113,7 @@ def test_a_calibrated_table_is_the_same_at_one_and_two_stages(stories: Path, tmp
     assert tables[2][0] == tables[2][1] == tables[1][0]
 
 
-def test_a_tied_table_over_half_the_model_gets_int4_groups_of_16_by_default(gemma_gguf: Path, stories: Path,
+def test_a_tied_table_over_half_the_model_gets_int4_groups_of_16_by_default(gemma_gguf: Path, stories: Path,  # noqa: F811
                                                                             tmp_path: Path) -> None:
     """The real Gemma 3 270M (its tied table 63% of the parameters): left to the default, the table is INT4
     asymmetric in groups of 16 and every decoder weight INT8; an explicit format keeps its own; stories260K (its
