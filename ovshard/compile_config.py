@@ -159,6 +159,8 @@ def source_weights(config: CompileConfig, ckpt: Checkpoint) -> CompileConfig:
 
 
 LARGE_TABLE = 0.5  # a tied embedding over this share of the parameters gets its own INT4 format (large_table)
+WIDE_TABLE = 256  # ... and at least this many rows a hidden unit: a model few layers deep by construction, not a
+# larger model cut to a few layers (``ovshard synth --layers``), whose table the cut alone makes most of it
 TABLE_GROUP = 16
 
 
@@ -167,11 +169,14 @@ def large_table(config: CompileConfig, ckpt: Checkpoint) -> CompileConfig:
     asymmetric INT4 groups of 16, fitted to the lm_head's inputs in a calibrated compile, and every decoder weight
     INT8 (``--budget 4.0``). Its INT8 copy alone would be over 4 bits a parameter; this costs 6.30 on Gemma 3 270M
     and loses +2.4% to +3.4% perplexity on prose, code and dialogue, against llama.cpp Q4_K_M's 7.36 bits
-    (docs/results/2026-12-int4-accuracy.md); else unchanged."""
+    (docs/results/2026-12-int4-accuracy.md); else unchanged. The table must also have at least ``WIDE_TABLE`` rows
+    a hidden unit (Gemma 3 270M: 410; Gemma 3 1B 228, Llama 3.2 1B 63), so that cutting a larger model to a few
+    layers never changes its default."""
     from ovshard.plan.costs import parameter_count
 
     d, spec = ckpt.dims, ckpt.spec
-    if not d.tie_word_embeddings or d.vocab_size * d.hidden_size <= LARGE_TABLE * parameter_count(spec, d):
+    if (not d.tie_word_embeddings or d.vocab_size < WIDE_TABLE * d.hidden_size
+            or d.vocab_size * d.hidden_size <= LARGE_TABLE * parameter_count(spec, d)):
         return config
     log.info("weights: the tied embedding is %.0f%% of the parameters: INT4 asymmetric groups of %d for it, INT8 for "
              "every decoder weight (--weights, --group-size or --budget choose otherwise)",
