@@ -135,7 +135,7 @@ SOURCE_GROUPS = {"Q4_1": "int4_affine", "Q4_0": "int4_sym"}
 
 
 def source_weights(config: CompileConfig, ckpt: Checkpoint) -> CompileConfig:
-    """The default format for this checkpoint: where every decoder matrix of a GGUF source is of one block type
+    """The default format for this checkpoint: where every decoder matrix of a dense GGUF source is of one block type
     of :data:`SOURCE_GROUPS`, its format in groups of 32, every decoder weight (``--budget 1.0``), data-free: those
     groups hold the source's blocks as they are, so the bundle loses next to nothing against the source at its
     size (SmolLM2-135M's Q4_1 file: +0.0% to +0.4% perplexity at 5.65 bits a parameter, against the calibrated
@@ -146,9 +146,11 @@ def source_weights(config: CompileConfig, ckpt: Checkpoint) -> CompileConfig:
         return config
     if ckpt.quantization is None:
         return large_table(config, ckpt)
-    types = {ckpt.tensor_info(name)[0] for i in range(ckpt.dims.num_layers)
-             for name, shape in layer_tensors(ckpt.spec, ckpt.dims, i).items() if len(shape) == 2}
-    if len(types) != 1 or next(iter(types)) not in SOURCE_GROUPS:
+    shapes = {name: shape for i in range(ckpt.dims.num_layers)
+              for name, shape in layer_tensors(ckpt.spec, ckpt.dims, i).items() if len(shape) >= 2}
+    types = {ckpt.tensor_info(name)[0] for name in shapes}
+    stacked = any(len(shape) > 2 for shape in shapes.values())  # experts [experts, out, in]: NNCF's, not these groups
+    if stacked or len(types) != 1 or next(iter(types)) not in SOURCE_GROUPS:
         return large_table(config, ckpt)
     mode = SOURCE_GROUPS[next(iter(types))]
     log.info("weights: the source's decoder matrices are %s: %s in groups of 32, data-free, holds them as they are "

@@ -19,7 +19,7 @@ DATA_AWARE = (*NNCF_DATA_AWARE, OWN_FIT)
 DEFAULT_DATA_AWARE = (OWN_FIT,)
 DEFAULT_DATA_AWARE_ASYM = ("scale_estimation",)
 # the embedding and lm_head beside INT4 decoder weights: INT8 per channel, or INT4 in groups of ``embedding_group``
-# (int4_sym in a calibrated compile fitted to the lm_head's inputs, the final hidden states: ovshard.frontend.int4_fit)
+# (in a calibrated compile fitted to the lm_head's inputs, the final hidden states: ovshard.frontend.int4_fit)
 TABLE_FORMATS = ("int8", "int4_sym", "int4_asym")
 
 
