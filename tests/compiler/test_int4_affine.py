@@ -86,3 +86,18 @@ def test_a_q4_gguf_keeps_its_blocks_by_default(tmp_path: Path, qtype: str, mode:
     assert fmt.calibration == "none" and read_manifest(tmp_path / "other").weights.mode == other
     errors = {name: float(np.mean((logits[name] - logits["fp32"]) ** 2)) for name in ("default", "other")}
     assert errors["default"] < 0.5 * errors["other"], errors
+
+
+def test_any_format_option_keeps_the_per_model_rules_off(tmp_path: Path) -> None:
+    """The rules (``source_weights``) choose only where no format option was given on the command line."""
+    from ovshard.cli import build_parser
+    from ovshard.commands.compile import compile_config
+
+    def chosen(*options: str) -> bool:
+        args = build_parser().parse_args(["compile", str(tmp_path), "-o", str(tmp_path / "out"), *options])
+        return compile_config(args).weights_from_source
+
+    assert chosen() and chosen("--stages", "2", "--calibration", "none")
+    for option in (["--weights", "int4_sym"], ["--group-size", "128"], ["--budget", "1.15"], ["--embedding", "int8"],
+                   ["--embedding-group-size", "32"], ["--all-layers"]):
+        assert not chosen(*option), option
