@@ -99,6 +99,7 @@ def _gemma_gguf() -> Path:
 # calibration text (8 samples of 128 tokens over its whole length, the default); without "text", the model's own
 # sampled text (--calibration auto).
 FREE = ["--calibration", "none"]
+SYM = ["--weights", "int4_sym"]  # named, so that no per-model rule of the default (source_weights) applies
 AWQ_SE = ["--calibration-methods", "awq,scale_estimation"]
 NNCF_SE = ["--calibration-methods", "scale_estimation"]
 ROWS = {
@@ -119,16 +120,35 @@ ROWS = {
     # its INT8 copy costs more bits than INT8 decoder weights; b1.50 leaves every decoder weight INT8 there (5.9 bits)
     "int4_asym g32 b1.50 all": ["--weights", "int4_asym", "--group-size", "32", "--budget", "1.5", "--all-layers", *FREE],
     "int4_sym g32 b1.50 all": ["--weights", "int4_sym", "--group-size", "32", "--budget", "1.5", "--all-layers", *FREE],
+    # min-max INT4 groups of 32 with an f16 zero point (llama.cpp's Q4_1 form), data-free: a Q4_0 or Q4_1 source's
+    # blocks as they are; b1.06 keeps the INT8 share under Q4_K_M's bits on Gemma 3 270M
+    "int4_affine g32 b1.00": ["--weights", "int4_affine", "--group-size", "32", "--budget", "1.0", *FREE],
+    "int4_affine g32 b1.06": ["--weights", "int4_affine", "--group-size", "32", "--budget", "1.06", *FREE],
+    "int4_affine g32 b1.15": ["--weights", "int4_affine", "--group-size", "32", "--budget", "1.15", *FREE],
+    # the embedding and lm_head INT4 groups of 32 beside the default's decoder (--embedding), "asym" or "sym": in a
+    # calibrated ("fit") row fitted to the lm_head's inputs (the final hidden states of the calibration text), else
+    # NNCF's data-free groups; the bytes the table saves buy INT8 decoder weights (b1.50: every one on Gemma 3 270M)
+    "int4_sym g128 b1.07 fit text emb asym g32": ["--budget", "1.07", "--embedding", "int4_asym"],
+    "int4_sym g128 b1.07 fit text emb sym g32": ["--budget", "1.07", "--embedding", "int4_sym"],
+    "int4_sym g128 b1.15 fit text emb sym g32": ["--embedding", "int4_sym"],
+    "int4_sym g128 b1.50 fit text emb sym g32": ["--budget", "1.5", "--embedding", "int4_sym"],
+    "int4_sym g128 b1.50 fit text emb asym g32": ["--budget", "1.5", "--embedding", "int4_asym"],
+    "int4_sym g128 b1.50 fit text emb asym g16": ["--budget", "1.5", "--embedding", "int4_asym",
+                                                   "--embedding-group-size", "16"],
+    "int4_sym g128 b1.50 fit text emb asym g8": ["--budget", "1.5", "--embedding", "int4_asym",
+                                                  "--embedding-group-size", "8"],
+    "int4_sym g128 b1.50 emb asym g32": ["--budget", "1.5", "--embedding", "int4_asym", *FREE],
     # data-aware (NNCF, layer by layer in the streamed compile); "auto": the model's own text
-    "int4_sym g128 b1.15 fit text": [],  # the default
+    "default": [],  # ovshard compile's default: int4_sym g128 b1.15 fit text, or a per-model rule's format
+    "int4_sym g128 b1.15 fit text": SYM,  # the default where no per-model rule applies
     "int4_sym g128 b1.15 fit text all": ["--all-layers"],  # the default with an INT4 embedding and lm_head
     "int4_sym g128 b1.04 fit text": ["--budget", "1.04"],  # at llama.cpp Q4_0's size
     # smaller groups, the decoder calibrated, the embedding INT8: under Q4_K_M's bits on Gemma 3 270M (7.29)
     "int4_sym g32 b1.06 fit text": ["--group-size", "32", "--budget", "1.06"],
     "int4_sym g64 b1.06 fit text": ["--group-size", "64", "--budget", "1.06"],
     "int4_sym g128 b1.00 fit text": ["--budget", "1.0"],
-    "int4_sym g128 b1.15 fit text s16": ["--calibration-samples", "16"],  # twice the default's samples and forward
-    "int4_sym g128 b1.15 se text": NNCF_SE,  # the default before ovshard's own fit
+    "int4_sym g128 b1.15 fit text s16": [*SYM, "--calibration-samples", "16"],  # twice the default's samples and forward
+    "int4_sym g128 b1.15 se text": [*SYM, *NNCF_SE],  # the default before ovshard's own fit
     "int4_sym g128 b1.00 se text": ["--budget", "1.0", *NNCF_SE],
     "int4_sym g128 b1.00 awq+se": ["--weights", "int4_sym", "--budget", "1.0", "--calibration", "auto", *AWQ_SE],
     "int4_asym g128 b1.00 awq+se": ["--weights", "int4_asym", "--budget", "1.0", "--calibration", "auto", *AWQ_SE],
@@ -139,12 +159,12 @@ ROWS = {
     "int4_sym g128 b1.00 lora": ["--weights", "int4_sym", "--budget", "1.0", "--calibration", "auto",
                                  "--calibration-methods", "scale_estimation,lora_correction"],
     "int4_sym g128 b1.15 awq+se": ["--weights", "int4_sym", "--budget", "1.15", "--calibration", "auto", *AWQ_SE],
-    "int4_sym g128 b1.15 awq+se text": ["--calibration", "text", *AWQ_SE],
+    "int4_sym g128 b1.15 awq+se text": [*SYM, "--calibration", "text", *AWQ_SE],
     "int4_sym g128 b1.05 awq+se text": ["--budget", "1.05", "--calibration", "text", *AWQ_SE],
     "int4_asym g128 b1.15 awq+se": ["--weights", "int4_asym", "--budget", "1.15", "--calibration", "auto", *AWQ_SE],
 }
 BEFORE = "int4_asym g128 b1.00"  # sizes are relative to it
-DEFAULT = "int4_sym g128 b1.15 fit text"  # ovshard compile's default (docs/results/2026-12-int4-accuracy.md)
+DEFAULT = "default"  # ovshard compile's default (docs/results/2026-12-int4-accuracy.md)
 
 
 def compile_row(model: Model, flags: list[str], out: Path) -> dict:

@@ -40,7 +40,13 @@ from ovshard.bundle.plan import PartitionPlan
 from ovshard.bundle.stage import StageSpec
 from ovshard.bundle.weights import DEFAULT_DATA_AWARE, DEFAULT_DATA_AWARE_ASYM, WeightFormat
 from ovshard.cache import PieceCache, tokenizer_key
-from ovshard.compile_config import CompileConfig, DumpOptions, check_calibration, default_calibration
+from ovshard.compile_config import (
+    CompileConfig,
+    DumpOptions,
+    check_calibration,
+    default_calibration,
+    source_weights,
+)
 from ovshard.errors import BundleError, ConfigError, PlanError
 from ovshard.frontend.calibration import Activations, calibration_text
 from ovshard.frontend.checkpoint import Checkpoint
@@ -307,6 +313,7 @@ def _compile_bundle(config: CompileConfig, progress: LayerProgress) -> Manifest:
     if config.mla_cache == "expanded" and ckpt.dims.latent_cache:
         ckpt.description = replace(ckpt.description, dims=replace(ckpt.dims, latent_cache=False))
     ckpt.validate_tensors()
+    config = source_weights(config, ckpt)
     generation = _generation(ckpt)
     if config.weights.is_int4 and not config.weights.int8_weights:  # one choice for the whole model
         config = replace(config, weights=replace(config.weights, int8_weights=choose_int8(ckpt, config.weights)))

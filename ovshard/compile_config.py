@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -71,6 +71,7 @@ class CompileConfig:
     # multi-head latent attention's cache: "latent" (the latent and rotary key, kv_b absorbed) or "expanded" (every
     # head's key and value: 38x the bytes at DeepSeek-V3's width, a faster step on CPU; frontend/mla.py)
     mla_cache: str = "latent"
+    weights_from_source: bool = False  # the format left to the default: a rule of the checkpoint's (source_weights)
 
     def __post_init__(self) -> None:
         _check_counts(self)
@@ -137,10 +138,69 @@ def check_calibration(config: CompileConfig) -> None:
                           "and --frontend onnx")
 
 
+# GGUF block types (groups of 32) that a format stores as they are, data-free: Q4_1 (``m + d k``, its minimum at
+# code 0 and its maximum at 15) in int4_affine's min-max groups, Q4_0 (``d (k - 8)``, its largest magnitude at code
+# 0) in int4_sym's signed min-max groups
+SOURCE_GROUPS = {"Q4_1": "int4_affine", "Q4_0": "int4_sym"}
+
+
+def source_weights(config: CompileConfig, ckpt: Checkpoint) -> CompileConfig:
+    """The default format for this checkpoint: where every decoder matrix of a dense GGUF source is of one block type
+    of :data:`SOURCE_GROUPS`, its format in groups of 32, every decoder weight (``--budget 1.0``), data-free: those
+    groups hold the source's blocks as they are, so the bundle loses next to nothing against the source at its
+    size (SmolLM2-135M's Q4_1 file: +0.0% to +0.4% perplexity at 5.65 bits a parameter, against the calibrated
+    int4_sym default's +1.4% to +9.2% at 6.09; docs/results/2026-12-int4-accuracy.md); else unchanged."""
+    from ovshard.frontend.tensors import layer_tensors
+
+    if not config.weights_from_source:
+        return config
+    if ckpt.quantization is None:
+        return large_table(config, ckpt)
+    shapes = {name: shape for i in range(ckpt.dims.num_layers)
+              for name, shape in layer_tensors(ckpt.spec, ckpt.dims, i).items() if len(shape) >= 2}
+    types = {ckpt.tensor_info(name)[0] for name in shapes}
+    stacked = any(len(shape) > 2 for shape in shapes.values())  # experts [experts, out, in]: NNCF's, not these groups
+    if stacked or len(types) != 1 or next(iter(types)) not in SOURCE_GROUPS:
+        return large_table(config, ckpt)
+    mode = SOURCE_GROUPS[next(iter(types))]
+    log.info("weights: the source's decoder matrices are %s: %s in groups of 32, data-free, holds them as they are "
+             "(--weights, --group-size or --budget choose otherwise)", next(iter(types)), mode)
+    calibration = "none" if config.calibration == "default" else config.calibration
+    return replace(config, weights=replace(config.weights, mode=mode, group_size=32, budget=1.0),
+                   calibration=calibration)
+
+
+LARGE_TABLE = 0.5  # a tied embedding over this share of the parameters gets its own INT4 format (large_table)
+WIDE_TABLE = 256  # ... and at least this many rows a hidden unit: a model few layers deep by construction, not a
+# larger model cut to a few layers (``ovshard synth --layers``), whose table the cut alone makes most of it
+TABLE_GROUP = 16
+
+
+def large_table(config: CompileConfig, ckpt: Checkpoint) -> CompileConfig:
+    """The default format where a tied embedding is over half the model (Gemma 3 270M: 63%): the table in
+    asymmetric INT4 groups of 16, fitted to the lm_head's inputs in a calibrated compile, and every decoder weight
+    INT8 (``--budget 4.0``). Its INT8 copy alone would be over 4 bits a parameter; this costs 6.30 on Gemma 3 270M
+    and loses +2.4% to +3.4% perplexity on prose, code and dialogue, against llama.cpp Q4_K_M's 7.36 bits
+    (docs/results/2026-12-int4-accuracy.md); else unchanged. The table must also have at least ``WIDE_TABLE`` rows
+    a hidden unit (Gemma 3 270M: 410; Gemma 3 1B 228, Llama 3.2 1B 63), so that cutting a larger model to a few
+    layers never changes its default."""
+    from ovshard.plan.costs import parameter_count
+
+    d, spec = ckpt.dims, ckpt.spec
+    if (not d.tie_word_embeddings or d.vocab_size < WIDE_TABLE * d.hidden_size
+            or d.vocab_size * d.hidden_size <= LARGE_TABLE * parameter_count(spec, d)):
+        return config
+    log.info("weights: the tied embedding is %.0f%% of the parameters: INT4 asymmetric groups of %d for it, INT8 for "
+             "every decoder weight (--weights, --group-size or --budget choose otherwise)",
+             100 * d.vocab_size * d.hidden_size / parameter_count(spec, d), TABLE_GROUP)
+    return replace(config, weights=replace(config.weights, embedding="int4_asym", embedding_group=TABLE_GROUP,
+                                           budget=4.0))
+
+
 def default_calibration(config: CompileConfig, ckpt: Checkpoint) -> str:
     """The default: INT4 weights calibrated on the shipped text, where this compile can; else data-free, said why."""
-    if not config.weights.is_int4 or config.weights.methods:
-        return "text" if config.weights.methods else "none"
+    if not config.weights.is_int4 or config.weights.methods or config.weights.mode == "int4_affine":
+        return "text" if config.weights.methods else "none"  # int4_affine: data-free min-max
     if not config.streamed:
         why = "the streamed compile calibrates layer by layer (--whole-stage and --frontend onnx trace whole stages)"
     elif config.jobs > 1:

@@ -1,7 +1,8 @@
 """CompressWeightsPass: weight compression of the stage's MatMul and embedding weights.
 
 Formats: ``fp32`` (nothing changes), ``fp16`` (weights stored as f16 with a decompression Convert),
-``int8`` (NNCF INT8_ASYM, per channel), ``int4_sym`` / ``int4_asym`` (NNCF, grouped).
+``int8`` (NNCF INT8_ASYM, per channel), ``int4_sym`` / ``int4_asym`` (NNCF, grouped), ``int4_affine`` (grouped
+min-max with an f16 zero point, written here in NNCF's asymmetric form: :func:`int4_affine_weight`).
 
 Which weights keep the backup precision (INT8_ASYM, per channel) is decided for the whole model, never
 per stage: the embedding and the lm_head, unless ``all_layers``, and the decoder weights the format
@@ -158,6 +159,47 @@ def int4_weight(name: str, codes: np.ndarray, scales: np.ndarray, shape: tuple[i
     return ops.convert(weight, ov.Type.f32, name=f"{name}/fq_weights_1/convert")
 
 
+def int4_asym_weight(name: str, codes: np.ndarray, zeros: np.ndarray, scales: np.ndarray,
+                     shape: tuple[int, ...]) -> ov.Node:
+    """An asymmetric INT4 weight in NNCF's form: u4 codes and u4 zero points -> Convert f16 -> Subtract -> Multiply
+    by the f16 scales -> Reshape -> Convert f32."""
+
+    def u4(values: np.ndarray, label: str) -> ov.Node:
+        flat = values.reshape(-1).astype(np.uint8) & 0x0F
+        flat = np.concatenate([flat, np.zeros(len(flat) % 2, np.uint8)]).reshape(-1, 2)
+        const = ov.op.Constant(ov.Tensor(flat[:, 0] | (flat[:, 1] << 4), list(values.shape), ov.Type.u4),
+                               shared_memory=False)
+        const.set_friendly_name(label)
+        return const
+
+    stored = u4(codes, name)
+    zero = ops.convert(u4(zeros, f"{name}/zero_point"), ov.Type.f16)
+    scale = ops.constant(scales, dtype=ov.Type.f16, name=f"{name}/scale")
+    weight = ops.multiply(ops.subtract(ops.convert(stored, ov.Type.f16), zero), scale, name=f"{name}/fq_weights_1")
+    weight = ops.reshape(weight, ops.constant(np.array(shape, np.int64)), special_zero=False)
+    return ops.convert(weight, ov.Type.f32, name=f"{name}/fq_weights_1/convert")
+
+
+def int4_affine_weight(name: str, w: np.ndarray, shape: tuple[int, ...]) -> ov.Node:
+    """``w`` [out, groups, group] as min-max INT4 with an f16 zero point: the scale ``(max - min) / 15`` and the zero
+    point ``-min / scale`` of each group, both f16 as stored (llama.cpp's Q4_1 keeps the minimum itself); codes
+    in [0, 15]. The CPU plugin fuses it as it does NNCF's u4 zero points (an f32 one per group at run time)."""
+    low = w.min(axis=-1, keepdims=True)
+    scale = ((w.max(axis=-1, keepdims=True) - low) / 15.0).astype(np.float16)
+    scale[np.abs(scale) < np.finfo(np.float16).tiny] = np.finfo(np.float16).tiny  # a constant group
+    s = scale.astype(np.float32)
+    zero = (-low / s).astype(np.float16)
+    codes = np.clip(np.round(w / s + zero.astype(np.float32)), 0, 15).astype(np.uint8).reshape(-1)
+    codes = np.concatenate([codes, np.zeros(len(codes) % 2, np.uint8)]).reshape(-1, 2)
+    stored = ov.op.Constant(ov.Tensor(codes[:, 0] | (codes[:, 1] << 4), list(w.shape), ov.Type.u4), shared_memory=False)
+    stored.set_friendly_name(name)
+    offset = ops.constant(zero, dtype=ov.Type.f16, name=f"{name}/zero_point")
+    weight = ops.multiply(ops.subtract(ops.convert(stored, ov.Type.f16), offset),
+                          ops.constant(scale, dtype=ov.Type.f16, name=f"{name}/scale"), name=f"{name}/fq_weights_1")
+    weight = ops.reshape(weight, ops.constant(np.array(shape, np.int64)), special_zero=False)
+    return ops.convert(weight, ov.Type.f32, name=f"{name}/fq_weights_1/convert")
+
+
 def _to_fp16(model: ov.Model, weights: list[ov.Node]) -> None:
     for const in weights:
         half = ops.constant(const.get_data().astype(np.float16))
@@ -188,16 +230,29 @@ class CompressWeightsPass(GraphPass):
         import nncf
 
         logging.getLogger("nncf").setLevel(logging.WARNING)
-        backup = set() if self.fmt.mode == "int8" else backup_ops(model, ctx, self.fmt)
-        rest = [op.get_friendly_name() for op in weight_ops(model) if op.get_friendly_name() not in backup]
+        ops_here = weight_ops(model)
+        tables = _ends(model, ctx, ops_here) if self.fmt.table is not None else set()
+        backup = (set() if self.fmt.mode == "int8" else backup_ops(model, ctx, self.fmt)) - tables
+        rest = [op.get_friendly_name() for op in ops_here if op.get_friendly_name() not in backup | tables]
         routers = router_ops(model)
         where = f"stage {ctx.stage.index}" + (f" {ctx.piece}" if ctx.piece is not None else "")
         log.log(logging.DEBUG if ctx.piece is not None else logging.INFO, "%s: NNCF %s on %d weights, %d in INT8",
-                where, self.fmt.mode, len(rest) + len(backup), len(backup))
+                where, self.fmt.mode, len(rest) + len(backup) + len(tables), len(backup))
         with contextlib.redirect_stdout(sys.stderr):  # NNCF's progress bars: stdout carries results only
-            if backup:
+            if tables:
+                self._tables(model, ctx, tables, [*backup, *rest, *routers])
+                backup |= tables  # compressed already: every later NNCF call leaves them alone
+            if backup - tables:
                 nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM,
-                                      ignored_scope=_ignored([*rest, *routers]))
+                                      ignored_scope=_ignored([*rest, *routers, *tables]))
+            if rest and self.fmt.mode == "int4_affine":
+                written = self._affine(model, set(rest))
+                backup |= written
+                rest = [name for name in rest if name not in written]
+                if rest:  # no INT4 group fits them: INT8, as NNCF's ADJUST fallback stores them
+                    nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM,
+                                          ignored_scope=_ignored([*backup, *routers]))
+                    rest = []
             if rest and OWN_FIT in self.fmt.methods:
                 fitted = self._fit(model, ctx, set(rest), where)
                 rest = [name for name in rest if name not in fitted]
@@ -209,6 +264,58 @@ class CompressWeightsPass(GraphPass):
                 if data_aware:  # NNCF's statistics and graphs are cyclic garbage: free them before the next layer
                     del data_aware
                     gc.collect()
+
+    def _tables(self, model: ov.Model, ctx: PassContext, tables: set[str], others: list[str]) -> None:
+        """The embedding and lm_head in the format's INT4 table format (``WeightFormat.table``): in a calibrated
+        streamed compile fitted to the lm_head's inputs (``Calibration.fit_table``), else NNCF's data-free INT4."""
+        import nncf
+        from nncf.quantization.advanced_parameters import AdvancedCompressionParameters, GroupSizeFallbackMode
+
+        table = self.fmt.table
+        assert table is not None
+        if OWN_FIT in self.fmt.methods and ctx.calibration is not None:
+            free = [] if ctx.dims.tie_word_embeddings else [  # an untied embedding never feeds the lm_head
+                op.get_friendly_name() for op in weight_ops(model)
+                if op.get_type_name() == "Gather" and op.get_friendly_name() in tables]
+            for op in (op for op in weight_ops(model) if op.get_friendly_name() in tables - set(free)):
+                gather = op.get_type_name() == "Gather"
+                const = op.input_value(0 if gather else 1).get_node()
+                shape = tuple(const.get_output_shape(0))
+                group = table.group_for(shape[-1])
+                if group is None or len(shape) != 2 or not (gather or op.get_attributes()["transpose_b"]):
+                    raise PassError(f"{ctx.where(self.name)}: the table {op.get_friendly_name()} ({shape}) is not a "
+                                    "[rows, hidden] Gather or lm_head this fit knows; compile with --embedding int8")
+                name = const.get_friendly_name()
+                fitted = ctx.calibration.fit_table(const.get_data(), group, asym=table.mode == "int4_asym")
+                if len(fitted) == 3:
+                    stored = int4_asym_weight(name, fitted[0], fitted[1], fitted[2], shape)
+                else:
+                    stored = int4_weight(name, fitted[0], fitted[1], shape)
+                const.output(0).replace(stored.output(0))
+            if not free:
+                return
+            others, tables = [*others, *(tables - set(free))], set(free)
+        mode = {"int4_sym": nncf.CompressWeightsMode.INT4_SYM, "int4_asym": nncf.CompressWeightsMode.INT4_ASYM}
+        nncf.compress_weights(model, mode=mode[table.mode], group_size=table.group_size, ratio=1.0, all_layers=True,
+                              ignored_scope=_ignored(others), advanced_parameters=AdvancedCompressionParameters(
+                                  group_size_fallback_mode=GroupSizeFallbackMode.ADJUST))
+
+    def _affine(self, model: ov.Model, ops_wanted: set[str]) -> set[str]:
+        """``int4_affine`` groups (:func:`int4_affine_weight`) for the [out, in] MatMul weights (and, with
+        ``all_layers``, Gather tables) among ``ops_wanted`` that an INT4 group fits; returns the ops done."""
+        done = set()
+        for op in weight_ops(model):
+            gather = op.get_type_name() == "Gather"
+            const = op.input_value(0 if gather else 1).get_node()
+            shape = tuple(const.get_output_shape(0))
+            group = self.fmt.group_for(shape[-1])
+            if (op.get_friendly_name() not in ops_wanted or group is None or len(shape) != 2
+                    or not (gather or op.get_attributes()["transpose_b"])):
+                continue
+            w = const.get_data().astype(np.float32).reshape(shape[0], -1, group)
+            const.output(0).replace(int4_affine_weight(const.get_friendly_name(), w, shape).output(0))
+            done.add(op.get_friendly_name())
+        return done
 
     def _fit(self, model: ov.Model, ctx: PassContext, ops_wanted: set[str], where: str) -> set[str]:
         """Symmetric INT4 of the decoder weights among ``ops_wanted`` fitted to their calibration inputs

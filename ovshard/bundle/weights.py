@@ -6,8 +6,11 @@ from dataclasses import dataclass
 
 from ovshard.errors import ConfigError
 
-WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4_sym", "int4_asym")
+# int4_affine: asymmetric INT4 whose zero point is an f16 per group, not a 4-bit integer (llama.cpp's Q4_1 in
+# groups of 32: codes, a scale and an offset); data-free min-max, which a Q4_0 or Q4_1 source's blocks it matches
+WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4_sym", "int4_asym", "int4_affine")
 MIN_INT4_GROUP = 32  # NNCF's ADJUST fallback: below this power-of-two group a weight is stored in INT8
+MIN_TABLE_GROUP = 8  # an INT4 embedding's groups (--embedding-group-size), which ovshard writes itself when fitted
 OWN_FIT = "scale_fit"  # ovshard's own scale fit of symmetric INT4 (ovshard.frontend.int4_fit), alone
 NNCF_DATA_AWARE = ("awq", "scale_estimation", "gptq", "lora_correction")  # NNCF's methods that need calibration text
 DATA_AWARE = (*NNCF_DATA_AWARE, OWN_FIT)
@@ -15,6 +18,9 @@ DATA_AWARE = (*NNCF_DATA_AWARE, OWN_FIT)
 # (docs/results/2026-12-int4-fit.md); NNCF's scale estimation for int4_asym, which the fit does not cover
 DEFAULT_DATA_AWARE = (OWN_FIT,)
 DEFAULT_DATA_AWARE_ASYM = ("scale_estimation",)
+# the embedding and lm_head beside INT4 decoder weights: INT8 per channel, or INT4 in groups of ``embedding_group``
+# (in a calibrated compile fitted to the lm_head's inputs, the final hidden states: ovshard.frontend.int4_fit)
+TABLE_FORMATS = ("int8", "int4_sym", "int4_asym")
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,8 @@ class WeightFormat:
     methods: tuple[str, ...] = ()  # NNCF's data-aware methods on the INT4 weights, layer by layer (DATA_AWARE)
     calibration: str = "none"  # where their text came from: "none", "auto", "text" or "file NAME"
     calibration_digest: str = ""  # sha256 of the calibration token ids (ovshard.frontend.calibration.CalibrationText)
+    embedding: str = "int8"  # the embedding and lm_head beside INT4 decoder weights (TABLE_FORMATS), unless all_layers
+    embedding_group: int = 32  # its INT4 group size
 
     def __post_init__(self) -> None:
         if self.mode not in WEIGHT_FORMATS:
@@ -66,6 +74,14 @@ class WeightFormat:
             raise ConfigError(f"--calibration-methods {','.join(self.methods)} with --weights {self.mode}: {OWN_FIT} "
                               "fits symmetric INT4 and runs alone; use --weights int4_sym with it, or NNCF's "
                               "methods (e.g. scale_estimation) instead")
+        if self.embedding not in TABLE_FORMATS:
+            raise ConfigError(f"--embedding {self.embedding!r}: expected one of {', '.join(TABLE_FORMATS)}")
+        if self.embedding_group < MIN_TABLE_GROUP or self.embedding_group & (self.embedding_group - 1):
+            raise ConfigError(f"--embedding-group-size {self.embedding_group}: expected a power of two of at least "
+                              f"{MIN_TABLE_GROUP}, e.g. 32")
+        if self.methods and self.mode == "int4_affine":
+            raise ConfigError(f"--calibration-methods {','.join(self.methods)} with --weights int4_affine: its groups "
+                              "are data-free min-max; use --calibration none, or --weights int4_sym or int4_asym")
         if self.methods and not self.is_int4:
             raise ConfigError(f"--calibration calibrates INT4 weights; --weights {self.mode} has none: use "
                               "--weights int4_sym or int4_asym, or --calibration none")
@@ -73,6 +89,14 @@ class WeightFormat:
     @property
     def is_int4(self) -> bool:
         return self.mode.startswith("int4")
+
+    @property
+    def table(self) -> WeightFormat | None:
+        """The embedding's and lm_head's INT4 format where it differs from the decoder's: None where they stay INT8
+        (the default) or follow the decoder's format (``all_layers``, or no INT4 at all)."""
+        if not self.is_int4 or self.all_layers or self.embedding == "int8":
+            return None
+        return WeightFormat(self.embedding, self.embedding_group, ratio=1.0, all_layers=True, budget=1.0)
 
     def group_for(self, in_features: int) -> int | None:
         """The INT4 group NNCF uses over ``in_features`` inputs, or None where it stores the weight in INT8.
@@ -100,6 +124,8 @@ class WeightFormat:
         elif self.is_int4:
             shown.update(group_size=str(self.group_size), ratio=str(self.ratio), budget=str(self.budget),
                          all_layers=str(self.all_layers), int8_weights=str(len(self.int8_weights)))
+            if self.table is not None:
+                shown.update(embedding=f"{self.embedding} g{self.embedding_group}")
             if self.methods:
                 shown.update(methods="+".join(self.methods), calibration=self.calibration)
         return ", ".join(f"{k}={v}" for k, v in shown.items())

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
 WEIGHT_HELP = """weight format: fp32 (exact; for parity tests), fp16, int8 (per channel),
 int4_sym (default: with the sensitive weights in INT8 it measured ahead of int4_asym on the real models,
-docs/results/2026-12-int4-accuracy.md), int4_asym"""
+docs/results/2026-12-int4-accuracy.md), int4_asym, int4_affine (asymmetric with an f16 zero point per group,
+llama.cpp's Q4_1 form at --group-size 32; data-free)"""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -42,10 +43,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mla-cache", default="latent", choices=("latent", "expanded"),
                    help="multi-head latent attention (DeepSeek-V3): cache the latent and rotary key (default; 38x "
                    "fewer bytes at V3's width) or every head's key and value (a faster decode step on CPU)")
-    p.add_argument("--weights", default="int4_sym",
-                   choices=("fp32", "fp16", "int8", "int4_sym", "int4_asym"), help=WEIGHT_HELP)
-    p.add_argument("--group-size", type=int, default=128, help="INT4 group size (default 128)")
-    p.add_argument("--budget", type=float, default=1.15,
+    p.add_argument("--weights",
+                   choices=("fp32", "fp16", "int8", "int4_sym", "int4_asym", "int4_affine"), help=WEIGHT_HELP)
+    p.add_argument("--group-size", type=int, help="INT4 group size (default 128)")
+    p.add_argument("--budget", type=float,
                    help="INT4: keep the decoder weights INT4 hurts most in INT8, chosen for the whole model, while "
                    "the bundle stays within this multiple of its all-INT4 size (default 1.15; 1.0: none)")
     p.add_argument("--ratio", type=float, default=0.0,
@@ -53,6 +54,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(default 0.0; 1.0: every decoder weight INT4)")
     p.add_argument("--all-layers", action="store_true",
                    help="INT4 also for the embedding and the lm_head (default: those stay INT8)")
+    p.add_argument("--embedding", choices=("int8", "int4_sym", "int4_asym"),
+                   help="INT4: the embedding and lm_head's format (default int8, per channel; a tied embedding over half "
+                   "the parameters: int4_asym groups of 16); an INT4 table in a calibrated compile is fitted to the "
+                   "lm_head's inputs (the final hidden states of the calibration text)")
+    p.add_argument("--embedding-group-size", type=int, help="INT4 group size of an INT4 --embedding (default 32)")
     p.add_argument("--calibration", default="default", metavar="text|auto|none|FILE",
                    help="INT4: data-aware compression, layer by layer in the streamed compile (ovshard's own scale fit "
                    "for int4_sym, NNCF's scale estimation for int4_asym), on calibration text: text (the ~2,300 tokens "
@@ -118,7 +124,10 @@ def compile_config(args: argparse.Namespace) -> CompileConfig:
     from ovshard.plan.partition import parse_budgets, parse_layers
 
     methods = tuple(m.strip() for m in args.calibration_methods.split(",") if m.strip()) if args.calibration_methods else ()
-    weights = WeightFormat(args.weights, args.group_size, args.ratio, args.all_layers, args.budget, methods=methods)
+    weights = WeightFormat(args.weights or "int4_sym", 128 if args.group_size is None else args.group_size, args.ratio,
+                           args.all_layers, 1.15 if args.budget is None else args.budget, methods=methods,
+                           embedding=args.embedding or "int8",
+                           embedding_group=32 if args.embedding_group_size is None else args.embedding_group_size)
     known = [p.name for p in pipeline(weights)]
     dump_dir = args.dump_dir or (args.output.parent / f"{args.output.name}.dumps")
     emit = (lambda text: print(text, flush=True)) if args.print_after_change else None
@@ -147,6 +156,8 @@ def compile_config(args: argparse.Namespace) -> CompileConfig:
         calibration_samples=args.calibration_samples,
         calibration_tokens=args.calibration_tokens,
         mla_cache=args.mla_cache,
+        weights_from_source=all(v is None for v in (args.weights, args.group_size, args.budget, args.embedding,
+                                                    args.embedding_group_size)) and not args.all_layers,
     )
 
 

@@ -267,6 +267,7 @@ class Activations:
         self.caught: dict[str, torch.Tensor] = {}  # projection ("q", "down") -> its inputs [tokens, in]
         self.moments: dict[tuple[int, int], torch.Tensor] = {}  # (id of the inputs, group) -> second moments
         self.lent: dict[int, Weights] = {}  # layer -> its float32 weights, loaded by the piece's trace (lend)
+        self.table_moments: dict[int, torch.Tensor] = {}  # group -> second moments of the lm_head's inputs
 
     def lend(self, first: int, weights: Sequence[Weights]) -> None:
         """Layers ``first`` ...'s float32 weights, loaded for their trace: :meth:`_catch` reads them, not the file."""
@@ -288,6 +289,24 @@ class Activations:
                             f"inputs of {', '.join(sorted(self.caught)) or 'none'}): compile with --calibration none "
                             "(data-free INT4) and report the model, whose layer reads that weight another way")
         return self._fit(projection, weight, group)
+
+    def fit_table(self, weight: np.ndarray, group: int, asym: bool = False) -> tuple[np.ndarray, ...]:
+        """INT4 codes and f16 scales (asymmetric: codes, zero points, scales) of rows of the lm_head (or the
+        embedding tied to it), fitted to the lm_head's inputs: every sample run through every float32 layer (once;
+        for the first stage's embedding, before its layers, which then start again from the embedding) and the
+        final norm."""
+        if group not in self.table_moments:
+            d, blk = self.ckpt.dims, self.ckpt.block
+            self._move_to(d.num_layers)
+            norm = self.ckpt.load(self.ckpt.spec.final_norm)
+            with torch.no_grad():
+                inputs = torch.cat([rms_norm(h, norm, d.rms_norm_eps, blk.norm_offset).reshape(-1, d.hidden_size)
+                                    for h in self.hidden])
+            self.table_moments[group] = int4_fit.second_moments(inputs, group)
+            watchdog.beat("calibration: the lm_head's inputs kept")
+        rows = torch.from_numpy(np.array(weight, np.float32))
+        fitted = (int4_fit.fit_asym if asym else int4_fit.fit)(rows, self.table_moments[group])
+        return tuple(t.numpy() for t in fitted)
 
     def _fit(self, projection: str, weight: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
         inputs = self.caught.get(projection)

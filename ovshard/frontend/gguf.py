@@ -280,7 +280,8 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
     if quant.quantized:
         logger.warning(
             "%s is quantized (%s: %s). ovshard dequantizes it to float32; compressing it again to INT4 (the "
-            "default --weights) compounds the two quantization errors. Compile with --weights fp16 or fp32, "
+            "default --weights, but for a file whose decoder matrices are all Q4_1: int4_affine holds their blocks "
+            "as they are) compounds the two quantization errors. Compile with --weights fp16 or fp32, "
             "or start from the original safetensors checkpoint.", path.name, quant.file_type,
             ", ".join(f"{n} {t}" for t, n in quant.tensor_types))
     logger.debug("opened %s: %s %s, %d tensors", path, arch, quant.file_type, len(tensors))

@@ -61,6 +61,64 @@ def fit(weight: torch.Tensor, moments: torch.Tensor) -> tuple[torch.Tensor, torc
     return codes, scales
 
 
+def fit_asym(weight: torch.Tensor, moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric INT4 of ``weight`` [out, in] as :func:`fit` does symmetric: codes ``q`` in [0, 15] (uint8, [out,
+    groups, group]), zero points ``z`` (uint8, [out, groups, 1]) and f16 scales, read back as ``s (q - z)``. From the
+    min-max scale and its zero point, the same alternation over ``q - z``: the least-squares scale of the codes,
+    then the codes and zero point that scale rounds to; the pair of least ``d^T H d`` is kept."""
+    out_features, width = weight.shape
+    groups, group, _ = moments.shape
+    if groups * group != width:
+        raise ValueError(f"a weight of {width} inputs and moments of {groups} groups of {group}")
+    codes = torch.empty(out_features, groups, group, dtype=torch.uint8)
+    zeros = torch.empty(out_features, groups, 1, dtype=torch.uint8)
+    scales = torch.empty(out_features, groups, 1, dtype=torch.float16)
+    rows = max(1, BLOCK_BYTES // (4 * width))
+
+    def fit_rows(start: int) -> None:
+        w = weight[start:start + rows].float().reshape(-1, groups, group).transpose(0, 1)  # [groups, rows, g]
+        q, z, s = _fit_block_asym(w.contiguous(), moments)
+        codes[start:start + rows] = q.transpose(0, 1)
+        zeros[start:start + rows] = z.transpose(0, 1)
+        scales[start:start + rows] = s.transpose(0, 1)
+
+    with torch.no_grad(), _one_thread(), ThreadPoolExecutor(torch.get_num_threads()) as pool:
+        list(pool.map(fit_rows, range(0, out_features, rows)))
+    return codes, zeros, scales
+
+
+def _fit_block_asym(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_fit_block` for asymmetric codes: the signed codes ``q - z`` take the place of ``q``."""
+    low = w.amin(-1, keepdim=True)
+    hw = torch.bmm(w, h)
+    whw = (w * hw).sum(-1, keepdim=True)
+
+    def rounded(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = torch.div(-low, s).round_().clamp_(0, 15)
+        return torch.div(w, s).round_().add_(z).clamp_(0, 15).sub_(z), z
+
+    s = _f16((w.amax(-1, keepdim=True) - low) / 15)
+    c, z = rounded(s)
+    best_err = torch.full_like(whw, float("inf"))
+    best_s, best_base, best_z = s, s, z
+    for step in range(ROUNDS + 1):
+        chw = (c * hw).sum(-1, keepdim=True)
+        chc = (c * torch.bmm(c, h)).sum(-1, keepdim=True)
+        refit = _f16(torch.where((chc > 0) & (chw > 0), chw / chc, s))
+        for cand in (s, refit):
+            err = whw - 2 * cand * chw + cand * cand * chc
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_s = torch.where(better, cand, best_s)
+            best_base = torch.where(better, s, best_base)
+            best_z = torch.where(better, z, best_z)
+        if step < ROUNDS:
+            s = refit
+            c, z = rounded(s)
+    q = torch.div(w, best_base).round_().add_(best_z).clamp_(0, 15)  # the chosen codes, at the scale they came from
+    return q.to(torch.uint8), best_z.to(torch.uint8), best_s.to(torch.float16)
+
+
 def minmax(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The data-free codes and f16 scales of ``weight`` [out, in] (as :func:`fit` returns them): each group's signed
     min-max scale, the codes it rounds to (NNCF's symmetric INT4): for a weight with no calibration inputs, such

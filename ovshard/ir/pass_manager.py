@@ -66,6 +66,11 @@ class Calibration(Protocol):
         int8 codes in [-8, 7] [out, in / group, group] and f16 scales [out, in / group, 1]; stacked experts
         ([experts, out, in]: ``"3.experts_down"``) each to its routed tokens' inputs, with a leading experts axis."""
 
+    def fit_table(self, weight: np.ndarray, group: int, asym: bool = False) -> tuple[np.ndarray, ...]:
+        """INT4 of rows of the lm_head (or of the embedding tied to it; ``weight`` [rows, hidden] f32) fitted to the
+        lm_head's inputs, the final hidden states after the final norm: symmetric as :meth:`fit_int4` returns;
+        ``asym``: uint8 codes in [0, 15], uint8 zero points [rows, groups, 1] and f16 scales."""
+
     def lend(self, first: int, weights: Sequence[Any]) -> None:
         """The float32 weights (``ovshard.frontend.stage_module.Weights``) of layers ``first``, ``first + 1`` ...,
         loaded to trace their piece: the float32 runs that catch those layers' matmul inputs read them instead of

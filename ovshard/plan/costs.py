@@ -34,7 +34,7 @@ def bytes_per_weight(fmt: WeightFormat, backup_int8: bool = False) -> float:
         return 1.0
     # a f16 scale (and, asymmetric, a 4-bit zero point) per group; -1 means one per output channel, which
     # over a row of hundreds of inputs or more is below the rounding of the estimate
-    per_group = 2.0 + (0.5 if fmt.mode == "int4_asym" else 0.0)
+    per_group = 2.0 + {"int4_asym": 0.5, "int4_affine": 2.0}.get(fmt.mode, 0.0)
     return 0.5 + (per_group / fmt.group_size if fmt.group_size > 0 else 0.0)
 
 
@@ -80,12 +80,12 @@ def model_costs(spec: ArchSpec, dims: ModelDims, fmt: WeightFormat, stage_bytes:
     when compiling, from a manifest's ``architecture`` when placing a compiled bundle)."""
     int8_backup = fmt.mode.startswith("int4") and not fmt.all_layers
     table = dims.vocab_size * dims.hidden_size
+    per_weight = bytes_per_weight(fmt.table or fmt, int8_backup and fmt.table is None)
     # a step gathers the fed tokens' rows of the embedding: a row's bytes, against all of the lm_head's
-    embed = Block("embed", "embed", None, int(table * bytes_per_weight(fmt, int8_backup)), 0,
-                  read_bytes=int(dims.hidden_size * bytes_per_weight(fmt, int8_backup)))
+    embed = Block("embed", "embed", None, int(table * per_weight), 0, read_bytes=int(dims.hidden_size * per_weight))
     kv = dims.kv_elements_per_token * KV_ELEMENT_BYTES  # cache heads x (key + value dims): MLA's latent cache too
     layers = [_layer_block(spec, dims, fmt, i, kv) for i in range(dims.num_layers)]
-    head = Block("head", "head", None, int(table * bytes_per_weight(fmt, int8_backup)) + 4 * dims.hidden_size, 0)
+    head = Block("head", "head", None, int(table * per_weight) + 4 * dims.hidden_size, 0)
     return ModelCosts(blocks=(embed, *layers, head), activation_bytes_per_token=dims.hidden_size * WIRE_ELEMENT_BYTES,
                       shared_head_bytes=embed.weight_bytes if dims.tie_word_embeddings else 0,
                       stage_bytes=stage_bytes)

@@ -37,7 +37,7 @@ def int4_bytes(fmt: WeightFormat, out_features: int, in_features: int) -> float:
     group = fmt.group_for(in_features)
     if group is None:
         return int8_bytes(out_features, in_features)
-    per_group = 2.0 + (0.5 if fmt.mode == "int4_asym" else 0.0)
+    per_group = 2.0 + {"int4_asym": 0.5, "int4_affine": 2.0}.get(fmt.mode, 0.0)
     return out_features * (in_features * 0.5 + in_features / group * per_group)
 
 
@@ -52,7 +52,11 @@ def int4_error(weight: np.ndarray, fmt: WeightFormat) -> float:
     if group is None:
         return 0.0
     w = weight.astype(np.float32).reshape(out_features, in_features // group, group)
-    if fmt.mode == "int4_asym":
+    if fmt.mode == "int4_affine":  # an f16 offset: the group's minimum exactly
+        low, high = w.min(axis=-1, keepdims=True), w.max(axis=-1, keepdims=True)
+        scale = np.maximum((high - low) / 15.0, np.finfo(np.float32).tiny)
+        restored = np.round((w - low) / scale) * scale + low
+    elif fmt.mode == "int4_asym":
         low, high = w.min(axis=-1, keepdims=True), w.max(axis=-1, keepdims=True)
         scale = np.maximum((high - low) / 15.0, np.finfo(np.float32).tiny)
         zero = np.clip(np.round(-low / scale), 0, 15)
@@ -65,7 +69,9 @@ def int4_error(weight: np.ndarray, fmt: WeightFormat) -> float:
 
 def embedding_bytes(dims: ModelDims, fmt: WeightFormat) -> float:
     """Stored bytes of one copy of the embedding table (or an lm_head of its shape) in ``fmt``: INT8 beside
-    INT4 weights unless ``all_layers``, else as the format stores any matrix."""
+    INT4 weights unless ``all_layers`` or an INT4 ``embedding`` format, else as the format stores any matrix."""
+    if fmt.table is not None:
+        return int4_bytes(fmt.table, dims.vocab_size, dims.hidden_size)
     if fmt.is_int4:
         return int4_bytes(fmt, dims.vocab_size, dims.hidden_size) if fmt.all_layers else \
             int8_bytes(dims.vocab_size, dims.hidden_size)

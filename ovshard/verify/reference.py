@@ -47,6 +47,7 @@ THRESHOLDS = {
     "int8": Thresholds(None, 0.90, False, 0.01),
     "int4_sym": Thresholds(None, 0.70, False, 0.04),
     "int4_asym": Thresholds(None, 0.70, False, 0.04),
+    "int4_affine": Thresholds(None, 0.70, False, 0.04),
 }
 
 
