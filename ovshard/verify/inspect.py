@@ -11,7 +11,6 @@ from ovshard.bundle.manifest import Manifest, read_manifest
 from ovshard.errors import BundleError
 from ovshard.ir.dot import graph_dot, write_svg
 from ovshard.ir.printer import graph_text, text_diff
-from ovshard.plan.costs import KV_ELEMENT_BYTES
 
 FORMATS = ("text", "dot", "svg", "xml")
 
@@ -62,16 +61,18 @@ def summary(bundle: Path, m: Manifest) -> str:
 
 
 def kv_line(m: Manifest) -> str:
-    """The KV cache's bytes a token and layer as the plan counts them (f16 elements); an MLA model's cache is held
-    expanded, so its line also gives what the compressed latent and rotary key would hold."""
-    d = m.architecture
+    """The KV cache's bytes a token and layer as a CPU stage stores them under the bundle's hints
+    (bundle/kv_store.py: the plan's count), beside f16's; an MLA model's cache is held expanded, so its line also
+    gives what the compressed latent and rotary key would hold at f16."""
+    d, store = m.architecture, m.kv_store
     keys, values = d.cache_dims
-    line = (f"KV cache: {d.kv_elements_per_token * KV_ELEMENT_BYTES:,} B a token a layer ({d.num_kv_heads} heads x "
-            f"(keys {keys} + values {values}) x {KV_ELEMENT_BYTES} B)")
+    f16 = d.kv_elements_per_token * 2
+    line = (f"KV cache: {store.bytes_per_token(d):,} B a token a layer ({d.num_kv_heads} heads x (keys {keys} + "
+            f"values {values}) as {store.describe()}; f16 would be {f16:,} B)")
     if d.mla:
-        latent = (d.kv_lora_rank + d.rope_head_dim) * KV_ELEMENT_BYTES
+        latent = (d.kv_lora_rank + d.rope_head_dim) * 2
         line += (f"; latent attention held expanded: the compressed latent {d.kv_lora_rank} + rotary key "
-                 f"{d.rope_head_dim} would be {latent:,} B")
+                 f"{d.rope_head_dim} would be {latent:,} B at f16")
     return line
 
 

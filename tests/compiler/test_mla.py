@@ -18,7 +18,7 @@ from ovshard.bundle.weights import WeightFormat
 from ovshard.compile import CompileConfig, compile_bundle
 from ovshard.errors import CheckpointError, UnsupportedArchitectureError
 from ovshard.frontend.description import describe
-from ovshard.plan.costs import KV_ELEMENT_BYTES, model_costs, parameter_count
+from ovshard.plan.costs import model_costs, parameter_count
 from ovshard.runtime.client.inprocess import LocalPipeline
 from ovshard.runtime.engine.stage import EXACT_HINTS
 from ovshard.tools.shapes import family_config, preset
@@ -27,15 +27,16 @@ from ovshard.verify.inspect import summary
 
 
 def test_deepseek_v3_preset_counts_its_parameters_and_its_expanded_cache() -> None:
-    """The deepseek-v3 shape holds 671B parameters; a cached token costs each layer 128 heads x (192 + 128) x 2
-    bytes, dense and sparse layers alike."""
+    """The deepseek-v3 shape holds 671B parameters; a cached token costs each layer 128 heads x (192 x 1.25 +
+    128 + 8) bytes at u8 (keys with a block's scale and zero point a channel, values with a token's), dense and
+    sparse layers alike."""
     model = describe(preset("deepseek-v3"))
     d = model.dims
     assert parameter_count(model.arch, d) == 671_026_419_200
     assert d.cache_dims == (192, 128) and d.num_kv_heads == 128 and d.dense_layers == (0, 1, 2)
     assert model.block.rotary_dim == 64 and model.block.rope_interleave
     layers = [b for b in model_costs(model.arch, d, WeightFormat("int4_asym", 128)).blocks if b.kind == "layer"]
-    assert {b.kv_bytes_per_token for b in layers} == {128 * (192 + 128) * KV_ELEMENT_BYTES} == {81_920}
+    assert {b.kv_bytes_per_token for b in layers} == {128 * (240 + 136)} == {48_128}
 
 
 def test_yarn_mscale_scales_the_softmax() -> None:
@@ -58,7 +59,7 @@ def test_fewer_key_value_heads_than_heads_is_refused() -> None:
 
 def test_stages_cache_keys_and_values_of_their_own_widths(tmp_path: Path) -> None:
     """A 2-stage bundle's KV states are keys [batch, heads, ?, 16 + 8] and values [batch, heads, ?, 12], and
-    `ovshard inspect` shows each stage's planned KV bytes per token (layers x heads x (24 + 12) x 2) and a layer's
+    `ovshard inspect` shows each stage's planned KV bytes per token at u8 (layers x heads x (24 x 1.25 + 12 + 8)) and a layer's
     per token, beside what the compressed latent (16) and rotary key (8) would hold."""
     checkpoint = write_random_checkpoint(FAMILIES["deepseek_v3"], tmp_path / "ckpt")
     bundle = compile_fp32(checkpoint, tmp_path / "b", stages=2)
@@ -72,12 +73,12 @@ def test_stages_cache_keys_and_values_of_their_own_widths(tmp_path: Path) -> Non
         expected = {names.past_key(i): 24 for i in layers} | {names.past_value(i): 12 for i in layers}
         assert widths == expected
         planned = manifest.plan.stages[entry.index]
-        assert planned.kv_bytes_per_token == len(layers) * 4 * (24 + 12) * KV_ELEMENT_BYTES
+        assert planned.kv_bytes_per_token == len(layers) * 4 * (30 + 20)  # u8: keys 24 x 1.25, values 12 + 8
     shown = summary(bundle, manifest)
     assert all(format_bytes(s.kv_bytes_per_token) in shown for s in manifest.plan.stages), shown
-    assert (f"KV cache: {4 * (24 + 12) * KV_ELEMENT_BYTES} B a token a layer (4 heads x (keys 24 + values 12) x 2 B); "
-            f"latent attention held expanded: the compressed latent 16 + rotary key 8 would be "
-            f"{(16 + 8) * KV_ELEMENT_BYTES} B") in shown, shown
+    assert ("KV cache: 200 B a token a layer (4 heads x (keys 24 + values 12) as u8 (keys by channel, values by "
+            "token, each with an f32 scale and zero point; from the bundle's CPU hints); f16 would be 288 B); latent "
+            "attention held expanded: the compressed latent 16 + rotary key 8 would be 48 B at f16") in shown, shown
 
 
 def test_whole_stage_trace_equals_the_streamed_compile(tmp_path: Path) -> None:
