@@ -55,6 +55,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
         Step("batching/paged_batch",
              "S sequences in one paged inference a stage against S one-row inferences and S "
              "stateful streams", (), ("--rounds", "6", "--sequences", "2")),
+        Step("one_stream",
+             "one stream alone through workers: paged with and without the static decode copy, and stateful",
+             ("--models", "stories260K", "--rounds", "15"), ("{bundle1}", "--rounds", "1", "--tokens", "8")),
         Step("batching/tick_cost",
              "a paged tick's compute against its sequences, and the ceilings that puts on streams",
              (), ("--bundle", "{bundle}", "--rounds", "2")),

@@ -16,6 +16,7 @@ from typing import Any
 from ovshard.bundle import names, schema
 from ovshard.bundle.checked import CheckedFiles
 from ovshard.bundle.dims import ModelDims
+from ovshard.bundle.kv_store import KVStore, kv_store
 from ovshard.bundle.plan import PartitionPlan
 from ovshard.bundle.stage import OfStage, StageSpec, check_tiling
 from ovshard.bundle.weights import WeightFormat
@@ -196,6 +197,11 @@ class Manifest:
     def num_stages(self) -> int:
         """Stages of the split; a part bundle holds entries for only some of them."""
         return len(self.plan.stages)
+
+    @property
+    def kv_store(self) -> KVStore:
+        """How a CPU stage of this bundle stores its KV cache under the bundle's hints (bundle/kv_store.py)."""
+        return kv_store(self.runtime_hints.cpu_plugin)
 
     @property
     def complete(self) -> bool:

@@ -3,8 +3,9 @@
 Weight bytes are estimates from tensor shapes (no data is read): INT4 counts half a byte per weight
 plus an f16 scale and a 4-bit zero point per group; the embedding and the lm_head (unless
 ``all_layers``) and the decoder weights the format keeps in INT8 (``int8_weights``) count one byte.
-Before the compiler has chosen those, each layer is counted with its share of the INT8 budget spent. KV cache and activations
-count two bytes an element (f16), what the plugins store by default. A mixture-of-experts layer holds every
+Before the compiler has chosen those, each layer is counted with its share of the INT8 budget spent. Activations
+count two bytes an element (f16 on the wire); the KV cache as the CPU plugin stores it under the bundle's hints
+(bundle/kv_store.py: u8 with its scales and zero points). A mixture-of-experts layer holds every
 expert (its memory) but a decode step reads only the routed ones (its ``read_bytes``: the top-k of the experts'
 share, beside all of attention and the router), which the planner's step time follows.
 """
@@ -14,14 +15,16 @@ from __future__ import annotations
 import math
 
 from ovshard.bundle.dims import ModelDims
+from ovshard.bundle.kv_store import KVStore, kv_store
+from ovshard.bundle.manifest import CPU_PLUGIN_HINTS
 from ovshard.bundle.weights import WeightFormat
 from ovshard.frontend.arch import ArchSpec
 from ovshard.frontend.tensors import layer_tensors, linear_shapes, model_tensors
 from ovshard.plan.partition import Block, ModelCosts
 from ovshard.plan.precision import all_int4_bytes, embedding_bytes
 
-KV_ELEMENT_BYTES = 2
 WIRE_ELEMENT_BYTES = 2
+NEW_BUNDLE_KV = kv_store(CPU_PLUGIN_HINTS, "the CPU hints a new bundle carries")  # what a compile's plan counts
 
 
 def bytes_per_weight(fmt: WeightFormat, backup_int8: bool = False) -> float:
@@ -72,9 +75,11 @@ def rotary_table_bytes(tables: int, rotary_dim: int, max_positions: int) -> int:
     return 2 * tables * max_positions * rotary_dim * 4
 
 
-def model_costs(spec: ArchSpec, dims: ModelDims, fmt: WeightFormat, stage_bytes: int = 0) -> ModelCosts:
+def model_costs(spec: ArchSpec, dims: ModelDims, fmt: WeightFormat, stage_bytes: int = 0,
+                kv_cache: KVStore = NEW_BUNDLE_KV) -> ModelCosts:
     """The planner's view of the model: embed, one block per layer, head; ``stage_bytes`` every stage holds
-    whatever its layers (the rotary tables: ``rotary_table_bytes``).
+    whatever its layers (the rotary tables: ``rotary_table_bytes``); ``kv_cache``: how its stages store keys and
+    values (a compiled bundle's: ``Manifest.kv_store``).
 
     It takes the family and dimensions only (from a :class:`~ovshard.frontend.description.ModelDescription`
     when compiling, from a manifest's ``architecture`` when placing a compiled bundle)."""
@@ -83,7 +88,7 @@ def model_costs(spec: ArchSpec, dims: ModelDims, fmt: WeightFormat, stage_bytes:
     per_weight = bytes_per_weight(fmt.table or fmt, int8_backup and fmt.table is None)
     # a step gathers the fed tokens' rows of the embedding: a row's bytes, against all of the lm_head's
     embed = Block("embed", "embed", None, int(table * per_weight), 0, read_bytes=int(dims.hidden_size * per_weight))
-    kv = dims.kv_elements_per_token * KV_ELEMENT_BYTES  # cache heads x (key + value dims): MLA's latent cache too
+    kv = kv_cache.bytes_per_token(dims)  # cache heads x (key + value dims) as stored: MLA's latent cache too
     layers = [_layer_block(spec, dims, fmt, i, kv) for i in range(dims.num_layers)]
     head = Block("head", "head", None, int(table * per_weight) + 4 * dims.hidden_size, 0)
     return ModelCosts(blocks=(embed, *layers, head), activation_bytes_per_token=dims.hidden_size * WIRE_ELEMENT_BYTES,

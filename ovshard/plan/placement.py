@@ -116,8 +116,9 @@ class _Units:
 
 
 def _units(manifest: Manifest, context_tokens: int) -> _Units:
-    """The plan's recorded bytes per stage, less the embedding (stage 0) and head (last), which the cost model
-    the compile used gives apart."""
+    """The plan's recorded weight bytes per stage, less the embedding (stage 0) and head (last), which the cost
+    model the compile used gives apart; each stage's KV bytes a token as its caches store them under the bundle's
+    hints (bundle/kv_store.py), whatever count the compile recorded."""
     dims, plan = manifest.architecture, manifest.plan.stages
     spec = ARCHITECTURES.get(dims.model_type)
     if spec is None:
@@ -131,9 +132,10 @@ def _units(manifest: Manifest, context_tokens: int) -> _Units:
                         f"its embedding ({embed}) and head ({head}) by this ovshard's cost model; recompile it")
     prefix = [0]
     kv = [0]
+    per_layer = manifest.kv_store.bytes_per_token(dims)  # as the stages store it now, whatever the compile counted
     for w, s in zip(layers, plan, strict=True):
         prefix.append(prefix[-1] + w)
-        kv.append(kv[-1] + s.kv_bytes_per_token)
+        kv.append(kv[-1] + len(s.stage.layers) * per_layer)
     bounds = (*(s.stage.start for s in plan), plan[-1].stage.end)
     return _Units(bounds, tuple(prefix), tuple(kv), embed, head, context_tokens)
 

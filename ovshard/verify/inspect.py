@@ -11,7 +11,6 @@ from ovshard.bundle.manifest import Manifest, read_manifest
 from ovshard.errors import BundleError
 from ovshard.ir.dot import graph_dot, write_svg
 from ovshard.ir.printer import graph_text, text_diff
-from ovshard.plan.costs import KV_ELEMENT_BYTES
 
 FORMATS = ("text", "dot", "svg", "xml")
 
@@ -62,21 +61,22 @@ def summary(bundle: Path, m: Manifest) -> str:
 
 
 def kv_line(m: Manifest) -> str:
-    """The KV cache's bytes a token and layer as the plan counts them (KV_ELEMENT_BYTES an element); an MLA model's
-    line says which form its cache holds and what the other would cost."""
-    d = m.architecture
+    """The KV cache's bytes a token and layer as a CPU stage stores them under the bundle's hints
+    (bundle/kv_store.py: the plan's count), beside f16's; an MLA model's line says which form its cache holds and
+    what the other would hold."""
+    d, store = m.architecture, m.kv_store
     keys, values = d.cache_dims
-    line = (f"KV cache: {d.kv_elements_per_token * KV_ELEMENT_BYTES:,} B a token a layer ({d.cache_heads} "
-            f"{'head' if d.cache_heads == 1 else 'heads'} x (keys {keys} + values {values}) x {KV_ELEMENT_BYTES} B)")
+    heads = f"{d.cache_heads} {'head' if d.cache_heads == 1 else 'heads'}"
+    line = (f"KV cache: {store.bytes_per_token(d):,} B a token a layer ({heads} x (keys {keys} + values {values}) "
+            f"as {store.describe()}; f16 would be {d.kv_elements_per_token * 2:,} B)")
     if not d.mla:
         return line
-    other = replace(d, latent_cache=not d.latent_cache)
-    other_bytes = other.kv_elements_per_token * KV_ELEMENT_BYTES
+    other = store.bytes_per_token(replace(d, latent_cache=not d.latent_cache))
     if d.latent_cache:
         return (line + f"; latent attention's latent cache (keys: latent {d.kv_lora_rank} + rotary key "
-                f"{d.rope_head_dim}, values: the latent), held expanded it would be {other_bytes:,} B")
+                f"{d.rope_head_dim}, values: the latent), held expanded it would be {other:,} B")
     return (line + f"; latent attention held expanded: its latent cache (keys: latent {d.kv_lora_rank} + rotary "
-            f"key {d.rope_head_dim}, values: the latent) would be {other_bytes:,} B")
+            f"key {d.rope_head_dim}, values: the latent) would be {other:,} B")
 
 
 def _part_note(m: Manifest) -> str:

@@ -166,10 +166,10 @@ class LocalWorkers:
     """
 
     def __init__(self, bundle: Path, exact: bool = False, timeout: float = 120.0, threads: int | None = None,
-                 kv: str = "auto") -> None:
+                 kv: str = "auto", static_decode: bool = True) -> None:
         self.bundle, self.timeout = Path(bundle), timeout
         self.options = (["--exact"] if exact else []) + (["--threads", str(threads)] if threads else []) + \
-            (["--kv", kv] if kv != "auto" else [])
+            (["--kv", kv] if kv != "auto" else []) + ([] if static_decode else ["--no-static-decode"])
         self.workers: list[WorkerProcess] = []
         self.addresses: list[str] = []
 
@@ -206,7 +206,8 @@ class LocalWorkers:
 
 @contextmanager
 def local_workers(bundle: Path, exact: bool = False, timeout: float = 120.0,
-                  threads: int | None = None, kv: str = "auto") -> Iterator[list[str]]:
-    """One ``ovshard serve`` process per stage on loopback; yields their addresses; stops them after."""
-    with LocalWorkers(bundle, exact, timeout, threads, kv) as workers:
+                  threads: int | None = None, kv: str = "auto", static_decode: bool = True) -> Iterator[list[str]]:
+    """One ``ovshard serve`` process per stage on loopback (``static_decode``: as ``serve`` without
+    ``--no-static-decode``); yields their addresses; stops them after."""
+    with LocalWorkers(bundle, exact, timeout, threads, kv, static_decode) as workers:
         yield workers.addresses

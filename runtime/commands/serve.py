@@ -41,6 +41,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-blocks", type=int, metavar="N",
                    help="paged KV blocks of 32 positions this stage holds for all its heads (default: 16 "
                         "sequences of the bundle's max positions, at most 65,536 positions)")
+    p.add_argument("--no-static-decode", dest="static_decode", action="store_false",
+                   help="run a paged stage's one-row decode steps on its dynamic model too (default: on a copy "
+                        "compiled with static shapes, where the stage's weights are at most 1 GiB and the memory "
+                        "available holds them twice; about the weights again in memory, faster a step)")
     p.add_argument("--cache-dir", type=Path, help="compiled-model cache (default: $OVSHARD_CACHE_DIR/ov_cache or "
                    "~/.cache/ovshard/ov_cache; the bundle may be read-only)")
     add_security(p)
@@ -73,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
                          limits=worker_limits(args),
                          server_tls=server_context(creds) if creds else None,
                          client_tls=client_context(creds) if creds else None, kv=args.kv,
-                         kv_blocks=args.kv_blocks)
+                         kv_blocks=args.kv_blocks, static_decode=args.static_decode)
     address = worker.listen(host, port)
     terminated = threading.Event()
 
@@ -90,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         worker.stop()
     left = worker.drain()
+    log.info("stage %d: %s", args.stage, worker.summary())
     if terminated.is_set():
         log.info("stage %d: SIGTERM: stopped accepting, %s; exiting", args.stage,
                  f"{left} steps still running after {worker.limits.drain_s:.0f} s" if left else "in-flight steps finished")

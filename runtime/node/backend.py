@@ -8,6 +8,11 @@ before side of bench/compile/prefill_logits_memory.py).
 ``kv``: "paged" converts the stage to paged attention (engine/paged.py) and serves Batches from a pool of
 ``kv_blocks`` KV blocks (None: node/config.kv_pool_blocks); "stateful" keeps one stateful cache a stream and
 serves Steps; "auto" (the default) is paged where the stage converts, else stateful with a log line.
+
+``static_decode`` (the default): a paged stage also compiles a copy with a one-row step's static shapes
+(engine/static_step.py), and a Batch of one sequence and one row (a lone stream's decode step, every stage's
+common case in a one-user pipeline) runs on it; where that copy is refused (weights too large, too little
+memory) the refusal is logged at load and every Batch runs the dynamic model.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ class StageBackend:
 
     def __init__(self, bundle: Path, stage: int, device: str = "CPU", config: dict | None = None,
                  cache_dir: Path | None = None, slice_logits: bool = True, kv: str = "auto",
-                 kv_blocks: int | None = None) -> None:
+                 kv_blocks: int | None = None, static_decode: bool = True) -> None:
         self.bundle = Path(bundle)
         self.manifest = read_manifest(self.bundle)
         if not 0 <= stage < self.manifest.num_stages:
@@ -67,20 +72,22 @@ class StageBackend:
         if kv not in ("auto", "paged", "stateful"):
             raise OvshardError(f"--kv {kv!r}: expected auto, paged or stateful")
         if kv != "stateful":
-            self._load_paged(core, device, config, kv == "paged", kv_blocks, slice_logits)
+            self._load_paged(core, device, config, kv == "paged", kv_blocks, slice_logits, static_decode)
         if self.paged is None:
             self.compiled, self.sliced = compile_on_device(core, self.bundle, self.manifest, stage, device, config,
                                                            slice_logits)
         self.paged_lock = threading.Lock()  # one inference at a time on the paged caches
 
     def _load_paged(self, core: ov.Core, device: str, config: dict | None, required: bool,
-                    kv_blocks: int | None, slice_logits: bool) -> None:
+                    kv_blocks: int | None, slice_logits: bool, static_decode: bool) -> None:
         """The stage with paged attention and its block pool; a stage that does not convert stays stateful
         unless ``required``."""
         try:
             blocks = kv_blocks or kv_pool_blocks(self.manifest)
             self.paged = compile_paged(core, self.bundle, self.manifest, self.stage, device, config, blocks,
-                                       slice_logits)
+                                       slice_logits, static_decode)
+            if not static_decode:
+                log.info("stage %d: decode steps run the dynamic paged model (--no-static-decode)", self.stage)
             sequence = -(-self.max_positions // self.paged.block_size)
             self.pool, self.sliced = KVPool(blocks, sequence), self.paged.sliced
         except PagedUnsupportedError as e:
@@ -88,6 +95,11 @@ class StageBackend:
                 raise
             log.info("stage %d: stateful KV cache, one stream at a time per request (no batching): %s",
                      self.stage, e)
+
+    @property
+    def static_steps(self) -> int | None:
+        """Steps run on the paged stage's static decode copy; None where it has none."""
+        return None if self.paged is None or self.paged.decode is None else self.paged.decode.steps
 
     @property
     def block_size(self) -> int:

@@ -55,8 +55,9 @@ class StageWorker:
                  cache_dir: Path | None = None, wire_dtype: str = p.ACTIVATION_WIRE_DTYPE,
                  limits: Limits | None = None, server_tls: ssl.SSLContext | None = None,
                  client_tls: ssl.SSLContext | None = None, slice_logits: bool = True, kv: str = "auto",
-                 kv_blocks: int | None = None) -> None:
-        self.backend = StageBackend(bundle, stage, device, config, cache_dir, slice_logits, kv, kv_blocks)
+                 kv_blocks: int | None = None, static_decode: bool = True) -> None:
+        self.backend = StageBackend(bundle, stage, device, config, cache_dir, slice_logits, kv, kv_blocks,
+                                    static_decode)
         self.stage, self.manifest = stage, self.backend.manifest
         self.wire_dtype, self.limits = wire_dtype, limits or Limits()
         # the largest frame this stage can need: a Step of every position, ids (stage 0) or f32 activations
@@ -159,6 +160,14 @@ class StageWorker:
         for conn in conns:
             conn.close()
         return left
+
+    def summary(self) -> str:
+        """What the stage ran: its steps (Steps and Batches) and how many one-row steps took the static copy."""
+        with self.lock:
+            steps, compute_s = self.steps, self.compute_s
+        static = self.backend.static_steps
+        copy = "no static decode copy" if static is None else f"{static} one-row steps on the static decode copy"
+        return f"ran {steps} steps ({compute_s:.2f} s of compute), {copy}"
 
     # ----- one connection -----
     def _handle(self, conn: Connection) -> None:

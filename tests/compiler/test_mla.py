@@ -21,7 +21,7 @@ from ovshard.cli import main
 from ovshard.compile import CompileConfig, compile_bundle
 from ovshard.errors import CheckpointError, UnsupportedArchitectureError
 from ovshard.frontend.description import describe
-from ovshard.plan.costs import KV_ELEMENT_BYTES, model_costs, parameter_count
+from ovshard.plan.costs import model_costs, parameter_count
 from ovshard.runtime.client.inprocess import LocalPipeline
 from ovshard.runtime.engine.stage import EXACT_HINTS
 from ovshard.tools.shapes import family_config, preset
@@ -31,18 +31,19 @@ from ovshard.verify.inspect import summary
 
 def test_deepseek_v3_preset_counts_its_parameters_and_its_latent_cache() -> None:
     """The deepseek-v3 shape holds 671B parameters; a cached token costs each layer one head of keys (latent 512 +
-    rotary key 64) and values (the latent, 512) x 2 bytes, dense and sparse layers alike; held expanded it would
-    cost 128 heads x (192 + 128) x 2."""
+    rotary key 64) and values (the latent, 512), at u8 576 x 1.25 + 512 + 8 bytes (keys with a block's scale and
+    zero point a channel, values with a token's), dense and sparse layers alike; held expanded it would cost
+    128 heads x (192 x 1.25 + 128 + 8)."""
     model = describe(preset("deepseek-v3"))
     d = model.dims
     assert parameter_count(model.arch, d) == 671_026_419_200
     assert d.latent_cache and d.cache_dims == (576, 512) and d.cache_heads == 1 and d.dense_layers == (0, 1, 2)
     assert model.block.rotary_dim == 64 and model.block.rope_interleave
     layers = [b for b in model_costs(model.arch, d, WeightFormat("int4_asym", 128)).blocks if b.kind == "layer"]
-    assert {b.kv_bytes_per_token for b in layers} == {(576 + 512) * KV_ELEMENT_BYTES} == {2_176}
+    assert {b.kv_bytes_per_token for b in layers} == {576 * 5 // 4 + 512 + 8} == {1_240}
     expanded = replace(d, latent_cache=False)
     assert expanded.cache_dims == (192, 128) and expanded.cache_heads == 128
-    assert expanded.kv_elements_per_token * KV_ELEMENT_BYTES == 81_920
+    assert expanded.kv_elements_per_token * 2 == 81_920
 
 
 def test_yarn_mscale_scales_the_softmax() -> None:
@@ -65,8 +66,9 @@ def test_fewer_key_value_heads_than_heads_is_refused() -> None:
 
 def test_stages_cache_keys_and_values_of_their_own_widths(tmp_path: Path) -> None:
     """A 2-stage bundle's KV states are one head of keys [batch, 1, ?, latent 16 + rotary key 8] and values
-    [batch, 1, ?, 16], and `ovshard inspect` shows each stage's planned KV bytes per token (layers x (24 + 16) x 2)
-    and a layer's per token, beside what the expanded cache (4 heads x (24 + 12)) would hold."""
+    [batch, 1, ?, 16], and `ovshard inspect` shows each stage's planned KV bytes per token at u8 (layers x (24 x
+    1.25 + 16 + 8)) and a layer's per token, beside what the expanded cache (4 heads x (24 x 1.25 + 12 + 8)) would
+    hold."""
     checkpoint = write_random_checkpoint(FAMILIES["deepseek_v3"], tmp_path / "ckpt")
     bundle = compile_fp32(checkpoint, tmp_path / "b", stages=2)
     manifest = read_manifest(bundle)
@@ -80,12 +82,12 @@ def test_stages_cache_keys_and_values_of_their_own_widths(tmp_path: Path) -> Non
         expected = {names.past_key(i): (1, 24) for i in layers} | {names.past_value(i): (1, 16) for i in layers}
         assert shapes == expected
         planned = manifest.plan.stages[entry.index]
-        assert planned.kv_bytes_per_token == len(layers) * (24 + 16) * KV_ELEMENT_BYTES
+        assert planned.kv_bytes_per_token == len(layers) * (30 + 24)  # u8: keys 24 x 1.25, values 16 + 8
     shown = summary(bundle, manifest)
     assert all(format_bytes(s.kv_bytes_per_token) in shown for s in manifest.plan.stages), shown
-    assert (f"KV cache: {(24 + 16) * KV_ELEMENT_BYTES} B a token a layer (1 head x (keys 24 + values 16) x "
-            f"{KV_ELEMENT_BYTES} B); latent attention's latent cache (keys: latent 16 + rotary key 8, values: the "
-            f"latent), held expanded it would be {4 * (24 + 12) * KV_ELEMENT_BYTES} B") in shown, shown
+    assert ("KV cache: 54 B a token a layer (1 head x (keys 24 + values 16) as u8 (keys by channel, values by token, each with an f32 scale and zero point; from the bundle's CPU hints); f16 would be 80 B); latent "
+            "attention's latent cache (keys: latent 16 + rotary key 8, values: the latent), held expanded it would "
+            "be 200 B") in shown, shown
 
 
 def test_expanded_cache_gives_the_latent_cache_tokens(tmp_path: Path) -> None:
@@ -105,8 +107,8 @@ def test_expanded_cache_gives_the_latent_cache_tokens(tmp_path: Path) -> None:
     assert found["latent"][0] == found["expanded"][0]
     assert float(np.abs(found["latent"][1] - found["expanded"][1]).max()) <= 1e-4
     shown = summary(tmp_path / "expanded", read_manifest(tmp_path / "expanded"))
-    assert (f"{4 * (24 + 12) * KV_ELEMENT_BYTES} B a token a layer (4 heads x (keys 24 + values 12) x "
-            f"{KV_ELEMENT_BYTES} B); latent attention held expanded: its latent cache") in shown, shown
+    assert ("200 B a token a layer (4 heads x (keys 24 + values 12) as u8") in shown, shown
+    assert "latent attention held expanded: its latent cache" in shown and "would be 54 B" in shown, shown
 
 
 def test_whole_stage_trace_equals_the_streamed_compile(tmp_path: Path) -> None:

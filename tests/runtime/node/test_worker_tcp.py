@@ -380,3 +380,41 @@ def test_a_bad_request_is_answered_and_the_connection_stays(bundles: dict[int, P
             assert len(list(head.generate([1, 403], SamplingConfig(max_tokens=3)))) == 3
         finally:
             head.close()
+
+
+def _serve_logged(bundle: Path, stages: int, options: list[str], log_file: Path) -> list[WorkerProcess]:
+    """A worker process per stage with its INFO log (no ``-q``) appended to ``log_file``."""
+    with log_file.open("a") as err:  # each child holds its own copy of the descriptor
+        return [WorkerProcess([arg for arg in serve_command(bundle, i, "127.0.0.1:0", options) if arg != "-q"],
+                              i, stderr=err) for i in range(stages)]
+
+
+@pytest.mark.parametrize("hints", [["--exact"], []])
+def test_a_lone_streams_decode_steps_run_each_workers_static_copy(bundles: dict[int, Path], tmp_path: Path,
+                                                                   hints: list[str]) -> None:
+    """One stream alone through 2 paged worker processes: every one-row step (its decode steps, and each
+    worker's warm-up step) runs the stage's static decode copy, counted in the log the worker writes at
+    SIGTERM, and the greedy tokens equal those of workers started with --no-static-decode, under f32 hints and
+    under the bundle's own; those workers say they have no copy."""
+    n = 24
+    tokens: dict[str, list[list[int]]] = {}
+    for label, options in (("static", hints), ("dynamic", [*hints, "--no-static-decode"])):
+        log_file = tmp_path / f"{label}.log"
+        procs = _serve_logged(bundles[2], 2, options, log_file)
+        try:
+            head = Head(bundles[2], [w.wait_listening(120) for w in procs])
+            try:
+                tokens[label] = [list(head.generate(prompt, SamplingConfig(max_tokens=n))) for prompt in PROMPTS]
+            finally:
+                head.close()
+        finally:
+            for w in procs:
+                w.stop()
+        text = log_file.read_text()
+        counts = sorted(int(c) for c in re.findall(r"stage \d: ran \d+ steps .*?, (\d+) one-row steps on the static", text))
+        if label == "static":
+            assert counts == [1 + len(PROMPTS) * (n - 1)] * 2, text  # the warm-up, then n - 1 fed tokens a prompt
+        else:
+            assert counts == [] and text.count("no static decode copy") == 2, text
+            assert text.count("decode steps run the dynamic paged model (--no-static-decode)") == 2, text
+    assert tokens["static"] == tokens["dynamic"]
