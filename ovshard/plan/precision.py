@@ -7,6 +7,14 @@ INT4 destroys. The weights with the largest error stay INT8 (per channel), most 
 the bundle stays within ``budget`` times the size of the same model in all-INT4 asymmetric group-128
 (ovshard's INT4 before, with the embedding and lm_head INT8, counted as a bundle of two or more stages
 stores them: a tied embedding twice) and at least ``ratio`` of the decoder's weights stay INT4.
+
+A mixture of experts is held by memory but read by what is routed: a decode step reads ``experts_per_token``
+of a sparse layer's ``num_experts`` experts. So the budget also bounds what a token reads: the same model
+with each sparse layer's routed experts counted at ``experts_per_token / num_experts`` of their bytes (the
+dense model of the same active parameters) stays within ``budget`` of its all-INT4 size too. Without it the
+budget, spent by memory, would keep INT8 everything a token reads whole (attention, a shared expert) beside
+hundreds of experts, and an MoE stage would read a larger INT8 share a step than a dense stage of its active
+parameters. In a dense model both bounds are the same sum, so its choice is the memory one.
 Weights are read one layer at a time, so memory stays at one layer, and the choice depends on the
 checkpoint and the format only: the same for every stage count (it is kept in the manifest's weight
 format).
@@ -76,23 +84,34 @@ def embedding_bytes(dims: ModelDims, fmt: WeightFormat) -> float:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One decoder weight: its key (``"3.down"``), INT4 error and the bytes INT8 would add."""
+    """One decoder weight: its key (``"3.down"``), INT4 error, the bytes INT8 would add to the bundle and to
+    what a decode step reads (``read_share`` of them)."""
 
     key: str
     error: float
     extra_bytes: float
     elements: int
+    read_share: float = 1.0
 
 
 BASE = WeightFormat("int4_asym", 128, ratio=1.0, budget=1.0)  # the all-INT4 asym format: the budget's unit
 
 
-def all_int4_bytes(dims: ModelDims, fmt: WeightFormat = BASE) -> float:
+def all_int4_bytes(dims: ModelDims, fmt: WeightFormat = BASE, routed: bool = False) -> float:
     """Bytes of the model's matrices with every decoder weight in ``fmt``'s INT4 and the embedding and lm_head
-    in INT8, as a bundle of two or more stages stores them (a tied embedding in the first and the last stage)."""
+    in INT8, as a bundle of two or more stages stores them (a tied embedding in the first and the last stage);
+    ``routed``: each sparse layer's experts counted by the share a token routes to (:func:`read_share`)."""
     ends = 2 * embedding_bytes(dims, fmt)
-    return ends + sum(int4_bytes(fmt, o, i) for layer in range(dims.num_layers)
-                      for o, i in linear_shapes(dims, layer).values())
+    return ends + sum(int4_bytes(fmt, o, i) * (read_share(dims, layer, key) if routed else 1.0)
+                      for layer in range(dims.num_layers) for key, (o, i) in linear_shapes(dims, layer).items())
+
+
+def read_share(dims: ModelDims, layer: int, key: str) -> float:
+    """The share of projection ``key`` of ``layer`` a decode step reads: a sparse layer's stacked experts
+    ``experts_per_token / num_experts``, anything else 1."""
+    if key.startswith("experts_") and dims.sparse(layer):
+        return dims.experts_per_token / dims.num_experts
+    return 1.0
 
 
 def candidates(ckpt: Checkpoint, fmt: WeightFormat) -> list[Candidate]:
@@ -108,7 +127,8 @@ def candidates(ckpt: Checkpoint, fmt: WeightFormat) -> list[Candidate]:
                 continue  # NNCF stores it in INT8 anyway
             weight = getattr(layer, f"{key}_weight").numpy().reshape(out_f, in_f)  # experts: [experts * out, in]
             found.append(Candidate(f"{i}.{key}", int4_error(weight, fmt),
-                                   int8_bytes(out_f, in_f) - int4_bytes(fmt, out_f, in_f), out_f * in_f))
+                                   int8_bytes(out_f, in_f) - int4_bytes(fmt, out_f, in_f), out_f * in_f,
+                                   read_share(dims, i, key)))
         del layer
         log.debug("precision: layer %d of %d scored", i + 1, dims.num_layers)
     return found
@@ -119,19 +139,24 @@ def choose_int8(ckpt: Checkpoint, fmt: WeightFormat) -> tuple[str, ...]:
     if not fmt.is_int4 or fmt.budget <= 1.0 or fmt.ratio >= 1.0:
         return ()
     scored = sorted(candidates(ckpt, fmt), key=lambda c: c.error, reverse=True)
-    base = all_int4_bytes(ckpt.dims, replace(BASE, all_layers=fmt.all_layers))
-    allowed = fmt.budget * base - all_int4_bytes(ckpt.dims, fmt)  # a smaller group size spends part of it
+    dims, unit = ckpt.dims, replace(BASE, all_layers=fmt.all_layers)
+    # a smaller group size spends part of each budget: held (the bundle's bytes) and read (a decode step's)
+    allowed = fmt.budget * all_int4_bytes(dims, unit) - all_int4_bytes(dims, fmt)
+    allowed_read = fmt.budget * all_int4_bytes(dims, unit, routed=True) - all_int4_bytes(dims, fmt, routed=True)
     total = sum(c.elements for c in scored)
     max_int8 = math.floor((1.0 - fmt.ratio) * total)
-    chosen, spent, int8_elements = [], 0.0, 0
+    chosen, spent, spent_read, int8_elements = [], 0.0, 0.0, 0
     for c in scored:
-        if spent + c.extra_bytes <= allowed and int8_elements + c.elements <= max_int8:
+        read = c.extra_bytes * c.read_share
+        if (spent + c.extra_bytes <= allowed and spent_read + read <= allowed_read
+                and int8_elements + c.elements <= max_int8):
             chosen.append(c.key)
             spent += c.extra_bytes
+            spent_read += read
             int8_elements += c.elements
-    log.info("precision: %d of %d decoder weights stay INT8 (%.1f%% of their elements, +%.1f MB; budget %.2fx "
-             "the all-INT4 g128 size)", len(chosen), len(scored), 100 * int8_elements / max(total, 1), spent / 1e6,
-             fmt.budget)
+    log.info("precision: %d of %d decoder weights stay INT8 (%.1f%% of their elements, +%.1f MB held, +%.1f MB "
+             "read a step; budget %.2fx the all-INT4 g128 size, held and read)", len(chosen), len(scored),
+             100 * int8_elements / max(total, 1), spent / 1e6, spent_read / 1e6, fmt.budget)
     return tuple(sorted(chosen, key=_layer_order))
 
 
