@@ -55,10 +55,28 @@ def int8_bytes(out_features: int, in_features: int) -> float:
 
 def int4_error(weight: np.ndarray, fmt: WeightFormat) -> float:
     """Relative squared error of ``weight`` [out, in] after NNCF-style grouped INT4 and back (0 if it falls back)."""
+    squared_error, squared = _int4_sums(weight, fmt)
+    return float(squared_error / max(squared, 1e-30))
+
+
+def stacked_int4_error(weights: np.ndarray, fmt: WeightFormat) -> float:
+    """``int4_error`` of stacked matrices [n, out, in] (a layer's experts) taken as one, computed a matrix at a
+    time: the quantizer's temporaries are one expert's, not a layer's experts' (for GLM-4.5-Air's 128 experts
+    each of them would be 2.9 GB in float32)."""
+    squared_error = squared = 0.0
+    for weight in weights:
+        e, w = _int4_sums(weight, fmt)
+        squared_error, squared = squared_error + float(e), squared + w
+    return squared_error / max(squared, 1e-30)
+
+
+def _int4_sums(weight: np.ndarray, fmt: WeightFormat) -> tuple[np.floating | float, float]:
+    """``||W - Q(W)||^2`` and ``||W||^2`` of ``weight`` [out, in] under NNCF-style grouped INT4 (0, 1 if it falls
+    back)."""
     out_features, in_features = weight.shape
     group = fmt.group_for(in_features)
     if group is None:
-        return 0.0
+        return 0.0, 1.0
     w = weight.astype(np.float32).reshape(out_features, in_features // group, group)
     if fmt.mode == "int4_asym":
         low, high = w.min(axis=-1, keepdims=True), w.max(axis=-1, keepdims=True)
@@ -68,7 +86,7 @@ def int4_error(weight: np.ndarray, fmt: WeightFormat) -> float:
     else:
         scale = np.maximum(np.abs(w).max(axis=-1, keepdims=True) / 8.0, np.finfo(np.float32).tiny)
         restored = np.clip(np.round(w / scale), -8, 7) * scale
-    return float(((w - restored) ** 2).sum() / max(float((w**2).sum()), 1e-30))
+    return ((w - restored) ** 2).sum(), float((w**2).sum())
 
 
 def embedding_bytes(dims: ModelDims, fmt: WeightFormat) -> float:
@@ -125,8 +143,10 @@ def candidates(ckpt: Checkpoint, fmt: WeightFormat) -> list[Candidate]:
         for key, (out_f, in_f) in linear_shapes(dims, i).items():
             if fmt.group_for(in_f) is None:
                 continue  # NNCF stores it in INT8 anyway
-            weight = getattr(layer, f"{key}_weight").numpy().reshape(out_f, in_f)  # experts: [experts * out, in]
-            found.append(Candidate(f"{i}.{key}", int4_error(weight, fmt),
+            weight = getattr(layer, f"{key}_weight").numpy()
+            error = (stacked_int4_error(weight.reshape(dims.num_experts, -1, in_f), fmt) if key.startswith("experts_")
+                     else int4_error(weight.reshape(out_f, in_f), fmt))
+            found.append(Candidate(f"{i}.{key}", error,
                                    int8_bytes(out_f, in_f) - int4_bytes(fmt, out_f, in_f), out_f * in_f,
                                    read_share(dims, i, key)))
         del layer

@@ -13,6 +13,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import openvino as ov
 import pytest
 import torch
@@ -30,7 +31,14 @@ from ovshard.frontend.checkpoint import open_checkpoint
 from ovshard.frontend.description import describe
 from ovshard.frontend.tensors import linear_shapes
 from ovshard.plan.costs import bytes_per_weight, model_costs
-from ovshard.plan.precision import BASE, all_int4_bytes, candidates, choose_int8
+from ovshard.plan.precision import (
+    BASE,
+    all_int4_bytes,
+    candidates,
+    choose_int8,
+    int4_error,
+    stacked_int4_error,
+)
 from ovshard.runtime.client.head import Head
 from ovshard.runtime.client.inprocess import LocalPipeline
 from ovshard.runtime.client.launch import local_workers
@@ -104,6 +112,15 @@ def test_the_int8_share_stays_within_the_budget_of_what_a_token_reads(family: st
         shares = {k: c.read_share for k, c in scored.items() if ".experts_" in k}
         assert shares and set(shares.values()) == {2 / 8} and dims.experts_per_token == 2
         assert read_by_memory > read_room, (read_by_memory, read_room)
+
+
+def test_stacked_experts_are_scored_as_one_matrix_an_expert_at_a_time() -> None:
+    """A layer's stacked experts get the INT4 error of their matrices taken as one (so the choice is unchanged),
+    computed one expert at a time (so the quantizer's temporaries are one expert's)."""
+    weights = np.random.default_rng(0).standard_normal((8 * 64, 256)).astype(np.float32)
+    for fmt in (WeightFormat(), WeightFormat("int4_asym", 64)):
+        assert stacked_int4_error(weights.reshape(8, 64, 256), fmt) == pytest.approx(int4_error(weights, fmt),
+                                                                                    rel=1e-5)
 
 
 DENSE_LAYOUTS = {  # config keys that make some layers of a 6-layer MoE model dense
