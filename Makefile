@@ -47,6 +47,7 @@ bench: setup
 	CI=true $(BIN)/python bench/compile/nncf_options.py  # NNCF's own options (data-free and data-aware) on the real Gemma 3 270M
 	CI=true $(BIN)/python bench/compile/nncf_formats.py  # NNCF's other 4-bit formats (NF4, CB4, MXFP4) on SmolLM2-135M: perplexity
 	$(BIN)/python bench/compile_memory.py --sweep --cases 30b-a3b --resume  # compile memory and time per layer with 128 experts a layer
+	$(BIN)/python bench/compile_memory.py --sweep --cases moe-new --resume --drop-checkpoints  # the same, flat in layers, for GLM-4.5-Air, Llama-4-Scout and DeepSeek-V3 with fewer experts
 	CI=true $(BIN)/python bench/suite.py --suite kernels,batching  # the MoE step, weight formats' decode speed; paged batching and its ceilings
 
 # smoke runs of every suite's scripts that have a quick mode, on stories260K (a few minutes)

@@ -19,6 +19,10 @@ Cases (``--cases``, comma-separated sets):
 * ``glm-air``: the glm-4.5-air shape cut to 2, 3 and 5 layers (its dense layer 0, then 1, 2 and 4 layers of 128
   experts and a shared one), 1 stage, streamed: one sparse layer's worth, flat in layers (~40 GB of checkpoints
   in --work; a machine with >= 64 GB).
+* ``moe-new``: the glm-4.5-air, llama-4-scout and deepseek-v3 shapes with fewer experts a layer (``FEWER``: 32 of
+  128, 4 of 16, 16 of 256; DeepSeek's dense layers cut to its first), at 1, 2 and 3 sparse layers, 1 stage,
+  streamed (Scout with ``--max-positions 131072``, its rope's scaled range, not its config's 10M positions): flatness does not depend on how many experts a layer holds, and these fit a 24 GB machine beside
+  other work (~40 GB of checkpoints written in turn; ``--drop-checkpoints`` deletes each after its run).
 
 Every case runs streamed and (where listed) ``--whole-stage``, one fresh subprocess each, with
 ``CI=true`` (openvino_telemetry off: it forks the compiler, and a fork would count the parent's pages
@@ -84,6 +88,7 @@ class Case:
     stages: int
     whole: bool  # --whole-stage
     series: str  # one line of the plot: shape and what varies
+    flags: tuple[str, ...] = ()  # more `ovshard compile` flags
 
     @property
     def key(self) -> str:
@@ -115,6 +120,18 @@ CASE_SETS: dict[str, list[Case]] = {
     # GLM-4.5-Air: layer 0 dense, then 128 experts + 1 shared a layer (2.34B parameters, ~9.4 GB in f32); the cuts hold
     # 1, 2 and 4 sparse layers after the dense one
     "glm-air": [Case("glm-4.5-air", n, 1, False, "GLM-4.5-Air cut to 2/3/5 layers, 1 stage") for n in (2, 3, 5)],
+    "moe-new": [Case("glm-4.5-air-32e", n, 1, False, "GLM-4.5-Air, 32 experts, cut to 2/3/4 layers, 1 stage")
+                for n in (2, 3, 4)]
+    # Scout's 10,485,760 positions would make the rotary tables (2 x 10.5M x 128 f32) 10.7 GB whatever the layers
+    + [Case("llama-4-scout-4e", n, 1, False, "Llama-4-Scout, 4 experts, cut to 1/2/3 layers, 1 stage",
+            ("--max-positions", "131072")) for n in (1, 2, 3)]
+    + [Case("deepseek-v3-16e", n, 1, False, "DeepSeek-V3, 16 experts, cut to 2/3/4 layers, 1 stage") for n in (2, 3, 4)],
+}
+# shapes of ovshard.tools.shapes presets with fewer experts a layer: name -> (preset, config keys replaced)
+FEWER: dict[str, tuple[str, dict[str, Any]]] = {
+    "glm-4.5-air-32e": ("glm-4.5-air", {"n_routed_experts": 32}),
+    "llama-4-scout-4e": ("llama-4-scout", {"num_local_experts": 4}),
+    "deepseek-v3-16e": ("deepseek-v3", {"n_routed_experts": 16, "first_k_dense_replace": 1}),
 }
 
 
@@ -137,7 +154,12 @@ def checkpoint(work: Path, shape: str, layers: int | None, dtype: str) -> tuple[
     """The random checkpoint of ``shape`` cut to ``layers``, written with ``ovshard synth`` unless present."""
     from ovshard.tools.synth import checkpoint_layout, shape_config
 
-    config = shape_config(shape, layers)
+    source = shape
+    if shape in FEWER:  # a config.json of the preset with fewer experts, which synth cuts to ``layers``
+        base, replaced = FEWER[shape]
+        source = str(work / f"config-{shape}.json")
+        Path(source).write_text(json.dumps({**shape_config(base), **replaced}, indent=1) + "\n")
+    config = shape_config(source, layers)
     path = work / f"ckpt-{shape}-{f'L{layers}' if layers else 'full'}-{dtype}"
     facts = {"path": str(path), "shape": shape, "layers": config["num_hidden_layers"], "dtype": dtype,
              "bytes": checkpoint_layout(config, dtype).nbytes}
@@ -151,7 +173,7 @@ def checkpoint(work: Path, shape: str, layers: int | None, dtype: str) -> tuple[
     if free < facts["bytes"] + 4 * GB:
         raise RuntimeError(f"{path}: needs {facts['bytes'] / GB:.1f} GB (+4 GB for the bundle), "
                            f"{free / GB:.1f} GB free on {work}")
-    cmd = [*ovshard_cmd(), "synth", shape, "--dtype", dtype, "-o", str(path)]
+    cmd = [*ovshard_cmd(), "synth", source, "--dtype", dtype, "-o", str(path)]
     cmd += ["--layers", str(layers)] if layers else []
     print(f"$ {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
     start = time.perf_counter()
@@ -241,7 +263,7 @@ def measure(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     ckpt, facts = checkpoint(args.work, case.shape, case.layers, args.dtype)
     bundle = args.work / "bundle"
     shutil.rmtree(bundle, ignore_errors=True)
-    flags = ["--stages", str(case.stages), "--no-cache", *(["--whole-stage"] if case.whole else [])]
+    flags = ["--stages", str(case.stages), "--no-cache", *(["--whole-stage"] if case.whole else []), *case.flags]
     cmd = [*ovshard_cmd(), "compile", str(ckpt), *flags, "-o", str(bundle)]
     time_file = args.work / "time-v.txt"
     time_file.unlink(missing_ok=True)
@@ -272,6 +294,8 @@ def measure(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     else:
         run["stderr_tail"] = [line for _, line in got["lines"][-25:]]
     shutil.rmtree(bundle, ignore_errors=True)
+    if args.drop_checkpoints:
+        shutil.rmtree(ckpt, ignore_errors=True)
     print(f"  rc {run['returncode']}, {run['wall_s']:.0f} s, peak anon {peak.peak_anon / GB:.2f} GB, "
           f"RSS {peak.peak_rss / GB:.2f} GB{' (' + run['aborted'] + ')' if run['aborted'] else ''}",
           file=sys.stderr, flush=True)
@@ -487,6 +511,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also report (and keep) the runs of this results file, e.g. a big machine's")
     p.add_argument("--report-only", action="store_true", help="run nothing: table and plot from --results")
     p.add_argument("--echo", action="store_true", help="echo the compiler's log lines")
+    p.add_argument("--drop-checkpoints", action="store_true", help="delete each checkpoint after its run (disk)")
     return p.parse_args(argv)
 
 

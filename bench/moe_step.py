@@ -13,8 +13,10 @@ The vocabulary is cut to ``--vocab`` so that the embedding and lm_head, the same
 The steps are measured interleaved in one process (bench/harness.py: each round every bundle once, the first
 rotating), one token a step after a prompt, and the ratio
 reported is MoE / dense median step time, for each weight variant: ``default`` (the default compile: its INT8
-share, chosen by sensitivity within 1.15x the all-INT4 bytes, differs between the two models) and ``all-int4``
-(``--budget 1.0``: every decoder weight INT4 g128 in both, the same bytes a step but for the f32 router).
+share, chosen by sensitivity within 1.15x the all-INT4 bytes both held and read a step, the MoE's routed experts
+counted at top-k of all, so both models read about the same INT8 share a step, though not of the same
+projections) and ``all-int4`` (``--budget 1.0``: every decoder weight INT4 g128 in both, the same bytes a step but
+for the f32 router).
 ``--small`` narrows both models (hidden 256, experts of 64) to prove the script runs on a small machine; its
 timings mean nothing.
 

@@ -77,6 +77,11 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
         Step("moe_step", "a Qwen3-30B-A3B-shaped stage cut to 4 layers against a dense stage of its active "
              "parameters", ("--out", "/tmp/ovshard-bench/moe-step"),
              ("--out", "{cache}/moe-step-small", "--small", "--layers", "1", "--rounds", "1", "--steps", "2")),
+        Step("moe_step", "a GLM-4.5-Air-shaped stage of 4 sparse layers (32 of its 128 experts kept) against a dense "
+             "stage of its active parameters", ("--preset", "glm-4.5-air", "--experts", "32", "--rounds", "6",
+                                                "--steps", "24", "--out", "/tmp/ovshard-bench/moe-step-glm"),
+             ("--preset", "glm-4.5-air", "--out", "{cache}/moe-step-glm-small", "--small", "--layers", "1",
+              "--experts", "8", "--rounds", "1", "--steps", "2")),
         Step("mla_step", "a DeepSeek-V3-shaped stage's decode step against context, cached expanded, beside the "
              "compressed form's attention core", None, None),
         Step("cpu_kernels/int4_kernels",

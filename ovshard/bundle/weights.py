@@ -32,8 +32,8 @@ class WeightFormat:
 
     INT4 keeps the embedding and the lm_head in INT8 (unless ``all_layers``), and the decoder weights that
     INT4 hurts most in INT8 too, chosen for the whole model (``ovshard.plan.precision``): most sensitive
-    first while the bundle stays within ``budget`` times its all-INT4 size and at least ``ratio`` of the
-    decoder's weights stay INT4. ``int8_weights`` is that choice (``"layer.projection"`` keys, e.g.
+    first while the bundle stays within ``budget`` times its all-INT4 size (a mixture of experts: also what a
+    decode step reads, the routed experts counted) and at least ``ratio`` of the decoder's weights stay INT4. ``int8_weights`` is that choice (``"layer.projection"`` keys, e.g.
     ``"3.down"``), made by the compiler and recorded so that every stage and every part of a bundle
     applies the same one. Default: int4_sym, group 128, budget 1.15, with ovshard's own scale fit on the shipped
     text where the compile can (``ovshard.compile``; docs/results/2026-12-int4-fit.md).

@@ -50,7 +50,8 @@ class ProbeLayer:
 
     model: ov.Model
     inputs: dict[str, np.ndarray]  # x [1, 1, hidden], past_key / past_value [1, kv_heads, context, head_dim]
-    layer_bytes: int  # matrices in the weight format plus the two f32 norm scales
+    # (latent attention: [1, heads, context, head_dim] and [1, heads, context, v_dim])
+    layer_bytes: int  # matrices in the weight format plus the f32 norm scales
 
 
 class _Weights:
@@ -142,23 +143,69 @@ def _repeat_kv(kv: ov.Output, dims: ModelDims, length: int) -> ov.Output:
     return ops.reshape(wide, ops.constant(shape), special_zero=False).output(0)
 
 
-def build_probe_layer(dims: ModelDims, fmt: WeightFormat, context: int = 256, seed: int = SEED) -> ProbeLayer:
-    """One Llama-shaped decoder layer of ``dims`` with weights in ``fmt``, attending over ``context`` cached tokens."""
-    weights = _Weights(fmt, seed)
+def _attention(weights: _Weights, normed: ov.Output, dims: ModelDims, context: int) -> tuple[ov.Output, list]:
+    """Grouped-query attention of the new token over ``context`` cached ones: ([1, 1, heads * head_dim], the two
+    cache parameters [1, kv_heads, context, head_dim])."""
     h, q_out, kv_out = dims.hidden_size, dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
-    x = ops.parameter([1, 1, h], ov.Type.f32, name="x")
     past = [ops.parameter([1, dims.num_kv_heads, context, dims.head_dim], ov.Type.f32, name=n)
             for n in ("past_key", "past_value")]
-    normed = _rms(x.output(0), weights.norm(h), dims.rms_norm_eps)
     q = _heads(_linear(normed, weights.matrix(q_out, h)), dims.num_heads, dims.head_dim)
     kv = []
     for cache in past:  # the new token's key / value joins the cache: [1, kv_heads, context + 1, head_dim]
         new = _heads(_linear(normed, weights.matrix(kv_out, h)), dims.num_kv_heads, dims.head_dim)
         kv.append(_repeat_kv(ops.concat([cache, new], axis=2).output(0), dims, context + 1))
     attn = ops.scaled_dot_product_attention(q, kv[0], kv[1], causal=False)  # [1, heads, 1, head_dim]
+    return _merge_heads(attn.output(0), q_out), past
+
+
+def _mla_attention(weights: _Weights, normed: ov.Output, dims: ModelDims, context: int) -> tuple[ov.Output, list]:
+    """Multi-head latent attention (DeepSeek-V3) at the config's own widths: queries through the q_lora_rank
+    latent (or one q projection), kv_a to the kv_lora_rank latent plus the shared rope_head_dim rotary key, kv_b
+    from the normed latent to every head's nope key and value, keys of head_dim (nope + rope) and values of
+    v_dim cached expanded per head. Returns ([1, 1, heads * v_dim], the two cache parameters)."""
+    h, heads, rope = dims.hidden_size, dims.num_heads, dims.rope_head_dim
+    nope, latent = dims.head_dim - rope, dims.kv_lora_rank
+    past = [ops.parameter([1, heads, context, width], ov.Type.f32, name=n)
+            for n, width in (("past_key", dims.head_dim), ("past_value", dims.v_dim))]
+    if dims.q_lora_rank:
+        q_latent = _rms(_linear(normed, weights.matrix(dims.q_lora_rank, h)), weights.norm(dims.q_lora_rank),
+                        dims.rms_norm_eps)
+        q_flat = _linear(q_latent, weights.matrix(heads * dims.head_dim, dims.q_lora_rank))
+    else:
+        q_flat = _linear(normed, weights.matrix(heads * dims.head_dim, h))
+    q = _heads(q_flat, heads, dims.head_dim)
+    compressed = _linear(normed, weights.matrix(latent + rope, h))  # [1, 1, latent + rope]
+    kv_latent, k_rope = ops.variadic_split(compressed, ops.constant(np.int64(-1)),
+                                           ops.constant(np.array([latent, rope], dtype=np.int64))).outputs()
+    kv_latent = _rms(kv_latent, weights.norm(latent), dims.rms_norm_eps)
+    expanded = _heads(_linear(kv_latent, weights.matrix(heads * (nope + dims.v_dim), latent)), heads,
+                      nope + dims.v_dim)  # [1, heads, 1, nope + v_dim]
+    k_nope, value = ops.variadic_split(expanded, ops.constant(np.int64(-1)),
+                                       ops.constant(np.array([nope, dims.v_dim], dtype=np.int64))).outputs()
+    k_rope = ops.broadcast(_heads(k_rope, 1, rope), ops.constant(np.array([1, heads, 1, rope], dtype=np.int64)))
+    key = ops.concat([k_nope, k_rope], axis=-1)  # [1, heads, 1, head_dim]
+    k_all, v_all = (ops.concat([cache, new], axis=2) for cache, new in zip(past, (key, value), strict=True))
+    attn = ops.scaled_dot_product_attention(q, k_all, v_all, causal=False)  # [1, heads, 1, v_dim]
+    return _merge_heads(attn.output(0), heads * dims.v_dim), past
+
+
+def _merge_heads(attn: ov.Output, width: int) -> ov.Output:
+    """[1, heads, 1, dim] -> [1, 1, heads * dim]."""
     attn = ops.transpose(attn, ops.constant(np.array([0, 2, 1, 3], dtype=np.int64)))
-    attn = ops.reshape(attn, ops.constant(np.array([1, 1, q_out], dtype=np.int64)), special_zero=False)
-    x2 = ops.add(x, _linear(attn.output(0), weights.matrix(h, q_out)))
+    return ops.reshape(attn, ops.constant(np.array([1, 1, width], dtype=np.int64)), special_zero=False).output(0)
+
+
+def build_probe_layer(dims: ModelDims, fmt: WeightFormat, context: int = 256, seed: int = SEED) -> ProbeLayer:
+    """One decoder layer of ``dims`` with weights in ``fmt``, attending over ``context`` cached tokens: Llama's
+    (grouped-query attention, a gated MLP of intermediate_size), with latent attention at its own widths where
+    ``dims.mla``."""
+    weights = _Weights(fmt, seed)
+    h = dims.hidden_size
+    x = ops.parameter([1, 1, h], ov.Type.f32, name="x")
+    normed = _rms(x.output(0), weights.norm(h), dims.rms_norm_eps)
+    attn, past = (_mla_attention if dims.mla else _attention)(weights, normed, dims, context)
+    attn_width = attn.get_partial_shape()[-1].get_length()
+    x2 = ops.add(x, _linear(attn, weights.matrix(h, attn_width)))
     normed2 = _rms(x2.output(0), weights.norm(h), dims.rms_norm_eps)
     gate = ops.swish(_linear(normed2, weights.matrix(dims.intermediate_size, h)))
     up = _linear(normed2, weights.matrix(dims.intermediate_size, h))

@@ -1,6 +1,7 @@
 """Mixtures of experts beyond exactness (tests/compiler/test_families.py proves the fp32 rows against HF): the
 default INT4 compile keeps the router f32 and each expert INT4 while the CPU plugin still reads only the routed
-experts; the planner counts a layer's memory by all its experts and its step by the routed ones; dense layers
+experts, its INT8 share bounded by what a token reads as well as by memory; the planner counts a layer's memory
+by all its experts and its step by the routed ones; dense layers
 among sparse ones are the layers transformers builds dense, and every count follows them; a cut of the
 Qwen3-30B-A3B preset (its 128 experts, top 8) compiles from ``ovshard synth``; and speculative decoding over
 stage worker processes runs an MoE bundle unchanged."""
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import openvino as ov
 import pytest
 import torch
@@ -28,7 +31,14 @@ from ovshard.frontend.checkpoint import open_checkpoint
 from ovshard.frontend.description import describe
 from ovshard.frontend.tensors import linear_shapes
 from ovshard.plan.costs import bytes_per_weight, model_costs
-from ovshard.plan.precision import candidates
+from ovshard.plan.precision import (
+    BASE,
+    all_int4_bytes,
+    candidates,
+    choose_int8,
+    int4_error,
+    stacked_int4_error,
+)
 from ovshard.runtime.client.head import Head
 from ovshard.runtime.client.inprocess import LocalPipeline
 from ovshard.runtime.client.launch import local_workers
@@ -73,6 +83,44 @@ def test_int4_compile_keeps_the_router_f32_and_gathers_int4_experts(tmp_path: Pa
         kind, shape = weights[f"0.{key}_weight"]
         if f"0.{key}" not in int8_kept:
             assert kind in ("i4", "u4") and shape[0] == 8 and len(shape) == 4, (key, kind, shape)  # [E, out, groups, g]
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "qwen3"])
+def test_the_int8_share_stays_within_the_budget_of_what_a_token_reads(family: str, tmp_path: Path) -> None:
+    """The default's INT8 choice keeps within 1.15x of the all-INT4 bytes both held and read a step, a sparse
+    layer's experts read at top-k of all (GLM-4.5's block: 2 of 8). For the mixture the read bound is what binds:
+    spending by memory alone keeps INT8 projections that a token reads whole beyond it. For a dense model the two
+    bounds are one sum, so its choice is the memory one (its bundles unchanged)."""
+    ckpt = open_checkpoint(write_random_checkpoint(FAMILIES[family], tmp_path / "ckpt"))
+    dims, fmt, unit = ckpt.dims, WeightFormat(), replace(BASE, all_layers=False)
+    scored = {c.key: c for c in candidates(ckpt, fmt)}
+    held_room = 1.15 * all_int4_bytes(dims, unit) - all_int4_bytes(dims, fmt)
+    read_room = 1.15 * all_int4_bytes(dims, unit, routed=True) - all_int4_bytes(dims, fmt, routed=True)
+    chosen = choose_int8(ckpt, fmt)
+    assert chosen and sum(scored[k].extra_bytes for k in chosen) <= held_room
+    assert sum(scored[k].extra_bytes * scored[k].read_share for k in chosen) <= read_room
+    by_memory, spent = [], 0.0  # the choice were memory the only bound
+    for c in sorted(scored.values(), key=lambda c: c.error, reverse=True):
+        if spent + c.extra_bytes <= held_room:
+            by_memory.append(c.key)
+            spent += c.extra_bytes
+    read_by_memory = sum(scored[k].extra_bytes * scored[k].read_share for k in by_memory)
+    if family == "qwen3":
+        assert read_room == held_room and {c.read_share for c in scored.values()} == {1.0}
+        assert chosen == tuple(sorted(by_memory, key=lambda k: (int(k.split(".")[0]), k.split(".")[1])))
+    else:
+        shares = {k: c.read_share for k, c in scored.items() if ".experts_" in k}
+        assert shares and set(shares.values()) == {2 / 8} and dims.experts_per_token == 2
+        assert read_by_memory > read_room, (read_by_memory, read_room)
+
+
+def test_stacked_experts_are_scored_as_one_matrix_an_expert_at_a_time() -> None:
+    """A layer's stacked experts get the INT4 error of their matrices taken as one (so the choice is unchanged),
+    computed one expert at a time (so the quantizer's temporaries are one expert's)."""
+    weights = np.random.default_rng(0).standard_normal((8 * 64, 256)).astype(np.float32)
+    for fmt in (WeightFormat(), WeightFormat("int4_asym", 64)):
+        assert stacked_int4_error(weights.reshape(8, 64, 256), fmt) == pytest.approx(int4_error(weights, fmt),
+                                                                                    rel=1e-5)
 
 
 DENSE_LAYOUTS = {  # config keys that make some layers of a 6-layer MoE model dense

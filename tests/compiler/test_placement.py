@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import openvino as ov
 import pytest
 
@@ -17,6 +18,7 @@ from ovshard.bundle.weights import WeightFormat
 from ovshard.errors import OvshardError, PlanError
 from ovshard.frontend.arch import ARCHITECTURES
 from ovshard.frontend.description import describe
+from ovshard.frontend.tensors import mla_shapes
 from ovshard.plan.costs import model_costs
 from ovshard.plan.partition import plan_layers
 from ovshard.plan.placement import HEADROOM, NodeProbe, Placement, plan_placement
@@ -27,6 +29,7 @@ from ovshard.runtime.cluster.probe import (
     probe_layer,
     round_trip_s,
 )
+from ovshard.tools.shapes import family_config
 
 GB = 10**9
 CTX = 4096
@@ -223,6 +226,34 @@ def test_probe_weights_compile_to_compressed_fully_connected(dims: ModelDims, mo
         assert len(found) == 1 and set(found) <= {"f32", "bf16", "f16"}, found
     else:
         assert found == {precision: 7}
+
+
+@pytest.mark.parametrize("q_lora_rank", [64, 0], ids=["q-latent", "one-q"])
+def test_probe_builds_latent_attention_at_the_configs_widths(q_lora_rank: int) -> None:
+    """A DeepSeek-V3-style model's probe layer holds latent attention's own projections (q_a and q_b or one q,
+    kv_a, kv_b, o) at the config's LoRA ranks and nope/rope widths, caches keys of nope + rope and values of
+    v_head_dim per head, runs on CPU with every projection a FullyConnected, and counts the bytes those
+    matrices, the MLP's and the norms take (the compiler's own shapes: ``mla_shapes``)."""
+    config = family_config("deepseek_v3", hidden_size=256, num_attention_heads=4, num_key_value_heads=4,
+                           q_lora_rank=q_lora_rank or None, kv_lora_rank=64, qk_nope_head_dim=32,
+                           qk_rope_head_dim=16, qk_head_dim=48, v_head_dim=40, intermediate_size=512)
+    dims = describe(config).dims
+    assert dims.mla and (dims.head_dim, dims.v_dim, dims.rope_head_dim) == (48, 40, 16)
+    shapes = [*mla_shapes(dims).values(), (512, 256), (512, 256), (256, 512)]
+    norms = 2 * 256 + 64 + q_lora_rank  # the layer's two, the kv latent's and the q latent's
+    layer = build_probe_layer(dims, WeightFormat("fp32"), context=16)
+    assert layer.layer_bytes == 4 * (sum(n * k for n, k in shapes) + norms)
+    assert {name: value.shape for name, value in layer.inputs.items()} == {
+        "x": (1, 1, 256), "past_key": (1, 4, 16, 48), "past_value": (1, 4, 16, 40)}
+    compiled = ov.Core().compile_model(layer.model, "CPU")
+    fcs = [op for op in compiled.get_runtime_model().get_ops()
+           if op.get_rt_info()["layerType"].astype(str) == "FullyConnected"]
+    assert len(fcs) == len(shapes)
+    out = compiled(layer.inputs)[0]
+    assert out.shape == (1, 1, 256) and np.isfinite(out).all()
+    fmt = WeightFormat("int4_sym", 32)
+    found = probe_layer(make_manifest(dims, layers=2, fmt=fmt), threads=1, steps=2, context=16)
+    assert found["layer_bytes"] == sum(matrix_bytes(n, k, fmt) for n, k in shapes) + 4 * norms
 
 
 def test_round_trip_to_an_echo_server_is_positive() -> None:
