@@ -1,7 +1,8 @@
 """The engine: one loop per chain of stages that schedules, sends ticks, and advances every request.
 
-Paged stages run a tick as one Batch; stateful ones run each row as a Step on its sequence's own stream
-(client/streams.py's Link), so every token a head produces comes from this loop.
+A chain of workers over paged stages runs a tick as one Batch; over stateful ones each row is a Step on its
+sequence's own stream (client/streams.py's Link); stages in this process run it on the engine's thread, no socket
+(client/local_head.py's Link). Every token ovshard produces comes from this loop.
 
 One thread runs it; requests are state machines (requests.py), not threads. Each turn of the loop::
 
@@ -30,7 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from ovshard.errors import OvshardError, StageFailure
@@ -46,7 +47,19 @@ from ovshard.runtime.wire import protocol as p
 
 log = logging.getLogger(__name__)
 
-Deliver = Callable[[p.Message | StageFailure], None]
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A last stage's answer to one row of a tick handed over in this process, as the accept rule reads it (what
+    a p.Result carries as a Tensor over TCP); ``seq`` the row's sequence."""
+
+    tick: int
+    seq: int
+    scores: Scores
+
+
+Deliver = Callable[[p.Message | Scored | StageFailure], None]
 
 
 class Link(Protocol):
@@ -59,11 +72,8 @@ class Link(Protocol):
     blocks: BlockManager | None
 
     def send_tick(self, batch: p.Batch) -> None: ...  # raises StageFailure
-
     def listen(self, deliver: Deliver) -> None: ...
-
     def retire(self, seq: int) -> None: ...
-
     def close(self) -> None: ...
 
 
@@ -71,9 +81,7 @@ class Host(Protocol):
     """Who owns the chains (the Head): a new chain in place of a broken one, and the retry window."""
 
     def reconnect(self, stale: Link, deadline: float, cause: OvshardError) -> Link: ...
-
     def expired(self, deadline: float) -> bool: ...
-
     def count_replay(self, tokens: int) -> None: ...
 
 
@@ -97,7 +105,7 @@ class _Read:
 @dataclass
 class _Answer:
     link: int  # which chain it came from: answers of a stale one are dropped
-    message: p.Message | StageFailure
+    message: p.Message | Scored | StageFailure
 
 
 class _Close:
@@ -134,7 +142,7 @@ class Engine:
         self._closing = threading.Lock()  # a reconnect that ends after the loop closed closes its chain itself
         self._attach(link)
         self._stats = self.planner.stats
-        self.send: Callable[[p.Batch], None] = self._send
+        self.send: Callable[[p.Batch], None] = lambda batch: self.link.send_tick(batch)
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self.thread.start()
 
@@ -241,12 +249,13 @@ class Engine:
             return
         self.by_seq[run.seq] = run
 
-    def _answer(self, msg: p.Message | StageFailure) -> None:
+    def _answer(self, msg: p.Message | Scored | StageFailure) -> None:
         if isinstance(msg, StageFailure):
             self._break(msg)
-        elif isinstance(msg, p.Result):
-            if msg.reply_to in self.answers:
-                self.answers[msg.reply_to][msg.stream] = msg
+        elif isinstance(msg, Scored) and msg.tick in self.answers:
+            self.answers[msg.tick][msg.seq] = msg.scores
+        elif isinstance(msg, p.Result) and msg.reply_to in self.answers:
+            self.answers[msg.reply_to][msg.stream] = _scores(msg)
         elif isinstance(msg, p.BatchDone):
             self._finish_tick(msg)
         elif isinstance(msg, p.Error) and msg.reply_to in self.answers:
@@ -270,7 +279,8 @@ class Engine:
             self.link.retire(run.seq)
         answered = [(part, self.by_seq[part.seq]) for part in plan.parts if part.want and part.seq in self.by_seq]
         runs = [run for _, run in answered]
-        scores = [_scores(answers[part.seq], done.timings) for part, _ in answered]  # type: ignore[index]
+        scores = [replace(answers[part.seq], timings=dict(done.timings))  # type: ignore[index]
+                  for part, _ in answered]
         verified = [part.drafts for part, _ in answered]
         results: dict[Hashable, Sampled] = {}
         finished: list[Run] = []
@@ -321,9 +331,6 @@ class Engine:
             except StageFailure as e:
                 self._break(e)
                 return
-
-    def _send(self, batch: p.Batch) -> None:
-        self.link.send_tick(batch)
 
     # ----- failures -----
     def _break(self, failure: StageFailure) -> None:
@@ -406,7 +413,7 @@ class Engine:
         self.link, self.link_id, self.depth = link, next(self.links), link.depth
         self.planner = TickPlanner(link.blocks, self.config)
         self.flight: deque[_Flight] = deque()
-        self.answers: dict[int, dict[int, p.Result]] = {}
+        self.answers: dict[int, dict[int, Scores]] = {}  # by tick, then sequence
         self.by_seq.clear()
         self.broken = None
         link_id = self.link_id
@@ -434,7 +441,7 @@ class Engine:
             self._end(run, error)
 
 
-def _scores(result: p.Result, timings: dict[str, float]) -> Scores:
+def _scores(result: p.Result) -> Scores:
     """A row's answer as the accept rule reads it: argmax ids [R], top-k [R, K] or logits [R, V]."""
     indices = None if result.indices is None else result.indices.to_array()[0]
-    return Scores(result.tensor.to_array()[0], indices, dict(timings))
+    return Scores(result.tensor.to_array()[0], indices)
