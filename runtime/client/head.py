@@ -41,7 +41,8 @@ from ovshard.runtime.client.streams import StreamLink
 from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.decoding.speculative import Speculation
 from ovshard.runtime.engine.sampler import SamplingConfig
-from ovshard.runtime.scheduling.engine import Engine, Link
+from ovshard.runtime.scheduling.engine import Engine
+from ovshard.runtime.scheduling.links import Link
 from ovshard.runtime.scheduling.plan_types import PlannerStats, TickBudget
 from ovshard.runtime.scheduling.requests import Request
 from ovshard.runtime.scheduling.ticks import tick_budget

@@ -14,7 +14,10 @@ themselves, no Tensor) and the tick's BatchDone. One tick is in flight (``depth`
               rejected), compact when the hidden positions would take the cache past max_positions
 
 :class:`LocalHead` loads the stages, owns the engine and is its host: a failure in this process ends every request
-with what went wrong (there is no chain to reconnect).
+with what went wrong (there is no chain to reconnect). Its engine turns on the thread of the one reader that
+:meth:`LocalHead.generate` serves (``Engine.step``: the tick's compute, then its update, then the tokens are
+yielded), so a token reaches its reader with no thread in between; with ``background`` (many requests at once: a
+Scheduler's) the engine runs on a thread of its own, as over workers.
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.engine.scores import Scores
 from ovshard.runtime.engine.stage import Stage
 from ovshard.runtime.scheduling.block_tables import BlockManager
-from ovshard.runtime.scheduling.engine import Deliver, Engine, Link, Scored
+from ovshard.runtime.scheduling.engine import Engine
+from ovshard.runtime.scheduling.links import Deliver, Link, Scored
 from ovshard.runtime.scheduling.plan_types import PlannerStats, TickBudget
+from ovshard.runtime.scheduling.requests import Request
 from ovshard.runtime.wire import protocol as p
 
 log = logging.getLogger(__name__)
@@ -128,12 +133,13 @@ class LocalHead:
 
     ``paged``: each stage in paged form where it converts (else stateful, logged), one-token ticks on the static
     copy unless ``static_decode`` is False; ``budget``: the planner's settings (a prompt goes whole in one tick
-    unless ``prefill_chunk`` says otherwise); ``slots``: sequences the paged pool holds at their full length."""
+    unless ``prefill_chunk`` says otherwise); ``slots``: sequences the paged pool holds at their full length;
+    ``background``: the engine on a thread of its own (a Scheduler's requests), else on generate's reader's."""
 
     def __init__(self, bundle: str | Path, device: str = "CPU", config: dict[str, str] | None = None,
                  verify: bool = True, cache_dir: Path | None = None, paged: bool = True,
                  static_decode: bool = True, budget: TickBudget = BUDGET, prefill_chunk: int | None = None,
-                 slots: int = 1) -> None:
+                 slots: int = 1, background: bool = False) -> None:
         self.manifest, stages = load_stages(Path(bundle), device, config, verify, True, cache_dir, paged,
                                             static_decode, slots)
         self.link = InProcessLink(stages, self.manifest.runtime_hints.max_positions)
@@ -141,7 +147,8 @@ class LocalHead:
         self.budget = with_chunk(budget, chunk, self.manifest)
         self.requests = itertools.count()
         self.engine = Engine(self, self.link, self.budget, self.manifest.runtime_hints.max_positions,
-                             self.manifest.architecture.vocab_size, retry_s=0.0, timeout=3600.0)
+                             self.manifest.architecture.vocab_size, retry_s=0.0, timeout=3600.0,
+                             background=background)
 
     # ----- the engine's host -----
     def reconnect(self, stale: Link, deadline: float, cause: OvshardError) -> Link:
@@ -159,7 +166,28 @@ class LocalHead:
         """Yield sampled tokens one by one until an eos id or max_tokens (Head.generate's)."""
         stats = stats if stats is not None else Stats()
         stats.hops = 1  # no network: a step's time beyond compute is one "hop" in this process
-        return engine_generate(self.engine, next(self.requests), prompt, config, stats, speculation)
+        if self.engine.thread is not None:
+            return engine_generate(self.engine, next(self.requests), prompt, config, stats, speculation)
+        return self._stepped(Request(next(self.requests), list(prompt), config, stats), speculation)
+
+    def _stepped(self, request: Request, speculation: Speculation | None) -> Generator[int, None, None]:
+        """``request``'s tokens, the engine turned on this thread until it ends; closing early cancels it."""
+        delivered: list[int] = []
+        request.listener = lambda token: None if token is None else delivered.append(token)
+        self.engine.submit(request, speculation)
+        try:
+            while not request.done:
+                if not self.engine.step():
+                    raise OvshardError("the local head closed")
+                yield from delivered
+                delivered.clear()
+            yield from delivered
+            if request.error is not None:
+                raise request.error
+        finally:
+            if not request.done:
+                request.cancel()
+                self.engine.step()  # its blocks go back now
 
     def planner_stats(self) -> PlannerStats:
         return self.engine.stats

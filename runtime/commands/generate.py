@@ -206,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             if in_process:  # caches for as many full-length sequences as run at once
                 with LocalHead(args.bundle, config=stage_config(args.exact, args.threads), cache_dir=model_cache(None),
-                               paged=args.kv == "auto", slots=args.streams if args.prompts_file else 1) as local:
+                               paged=args.kv == "auto", slots=args.streams if args.prompts_file else 1,
+                               background=bool(args.prompts_file)) as local:
                     return _generate(args, lambda: nullcontext(local), ready)
             with pipeline_head(args) as head:  # the workers start now, the tokenizer loads beside them
                 return _generate(args, lambda: nullcontext(head), ready)
