@@ -8,9 +8,11 @@ reference LocalPipeline's own decode loop (decoding/decode.py), the way ``run --
 engine drove the stages in process. Each round generates ``--tokens`` greedy tokens of the same prompt in both,
 alternating which goes first. A sample is the decode rate as the reader sees it (tokens after the first over the
 seconds from the first to the last) and what a step took beyond the stages' compute. Prints the medians, the
-median of the rounds' ratios and whether the two chose the same tokens; writes ``local_loop.{json,md}`` under ``--out``.
+median of the rounds' ratios and whether the two chose the same tokens; writes ``local_loop_<first>_first.{json,md}`` under ``--out``. Which of the two is loaded
+first shifted both one's speed by up to 1.5x on a shared machine: run it with each ``--load-first``.
 
-    CI=true .venv/bin/python bench/local_loop.py BUNDLE [--threads 2] [--tokens 128] [--rounds 5]
+    CI=true .venv/bin/python bench/local_loop.py BUNDLE [--threads 2] [--tokens 128] [--rounds 5] \
+        [--load-first direct|loop]
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128, help="greedy tokens a generation (no eos stop)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt", default="Once upon a time")
+    ap.add_argument("--load-first", choices=("direct", "loop"), default="direct",
+                    help="which of the two loads first (run both: the order shifts their speed)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
 
@@ -64,8 +68,12 @@ def main() -> int:
     prompt = Text(args.bundle, read_manifest(args.bundle)).encode(args.prompt, None)
     sampling = SamplingConfig(max_tokens=args.tokens)
     progress(f"loading {args.bundle} twice ({args.threads} threads each)")
-    direct = LocalPipeline(args.bundle, config=config, slice_logits=True, cache_dir=model_cache(None), paged=True)
-    loop = LocalHead(args.bundle, config=config, cache_dir=model_cache(None))
+    load = {"direct": lambda: LocalPipeline(args.bundle, config=config, slice_logits=True,
+                                            cache_dir=model_cache(None), paged=True),
+            "loop": lambda: LocalHead(args.bundle, config=config, cache_dir=model_cache(None))}
+    first = load[args.load_first]()  # the order the two load in shifted their speed by up to 1.5x here: run both
+    second = load["loop" if args.load_first == "direct" else "direct"]()
+    direct, loop = (first, second) if args.load_first == "direct" else (second, first)
     chosen: dict[str, list[list[int]]] = {"loop": [], "direct": []}
 
     def case(name: str, generate: Callable[[Stats], Iterator[int]]) -> Callable[[], dict[str, float]]:
@@ -93,7 +101,9 @@ def main() -> int:
              "x_direct": round(got.ratio(c, "direct", tok_s), 4),
              "ms_beyond_compute": round(got.median(c, beyond_ms), 3),
              "samples": [round(s, 2) for s in got.values(c, tok_s)]} for c in got.cases]
-    print(write_results("local_loop", rows, {"bundle": str(args.bundle), "threads": args.threads,
+    print(write_results(f"local_loop_{args.load_first}_first", rows, {"bundle": str(args.bundle),
+                                                                      "threads": args.threads,
+                                                                      "load_first": args.load_first,
                                              "tokens": args.tokens, "rounds": args.rounds, "same_tokens": same},
                         out=args.out, title="run --local in process: the engine loop against a loop of its own"))
     print(f"same tokens in every round: {same}")
