@@ -23,7 +23,6 @@ Scheduler's) the engine runs on a thread of its own, as over workers.
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections.abc import Generator
 from pathlib import Path
@@ -46,8 +45,6 @@ from ovshard.runtime.scheduling.links import Deliver, Link, Scored
 from ovshard.runtime.scheduling.plan_types import PlannerStats, TickBudget
 from ovshard.runtime.scheduling.requests import Request
 from ovshard.runtime.wire import protocol as p
-
-log = logging.getLogger(__name__)
 
 
 class InProcessLink:
