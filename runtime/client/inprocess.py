@@ -138,7 +138,7 @@ class LocalPipeline:
         return Scores.from_logits(outputs[-1][0], want, timings)
 
     def close(self) -> None:
-        """Nothing to close (the head's interface): the stages go with this object."""
+        """Nothing to close: the stages go with this object."""
 
     def generate(self, prompt: list[int], config: SamplingConfig, stats: Stats | None = None,
                  speculation: Speculation | None = None) -> Iterator[int]:
