@@ -159,7 +159,7 @@ def chunked_ttft(bench: Bench) -> dict[str, Any]:
         firsts: dict[str, set[int]] = {name: set() for name in variants}
         with local_workers(bundle, threads=THREADS_PER_STAGE) as addresses:
             blocks = 2 * (size // 32 + 2)  # each head's share of the pool: two prompts' worth
-            heads = {name: Head(bundle, addresses, timeout=600, batching=config, kv_blocks=blocks)
+            heads = {name: Head(bundle, addresses, timeout=600, budget=config, kv_blocks=blocks)
                      for name, config in variants.items()}
             try:
                 for r in range(bench.settings.rounds):

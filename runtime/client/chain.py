@@ -20,13 +20,13 @@ from typing import Protocol
 
 from ovshard.errors import OvshardError, StageFailure
 from ovshard.runtime.scheduling.block_tables import BlockManager
-from ovshard.runtime.scheduling.engine import Deliver
 from ovshard.runtime.wire import protocol as p
 from ovshard.runtime.wire.transport import Connection, connect
 
 log = logging.getLogger(__name__)
 
 Reply = p.Result | p.OpenOk | p.Pong | StageFailure  # what a waiting step or open is handed
+Sink = Callable[[p.Message | StageFailure], None]  # who hears the answers to ticks and the chain's failure
 
 
 class _Box(Protocol):
@@ -58,7 +58,7 @@ class Chain:
         self.lock = threading.Lock()  # guards waiting and broken
         self.waiting: dict[tuple[str, int], tuple[int, _Box]] = {}  # (what, step|stream|nonce) -> ...
         self.broken: StageFailure | None = None
-        self.sink: Deliver | None = None  # the engine's: answers to ticks, and this chain's failure
+        self.sink: Sink | None = None  # the engine's: answers to ticks, and this chain's failure
         self.depth = len(self.conns)
         for i, conn in enumerate(self.conns):
             threading.Thread(target=self._read, args=(i, conn), daemon=True).start()
@@ -85,7 +85,7 @@ class Chain:
     def retire(self, seq: int) -> None:
         """Nothing to do: a paged sequence's blocks are the engine's block tables' alone."""
 
-    def listen(self, deliver: Deliver) -> None:
+    def listen(self, deliver: Sink) -> None:
         """Hand ``deliver`` every answer to a tick and this chain's failure (at once if it has failed)."""
         with self.lock:
             self.sink = deliver

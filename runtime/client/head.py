@@ -32,6 +32,7 @@ import time
 from collections.abc import Generator
 from dataclasses import replace
 from pathlib import Path
+from typing import overload
 
 from ovshard.bundle.manifest import Manifest, bundle_fingerprint, read_manifest
 from ovshard.errors import OvshardError
@@ -40,7 +41,8 @@ from ovshard.runtime.client.streams import StreamLink
 from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.decoding.speculative import Speculation
 from ovshard.runtime.engine.sampler import SamplingConfig
-from ovshard.runtime.scheduling.engine import Engine, Link
+from ovshard.runtime.scheduling.engine import Engine
+from ovshard.runtime.scheduling.links import Link
 from ovshard.runtime.scheduling.plan_types import PlannerStats, TickBudget
 from ovshard.runtime.scheduling.requests import Request
 from ovshard.runtime.scheduling.ticks import tick_budget
@@ -53,9 +55,9 @@ RETRY_S = 30.0
 _BACKOFF_S = (0.1, 2.0)
 
 
-# The planner of a chain of paged stages (scheduling/): up to 32 sequences hold KV blocks at once, and
-# a prompt is prefilled in chunks of at most 512 tokens, pipelined over the stages
-BATCHING = tick_budget(max_seqs=32, max_chunk=512)
+# The planner's budget over a chain of paged stages (scheduling/): up to 32 sequences hold KV blocks at once,
+# and a prompt is prefilled in chunks of at most 512 tokens, pipelined over the stages
+BUDGET = tick_budget(max_seqs=32, max_chunk=512)
 # Over stateful stages a prompt goes as one Step unless --prefill-chunk says otherwise. Measured
 # (bench/batching/chunked_prefill.py, the real Gemma 3 270M, 2 stages, 2,048 tokens): chunks of 128-512 took 4.4x longer
 # to the first token than one step, pipelining included: OpenVINO 2026.4's CPU attention over a cache with several
@@ -63,27 +65,44 @@ BATCHING = tick_budget(max_seqs=32, max_chunk=512)
 STATEFUL_CHUNK = 0
 
 
-def _with_chunk(batching: TickBudget | None, chunk: int | None, manifest: Manifest) -> TickBudget | None:
-    """The scheduler's settings with a --prefill-chunk the user gave: N rows of a prompt a tick, or (0) the
+@overload
+def with_chunk(budget: TickBudget, chunk: int | None, manifest: Manifest) -> TickBudget: ...
+@overload
+def with_chunk(budget: None, chunk: int | None, manifest: Manifest) -> None: ...
+def with_chunk(budget: TickBudget | None, chunk: int | None, manifest: Manifest) -> TickBudget | None:
+    """The planner's budget with a --prefill-chunk the user gave: N rows of a prompt a tick, or (0) the
     whole prompt in one tick."""
-    if batching is None or chunk is None:
-        return batching
+    if budget is None or chunk is None:
+        return budget
     if chunk == 0:
-        return replace(batching, max_chunk=None,
-                       token_budget=max(batching.token_budget, manifest.runtime_hints.max_positions))
-    return replace(batching, max_chunk=chunk, token_budget=max(batching.token_budget, chunk))
+        return replace(budget, max_chunk=None,
+                       token_budget=max(budget.token_budget, manifest.runtime_hints.max_positions))
+    return replace(budget, max_chunk=chunk, token_budget=max(budget.token_budget, chunk))
+
+
+def engine_generate(engine: Engine, index: int, prompt: list[int], config: SamplingConfig, stats: Stats,
+                    speculation: Speculation | None) -> Generator[int, None, None]:
+    """Request ``index`` submitted to ``engine``; its tokens as they are sampled, paced by this generator's
+    reader (the next row waits until every token was read); closing the generator early cancels it."""
+    request = Request(index, list(prompt), config, stats, paced=True)
+    engine.submit(request, speculation)
+    try:
+        yield from request.tokens()
+    finally:
+        if not request.done:
+            request.cancel()
 
 
 class Head:
     """A chain to every stage of one bundle, reconnected on demand, and the engine that runs requests over it.
 
-    ``batching``: the planner's settings (None: no engine, for probes, which ask no KV blocks). Paged stages
+    ``budget``: the planner's tick budget (None: no engine, for probes, which ask no KV blocks). Paged stages
     grant this head ``kv_blocks`` each (0: the stage's default share, half its pool; give each head a share when
     several heads use the same workers); stateful ones a stream per running request (client/streams.py)."""
 
     def __init__(self, bundle: Path, addresses: list[str], timeout: float = 60.0, retry_s: float = RETRY_S,
                  tls: ssl.SSLContext | None = None, prefill_chunk: int | None = None,
-                 batching: TickBudget | None = BATCHING, kv_blocks: int = 0) -> None:
+                 budget: TickBudget | None = BUDGET, kv_blocks: int = 0) -> None:
         self.manifest = read_manifest(bundle)
         if len(addresses) != self.manifest.num_stages:
             raise OvshardError(f"--stages names {len(addresses)} addresses; the bundle has "
@@ -94,16 +113,16 @@ class Head:
         self.fingerprint = bundle_fingerprint(bundle)
         if prefill_chunk is not None and prefill_chunk < 0:
             raise OvshardError(f"--prefill-chunk {prefill_chunk}: expected tokens per prefill step, or 0 for the "
-                               f"whole prompt in one step (default: {BATCHING.max_chunk} on paged stages, one step "
+                               f"whole prompt in one step (default: {BUDGET.max_chunk} on paged stages, one step "
                                "on stateful ones)")
         if kv_blocks < 0:
             raise OvshardError(f"--kv-blocks {kv_blocks}: expected the KV blocks to ask each stage for (0: the "
                                "stage's default share)")
-        self.batching, self.kv_blocks = _with_chunk(batching, prefill_chunk, self.manifest), kv_blocks
-        self.chain = Chain(addresses, self.fingerprint, timeout, tls, self.batching is not None, kv_blocks)
+        self.budget, self.kv_blocks = with_chunk(budget, prefill_chunk, self.manifest), kv_blocks
+        self.chain = Chain(addresses, self.fingerprint, timeout, tls, self.budget is not None, kv_blocks)
         self.link = self._link(self.chain)
-        if self.batching is not None and prefill_chunk is None and self.chain.blocks is None:
-            self.batching = _with_chunk(self.batching, STATEFUL_CHUNK, self.manifest)
+        if self.budget is not None and prefill_chunk is None and self.chain.blocks is None:
+            self.budget = with_chunk(self.budget, STATEFUL_CHUNK, self.manifest)
         self.reconnects = 0
         self._reconnect_lock = threading.Lock()
         self._moves = threading.Condition()  # guards held, down, fresh_until, retargets, replayed_tokens
@@ -116,13 +135,13 @@ class Head:
         self.nonces = itertools.count()
         self.requests = itertools.count()  # numbers Head.generate's requests
         self.engine: Engine | None = None  # the loop that runs every request (None: a probe's head)
-        if self.batching is not None:
-            self.engine = Engine(self, self.link, self.batching, self.manifest.runtime_hints.max_positions,
+        if self.budget is not None:
+            self.engine = Engine(self, self.link, self.budget, self.manifest.runtime_hints.max_positions,
                                  self.manifest.architecture.vocab_size, retry_s, timeout)
 
     def _link(self, chain: Chain) -> Link:
         """``chain`` as the engine drives it: itself over paged stages, a StreamLink over stateful ones."""
-        if chain.blocks is not None or self.batching is None:
+        if chain.blocks is not None or self.budget is None:
             return chain
         return StreamLink(chain, self.manifest.runtime_hints.max_positions)
 
@@ -189,7 +208,7 @@ class Head:
                 self._await_move()
                 try:
                     self.chain = Chain(self.addresses, self.fingerprint, self.timeout, self.tls,
-                                       self.batching is not None, self.kv_blocks)
+                                       self.budget is not None, self.kv_blocks)
                     self.link = self._link(self.chain)
                     self.reconnects += 1
                     log.warning("reconnected to every stage after: %s", cause)
@@ -202,7 +221,7 @@ class Head:
                     time.sleep(pause)
                     pause = min(2 * pause, _BACKOFF_S[1])
 
-    def batch_stats(self) -> PlannerStats | None:
+    def planner_stats(self) -> PlannerStats | None:
         """The engine's planner counters (None: a probe's head, no engine)."""
         return None if self.engine is None else self.engine.stats
 
@@ -231,12 +250,6 @@ class Head:
         """Yield sampled tokens one by one until an eos id or max_tokens: one request of the engine, paced by
         this generator's reader."""
         if self.engine is None:
-            raise OvshardError("this head was made without batching settings (a probe): it runs no requests")
-        request = Request(next(self.requests), list(prompt), config, stats if stats is not None else Stats(),
-                          paced=True)
-        self.engine.submit(request, speculation)
-        try:
-            yield from request.tokens()
-        finally:
-            if not request.done:
-                request.cancel()
+            raise OvshardError("this head was made without a tick budget (a probe): it runs no requests")
+        return engine_generate(self.engine, next(self.requests), prompt, config,
+                               stats if stats is not None else Stats(), speculation)

@@ -1,8 +1,9 @@
-"""All stages of a bundle in this process, run one after another: the reference runtime for tests, and
-``ovshard run --local`` on one node (no worker processes, no sockets, no frames: a decode step is the stages'
-compute plus the sampler).
+"""All stages of a bundle in this process, run one after another, one sequence at a time: the stage loader of
+``ovshard run --local`` without workers (client/local_head.py, whose stages the engine drives), and
+:class:`LocalPipeline`, the reference that ``ovshard verify`` and the tests compare against (its forward pass,
+greedy loop and decoding/decode.py's loop, none of which any command generates with).
 
-The networked runtime sends the same per-step inputs over TCP; this one calls the stages directly. A stage is
+A stage is
 stateful (engine/stage.py: its own ReadValue/Assign cache and attention mask) or, with ``paged=True``, paged
 (engine/paged.py: one sequence whose block table covers the bundle's ``max_positions``), the form a worker
 loads by default. A paged stage attends to positions [0, position + T) of its caches, so a rewind needs no
@@ -34,6 +35,7 @@ from ovshard.runtime.wire.protocol import rows_read
 
 log = logging.getLogger(__name__)
 
+
 class OneSequence:
     """A paged stage serving one sequence, with Stage's step: ids [1, T] or hidden [1, T, H] in, [1, T, H]
     (or logits [1, T|rows, V]) out. The sequence owns every block, table 0..n-1 (n covers max_positions)."""
@@ -58,23 +60,37 @@ class OneSequence:
         return out[np.newaxis]  # [T, H|V] -> [1, T, H|V]
 
 
-def load_stage(bundle: Path, manifest: Manifest, index: int, core: ov.Core, device: str,
-               config: dict[str, str] | None, slice_logits: bool, paged: bool,
-               static_decode: bool = True) -> Stage | OneSequence:
-    """Stage ``index`` in paged form for one sequence when ``paged`` and it converts, else stateful;
-    ``static_decode``: its one-token steps run a copy compiled with static shapes (engine/static_step.py)."""
-    if paged:
-        blocks = blocks_for(manifest.runtime_hints.max_positions, BLOCK_SIZE)
-        try:
-            return OneSequence(compile_paged(core, bundle, manifest, index, device, config, blocks, slice_logits,
-                                             static_decode))
-        except PagedUnsupportedError as e:
-            log.info("stage %d: stateful KV cache (its paged form is refused): %s", index, e)
-    return Stage(bundle, manifest, index, core, device, config, slice_logits)
+def load_stages(bundle: Path, device: str, config: dict[str, str] | None, verify: bool, slice_logits: bool,
+                cache_dir: Path | None, paged: bool, static_decode: bool = True,
+                slots: int = 1) -> tuple[Manifest, list[PagedStage | Stage]]:
+    """The bundle's manifest and every stage compiled in this process: paged (caches for ``slots`` sequences of
+    the bundle's ``max_positions``) when ``paged`` and the stage converts, else stateful (logged);
+    ``static_decode``: a paged stage's one-token steps run a copy compiled with static shapes
+    (engine/static_step.py; a second compile and the plugin's packed weights again). ``cache_dir``: OpenVINO's
+    compiled-model cache."""
+    manifest = read_manifest(bundle)
+    if verify:
+        verify_files(bundle, manifest, checked=CheckedFiles.in_cache(cache_dir))
+    core = ov.Core()
+    if cache_dir is not None:
+        core.set_property({"CACHE_DIR": str(cache_dir)})
+    log.info("every stage: %s", describe_plugin_config(manifest, device, config))
+    blocks = slots * blocks_for(manifest.runtime_hints.max_positions, BLOCK_SIZE)
+    stages: list[PagedStage | Stage] = []
+    for index in range(manifest.num_stages):
+        if paged:
+            try:
+                stages.append(compile_paged(core, bundle, manifest, index, device, config, blocks, slice_logits,
+                                            static_decode))
+                continue
+            except PagedUnsupportedError as e:
+                log.info("stage %d: stateful KV cache (its paged form is refused): %s", index, e)
+        stages.append(Stage(bundle, manifest, index, core, device, config, slice_logits))
+    return manifest, stages
 
 
 class LocalPipeline:
-    """Stage-by-stage execution of one stream through every stage of a bundle."""
+    """Stage-by-stage execution of one stream through every stage of a bundle: the reference (module docstring)."""
 
     def __init__(self, bundle: str | Path, device: str = "CPU", config: dict[str, str] | None = None,
                  verify: bool = True, slice_logits: bool = False, cache_dir: Path | None = None,
@@ -85,17 +101,9 @@ class LocalPipeline:
         one-token steps on a copy compiled with static shapes unless ``static_decode`` is False (that copy
         costs a second compile and the plugin's packed weights again: engine/static_step.py)."""
         self.bundle = Path(bundle)
-        self.manifest = read_manifest(self.bundle)
-        if verify:
-            verify_files(self.bundle, self.manifest,
-                         checked=CheckedFiles.in_cache(cache_dir))
-        core = ov.Core()
-        if cache_dir is not None:
-            core.set_property({"CACHE_DIR": str(cache_dir)})
-        log.info("every stage: %s", describe_plugin_config(self.manifest, device, config))
-        self.stages = [load_stage(self.bundle, self.manifest, i, core, device, config, slice_logits, paged,
-                                  static_decode)
-                       for i in range(self.manifest.num_stages)]
+        self.manifest, stages = load_stages(self.bundle, device, config, verify, slice_logits, cache_dir, paged,
+                                            static_decode)
+        self.stages = [OneSequence(s) if isinstance(s, PagedStage) else s for s in stages]
         self.position = 0
         self.max_positions = self.manifest.runtime_hints.max_positions
         self.vocab_size = self.manifest.architecture.vocab_size
@@ -130,11 +138,12 @@ class LocalPipeline:
         return Scores.from_logits(outputs[-1][0], want, timings)
 
     def close(self) -> None:
-        """Nothing to close (the head's interface): the stages go with this object."""
+        """Nothing to close: the stages go with this object."""
 
     def generate(self, prompt: list[int], config: SamplingConfig, stats: Stats | None = None,
                  speculation: Speculation | None = None) -> Iterator[int]:
-        """decode.generate on this pipeline, from an empty cache."""
+        """decode.generate on this pipeline, from an empty cache: the reference decode loop of the tests
+        (speculation, rewinds and compaction on stateful caches included)."""
         self.reset()
         return decode.generate(self, prompt, config, stats, speculation)
 

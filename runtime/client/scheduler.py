@@ -22,6 +22,7 @@ from collections.abc import Callable
 from ovshard.errors import OvshardError
 from ovshard.runtime.client.admission import Admission, Pool, Refused
 from ovshard.runtime.client.head import Head
+from ovshard.runtime.client.local_head import LocalHead
 from ovshard.runtime.decoding.speculative import Speculation
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.scheduling.requests import Request
@@ -36,14 +37,14 @@ class Busy(OvshardError):
 
 
 class Scheduler:
-    """Requests over one Head, as many at once as :class:`Admission` lets start, the rest waiting in order.
+    """Requests over one Head (or a LocalHead: the stages in this process), as many at once as :class:`Admission` lets start, the rest waiting in order.
 
     ``streams``: at most this many at once (None: as many as the KV blocks the stages granted the head hold;
     client/admission.py); ``max_queue``: requests that may wait (None: no limit), beyond it ``submit`` raises
     :class:`Busy`.
     """
 
-    def __init__(self, head: Head, streams: int | None = None, speculation: Speculation | None = None,
+    def __init__(self, head: Head | LocalHead, streams: int | None = None, speculation: Speculation | None = None,
                  max_queue: int | None = None) -> None:
         if head.engine is None:
             raise OvshardError("a scheduler needs a head with batching settings (an engine); this one is a probe's")

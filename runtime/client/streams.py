@@ -36,7 +36,7 @@ from ovshard.errors import OvshardError, StageFailure
 from ovshard.runtime.client.chain import Chain
 from ovshard.runtime.engine.kv import CacheMask, CompactionPolicy
 from ovshard.runtime.scheduling.block_tables import BlockManager
-from ovshard.runtime.scheduling.engine import Deliver
+from ovshard.runtime.scheduling.links import Deliver
 from ovshard.runtime.wire import protocol as p
 
 STREAM_SLOTS = 16  # sequences at once: under a stage's 32 streams a session, with room for streams still closing

@@ -1,4 +1,8 @@
-"""``ovshard generate`` (through stage workers) and ``ovshard run --local`` (in this process, or workers of its own)."""
+"""``ovshard generate`` (through stage workers) and ``ovshard run --local`` (in this process, or workers of its own).
+
+Either way every token comes from the engine loop (scheduling/engine.py): over a chain of workers (Head), or over
+the stages in this process (LocalHead, client/local_head.py).
+"""
 
 from __future__ import annotations
 
@@ -10,13 +14,13 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager, closing, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from ovshard.bundle.manifest import read_manifest
 from ovshard.errors import OvshardError
 from ovshard.runtime.client.head import Head
-from ovshard.runtime.client.inprocess import LocalPipeline
+from ovshard.runtime.client.local_head import LocalHead
 from ovshard.runtime.client.scheduler import Scheduler
 from ovshard.runtime.client.text import Text, TextStream, encode_prompts
 from ovshard.runtime.commands.options import (
@@ -49,9 +53,9 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="generate on this machine: in this process, or a local worker process per stage",
-                       description="Everything on this machine. A one-stage bundle and one prompt run in this "
-                       "process (paged attention, no worker); otherwise one `ovshard serve` process per stage "
-                       "on loopback, then generate as `ovshard generate` would.")
+                       description="Everything on this machine. A one-stage bundle runs in this process (paged "
+                       "attention, no worker); otherwise one `ovshard serve` process per stage on loopback. Either "
+                       "way the same engine loop schedules every prompt, as `ovshard generate` would.")
     p.add_argument("bundle", type=Path)
     p.add_argument("--local", action="store_true", required=True, help="everything on this machine")
     p.add_argument("--exact", action="store_true", help=EXACT_HELP)
@@ -59,7 +63,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--in-process", action="store_true",
                        help="run every stage in this process, whatever their number: no sockets or frames per "
-                            "token (one prompt at a time; the default for a one-stage bundle)")
+                            "token, one tick at a time (the default for a one-stage bundle)")
     where.add_argument("--workers", action="store_true",
                        help="one worker process per stage over loopback TCP even for a one-stage bundle (to "
                             "compare, or to measure the networked path)")
@@ -77,31 +81,25 @@ def _text_and_prompt(args: argparse.Namespace) -> tuple[Text, list[int] | None]:
     return text, None if args.prompts_file else text.encode(args.prompt, args.prompt_ids)
 
 
-def _generate(args: argparse.Namespace, open_head: Callable[[], AbstractContextManager[Head]] | None,
+def _generate(args: argparse.Namespace, open_head: Callable[[], AbstractContextManager[Head | LocalHead]],
               ready: Future[tuple[Text, list[int] | None]] | None = None) -> int:
-    """Generate through the head ``open_head`` gives (opened once the prompts are read and checked), or (None)
-    through every stage in this process; ``ready``: the tokenizer and prompt, prepared while the stages loaded."""
+    """Generate through the head ``open_head`` gives (opened once the prompts are read and checked); ``ready``:
+    the tokenizer and prompt, prepared while the stages loaded."""
     m = read_manifest(args.bundle)
     text, prompt = ready.result() if ready is not None else _text_and_prompt(args)
     config = sampling_config(args, text.stops)
     speculation = speculation_config(args, m)
     if args.prompts_file:
-        assert open_head is not None  # run refuses --in-process with --prompts-file
         prompts = _read_prompts(args.prompts_file)
         encoded = encode_prompts(text, prompts, args.prompts_file)
         with open_head() as head:
             return _generate_many(args, head, text, prompts, encoded, config, speculation)
     assert prompt is not None
-    if open_head is None:
-        local = LocalPipeline(args.bundle, config=stage_config(args.exact, args.threads), slice_logits=True,
-                              cache_dir=model_cache(None), paged=args.kv == "auto")
-        with closing(local):
-            return _generate_one(args, local, text, prompt, config, speculation)
     with open_head() as head:
         return _generate_one(args, head, text, prompt, config, speculation)
 
 
-def _generate_one(args: argparse.Namespace, head: Head | LocalPipeline, text: Text, prompt: list[int],
+def _generate_one(args: argparse.Namespace, head: Head | LocalHead, text: Text, prompt: list[int],
                   config: SamplingConfig, speculation: Speculation | None) -> int:
     """One prompt's completion streamed to stdout as it is sampled; the stats on stderr."""
     stats = Stats()
@@ -147,7 +145,7 @@ def _read_prompts(path: Path) -> list[str]:
     return prompts
 
 
-def _generate_many(args: argparse.Namespace, head: Head, text: Text, prompts: list[str], encoded: list[list[int]],
+def _generate_many(args: argparse.Namespace, head: Head | LocalHead, text: Text, prompts: list[str], encoded: list[list[int]],
                    config: SamplingConfig, speculation: Speculation | None) -> int:
     """Every prompt over --streams concurrent streams; each completion printed as soon as it finishes."""
     start = time.perf_counter()
@@ -202,15 +200,15 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.in_process and args.prompts_file:
-        raise OvshardError("--in-process runs one prompt at a time: give --prompt, or drop --in-process to "
-                           "serve --prompts-file over --streams")
     in_process = _runs_in_process(args)
     with ThreadPoolExecutor(1) as pool:
         ready = pool.submit(_text_and_prompt, args)  # while the stages compile (OpenVINO releases the GIL)
         try:
-            if in_process:
-                return _generate(args, None, ready)
+            if in_process:  # caches for as many full-length sequences as run at once
+                with LocalHead(args.bundle, config=stage_config(args.exact, args.threads), cache_dir=model_cache(None),
+                               paged=args.kv == "auto", slots=args.streams if args.prompts_file else 1,
+                               background=bool(args.prompts_file)) as local:
+                    return _generate(args, lambda: nullcontext(local), ready)
             with pipeline_head(args) as head:  # the workers start now, the tokenizer loads beside them
                 return _generate(args, lambda: nullcontext(head), ready)
         finally:
@@ -218,10 +216,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _runs_in_process(args: argparse.Namespace) -> bool:
-    """Whether `run` runs the stages in this process: --in-process, or a one-stage bundle and one prompt
-    (a worker process would only add a socket's round trip to every step) unless --workers. Says which."""
+    """Whether `run` runs the stages in this process: --in-process, or a one-stage bundle (a worker process would
+    only add a socket's round trip to every step) unless --workers. Says which."""
     stages = read_manifest(args.bundle).num_stages
-    in_process = args.in_process or (stages == 1 and not args.workers and not args.prompts_file)
+    in_process = args.in_process or (stages == 1 and not args.workers)
     counted = "one stage" if stages == 1 else f"{stages} stages"
     if in_process:
         kv = "paged" if args.kv == "auto" else "stateful"

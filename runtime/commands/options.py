@@ -12,7 +12,7 @@ from pathlib import Path
 from ovshard.bundle.manifest import Manifest, read_manifest
 from ovshard.errors import OvshardError
 from ovshard.runtime.client.admission import DEFAULT_QUEUE
-from ovshard.runtime.client.head import BATCHING, Head
+from ovshard.runtime.client.head import BUDGET, Head
 from ovshard.runtime.client.launch import local_workers
 from ovshard.runtime.client.streams import STREAM_SLOTS
 from ovshard.runtime.decoding.speculative import Speculation, make_speculation
@@ -93,7 +93,7 @@ def add_http(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=None, metavar="N",
                    help="requests generated at once (default: by memory, as many as the KV blocks the stages "
                    "granted this head hold, each reserving its prompt plus its max_tokens, at most "
-                   f"{BATCHING.max_seqs}, the planner's sequences at once; {STREAM_SLOTS} over stateful "
+                   f"{BUDGET.max_seqs}, the planner's sequences at once; {STREAM_SLOTS} over stateful "
                    "stages, a stream each); N: at most N, whatever their size")
     p.add_argument("--queue", type=int, default=DEFAULT_QUEUE, metavar="N",
                    help="requests that may wait, in arrival order, for a place; beyond it 429 with Retry-After "

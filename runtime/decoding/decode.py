@@ -8,8 +8,9 @@ of the target's own. The rejected drafts are hidden in every stage's cache by th
 next position id continues from the logical length. With no drafter, K = 0 and this is plain decoding.
 
 A target is anything with ``step(tokens, position, want, rewind, compact) -> Scores``,
-``max_positions`` and ``vocab_size``: the in-process LocalPipeline (``run --local --in-process``). A head over TCP
-runs every request on its engine instead (scheduling/engine.py), stateful stages included.
+``max_positions`` and ``vocab_size``: the reference LocalPipeline (client/inprocess.py) that ``verify`` and the
+tests compare with. Every command produces its tokens with the engine loop instead (scheduling/engine.py), over
+workers or over the stages in this process, stateful stages included.
 """
 
 from __future__ import annotations

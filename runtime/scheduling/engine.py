@@ -1,14 +1,19 @@
 """The engine: one loop per chain of stages that schedules, sends ticks, and advances every request.
 
-Paged stages run a tick as one Batch; stateful ones run each row as a Step on its sequence's own stream
-(client/streams.py's Link), so every token a head produces comes from this loop.
+A chain of workers over paged stages runs a tick as one Batch; over stateful ones each row is a Step on its
+sequence's own stream (client/streams.py's Link); stages in this process run it on the engine's thread, no socket
+(client/local_head.py's Link). Every token ovshard produces comes from this loop.
 
-One thread runs it; requests are state machines (requests.py), not threads. Each turn of the loop::
+One thread runs it, its own, or (``background=False``) the caller's, one turn each :meth:`Engine.step`: the way
+the stages in this process are driven by the reader of their one request, with no thread to hand a token to (as
+vLLM's in-process engine client steps its core). Requests are state machines (requests.py), not threads. Each
+turn of the loop::
 
     events   submissions, cancels, readers asking for more, the last stage's answers, a broken chain
     update   for each answered tick, oldest first: the accept rule over every row (runs.accept_rows), each
              request's tokens delivered and its next drafts proposed (runs.Run.take), then the planner's
-             finish_tick with every Sampled at once (a paced request's is held until its reader asks)
+             finish_tick with every Sampled at once (a paced request's is held while its reader has not read
+             the tokens of its row before: its next row is computed while the reader takes the last one)
     plan     while fewer than ``depth`` (the stage count) ticks are in flight and rows are ready: plan a tick
              of at most ceil(S / depth) of the S sequences scheduled (d equal groups keep every stage busy)
              and send it to stage 0; no waiting for anyone
@@ -30,13 +35,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, replace
 
 from ovshard.errors import OvshardError, StageFailure
 from ovshard.runtime.decoding.speculative import Speculation
 from ovshard.runtime.engine.scores import Scores
 from ovshard.runtime.scheduling.block_tables import BlockManager
+from ovshard.runtime.scheduling.links import Host, Link, Scored
 from ovshard.runtime.scheduling.plan_types import BatchError, PlannerStats, Sampled, TickBudget, TickPlan
 from ovshard.runtime.scheduling.requests import Phase, Request
 from ovshard.runtime.scheduling.runs import Run, accept_rows
@@ -46,35 +51,6 @@ from ovshard.runtime.wire import protocol as p
 
 log = logging.getLogger(__name__)
 
-Deliver = Callable[[p.Message | StageFailure], None]
-
-
-class Link(Protocol):
-    """A chain of stages as the engine sees it: its depth, the KV blocks its planner schedules in (None: a chain
-    no engine runs on), where a tick goes, who hears the answers to ticks and the chain's failure, and the
-    sequences the engine is done with (paged stages free their blocks by the block tables alone; stateful ones
-    close the sequence's stream: client/streams.py)."""
-
-    depth: int
-    blocks: BlockManager | None
-
-    def send_tick(self, batch: p.Batch) -> None: ...  # raises StageFailure
-
-    def listen(self, deliver: Deliver) -> None: ...
-
-    def retire(self, seq: int) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class Host(Protocol):
-    """Who owns the chains (the Head): a new chain in place of a broken one, and the retry window."""
-
-    def reconnect(self, stale: Link, deadline: float, cause: OvshardError) -> Link: ...
-
-    def expired(self, deadline: float) -> bool: ...
-
-    def count_replay(self, tokens: int) -> None: ...
 
 
 @dataclass
@@ -97,7 +73,7 @@ class _Read:
 @dataclass
 class _Answer:
     link: int  # which chain it came from: answers of a stale one are dropped
-    message: p.Message | StageFailure
+    message: p.Message | Scored | StageFailure
 
 
 class _Close:
@@ -119,7 +95,7 @@ class Engine:
     """The loop over one chain at a time (the module docstring). ``send`` is called with every tick's Batch."""
 
     def __init__(self, host: Host, link: Link, config: TickBudget, max_positions: int, vocab_size: int,
-                 retry_s: float, timeout: float) -> None:
+                 retry_s: float, timeout: float, background: bool = True) -> None:
         self.host, self.config, self.max_positions, self.vocab_size = host, config, max_positions, vocab_size
         self.retry_s, self.timeout = retry_s, timeout
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -134,9 +110,11 @@ class Engine:
         self._closing = threading.Lock()  # a reconnect that ends after the loop closed closes its chain itself
         self._attach(link)
         self._stats = self.planner.stats
-        self.send: Callable[[p.Batch], None] = self._send
-        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
-        self.thread.start()
+        self.send: Callable[[p.Batch], None] = lambda batch: self.link.send_tick(batch)
+        self.thread: threading.Thread | None = None  # None: the caller turns the loop (step)
+        if background:
+            self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+            self.thread.start()
 
     # ----- any thread -----
     def submit(self, request: Request, speculation: Speculation | None = None,
@@ -159,43 +137,55 @@ class Engine:
     def close(self) -> None:
         """Stop the loop; requests still running end with an error."""
         self.inbox.put(_Close())
-        if threading.current_thread() is not self.thread:
+        if self.thread is None:
+            self.step()
+        elif threading.current_thread() is not self.thread:
             self.thread.join(timeout=30)
+
+    def step(self) -> bool:
+        """One turn of the loop on the caller's thread, waiting for nothing (an engine made with
+        ``background=False``): the ticks that can be sent (a link in this process answers them before it returns),
+        then every event waiting, those answers included. False once the engine closed."""
+        assert self.thread is None, "an engine with a thread of its own turns by itself"
+        return not self.closed and self._turn(block=False)
 
     # ----- the loop's thread -----
     def _loop(self) -> None:
-        while True:
+        while self._turn(block=True):
+            pass
+
+    def _turn(self, block: bool) -> bool:
+        """Recover or send what can be sent, then handle the events (``block``: waiting for the first, at most
+        until the oldest tick in flight times out); False once closed."""
+        try:
             if self.broken is not None and self.runs and not self.reconnecting:
-                wait: float | None = 0.0  # recover before anything else
-            elif self.flight:
-                wait = max(0.0, self.flight[0].sent + self.timeout - time.perf_counter())
-            else:
-                wait = None
+                self._recover()
+            if self.broken is None:
+                self._fill()
+            wait: float | None = 0.0
+            if block and not (self.broken is not None and self.runs and not self.reconnecting):
+                wait = max(0.0, self.flight[0].sent + self.timeout - time.perf_counter()) if self.flight else None
             try:
-                event = self.inbox.get(timeout=wait)
+                event = self.inbox.get(timeout=wait) if wait != 0.0 else self.inbox.get_nowait()
             except queue.Empty:
                 event = None
-            try:
-                while event is not None:
-                    if isinstance(event, _Close):
-                        with self._closing:
-                            self.closed = True
-                        self._end_all(OvshardError("the head closed"))
-                        return
-                    self._handle(event)
-                    event = None if self.inbox.empty() else self.inbox.get()
-                if self.flight and time.perf_counter() - self.flight[0].sent > self.timeout:
-                    self._break(StageFailure(f"no answer to tick {self.flight[0].plan.tick} within "
-                                             f"{self.timeout:.0f} s", recoverable=True))
-                if self.broken is not None and self.runs and not self.reconnecting:
-                    self._recover()
-                if self.broken is None:
-                    self._fill()
-            except Exception as e:  # never let the loop die silently: every request carries what went wrong
-                log.exception("the engine loop failed")
-                self._end_all(OvshardError(f"the engine failed: {type(e).__name__}: {e}"))
-                self.broken = self.broken or StageFailure(str(e), recoverable=True)
-            self._stats = self.planner.stats
+            while event is not None:
+                if isinstance(event, _Close):
+                    with self._closing:
+                        self.closed = True
+                    self._end_all(OvshardError("the head closed"))
+                    return False
+                self._handle(event)
+                event = None if self.inbox.empty() else self.inbox.get()
+            if self.flight and time.perf_counter() - self.flight[0].sent > self.timeout:
+                self._break(StageFailure(f"no answer to tick {self.flight[0].plan.tick} within "
+                                         f"{self.timeout:.0f} s", recoverable=True))
+        except Exception as e:  # never let the loop die silently: every request carries what went wrong
+            log.exception("the engine loop failed")
+            self._end_all(OvshardError(f"the engine failed: {type(e).__name__}: {e}"))
+            self.broken = self.broken or StageFailure(str(e), recoverable=True)
+        self._stats = self.planner.stats
+        return True
 
     def _handle(self, event: object) -> None:
         if isinstance(event, _Submit):
@@ -241,12 +231,13 @@ class Engine:
             return
         self.by_seq[run.seq] = run
 
-    def _answer(self, msg: p.Message | StageFailure) -> None:
+    def _answer(self, msg: p.Message | Scored | StageFailure) -> None:
         if isinstance(msg, StageFailure):
             self._break(msg)
-        elif isinstance(msg, p.Result):
-            if msg.reply_to in self.answers:
-                self.answers[msg.reply_to][msg.stream] = msg
+        elif isinstance(msg, Scored) and msg.tick in self.answers:
+            self.answers[msg.tick][msg.seq] = msg.scores
+        elif isinstance(msg, p.Result) and msg.reply_to in self.answers:
+            self.answers[msg.reply_to][msg.stream] = _scores(msg)
         elif isinstance(msg, p.BatchDone):
             self._finish_tick(msg)
         elif isinstance(msg, p.Error) and msg.reply_to in self.answers:
@@ -270,7 +261,8 @@ class Engine:
             self.link.retire(run.seq)
         answered = [(part, self.by_seq[part.seq]) for part in plan.parts if part.want and part.seq in self.by_seq]
         runs = [run for _, run in answered]
-        scores = [_scores(answers[part.seq], done.timings) for part, _ in answered]  # type: ignore[index]
+        scores = [replace(answers[part.seq], timings=dict(done.timings))  # type: ignore[index]
+                  for part, _ in answered]
         verified = [part.drafts for part, _ in answered]
         results: dict[Hashable, Sampled] = {}
         finished: list[Run] = []
@@ -278,11 +270,12 @@ class Engine:
             if not run.emitted:  # its first answer: the prompt positions its admission found computed
                 run.request.stats.cached_tokens = self.planner.view(run.seq).cached
             run.request.move(Phase.DECODING)
+            behind = run.request.paced and run.request.unread  # its reader has not read the last row's tokens
             sampled = run.take(new, n, done.timings)
             if sampled.finished:
                 finished.append(run)
-            if run.request.paced and run.request.unread and not sampled.finished:
-                run.parked = sampled  # its reader has not read every token yet: the next row waits for it
+            if behind and not sampled.finished:
+                run.parked = sampled  # the next row waits for the reader: it runs at most one row ahead
             else:
                 results[run.seq] = sampled
         self.planner.finish_tick(plan, results)
@@ -321,9 +314,6 @@ class Engine:
             except StageFailure as e:
                 self._break(e)
                 return
-
-    def _send(self, batch: p.Batch) -> None:
-        self.link.send_tick(batch)
 
     # ----- failures -----
     def _break(self, failure: StageFailure) -> None:
@@ -406,7 +396,7 @@ class Engine:
         self.link, self.link_id, self.depth = link, next(self.links), link.depth
         self.planner = TickPlanner(link.blocks, self.config)
         self.flight: deque[_Flight] = deque()
-        self.answers: dict[int, dict[int, p.Result]] = {}
+        self.answers: dict[int, dict[int, Scores]] = {}  # by tick, then sequence
         self.by_seq.clear()
         self.broken = None
         link_id = self.link_id
@@ -434,7 +424,7 @@ class Engine:
             self._end(run, error)
 
 
-def _scores(result: p.Result, timings: dict[str, float]) -> Scores:
+def _scores(result: p.Result) -> Scores:
     """A row's answer as the accept rule reads it: argmax ids [R], top-k [R, K] or logits [R, V]."""
     indices = None if result.indices is None else result.indices.to_array()[0]
-    return Scores(result.tensor.to_array()[0], indices, dict(timings))
+    return Scores(result.tensor.to_array()[0], indices)

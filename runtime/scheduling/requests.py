@@ -9,8 +9,9 @@ they are sampled (``tokens()``, or a ``listener``), ``cancel()``, ``finish_reaso
                    |  +----------+--> preempted            (the planner took its KV blocks back)
                    +-- replaying <---------------------     (its chain broke or a stage refused its rows)
 
-A *paced* request (``Head.generate``'s) runs a step only once its reader has read every token so far, as a
-decode loop on the reader's own thread would; others run as fast as the engine goes.
+A *paced* request (``Head.generate``'s) runs at most one step ahead of its reader: its next step waits while
+the reader has not read the tokens of the step before, so the reader's work overlaps one step's compute and an
+abandoned reader costs one step; others run as fast as the engine goes.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Request:
     listener: Callable[[int | None], None] | None = None  # called with each token, then None at the end
     cancelled: bool = False  # set by cancel()
     started: float | None = None  # when it started running
-    paced: bool = False  # a step only once every token so far was read (the module docstring)
+    paced: bool = False  # at most one step ahead of its reader (the module docstring)
     phases: list[Phase] = field(default_factory=lambda: [Phase.WAITING])  # every phase it went through
     on_cancel: list[Callable[[Request], None]] = field(default_factory=list)  # who hears cancel()
     on_read: Callable[[Request], None] | None = None  # the engine's: the reader wants more tokens

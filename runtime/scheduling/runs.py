@@ -120,7 +120,10 @@ def accept_rows(runs: list[Run], verified: list[int], scores: list[Scores], voca
     out: list[list[int]] = [[] for _ in runs]
     greedy = [i for i, (run, s) in enumerate(zip(runs, scores, strict=True))
               if run.config.greedy and s.indices is None and s.values.ndim == 1]
-    if greedy:
+    if greedy and not any(verified[i] for i in greedy):  # no drafts: each row's one argmax id
+        for i in greedy:
+            out[i] = [int(scores[i].values[-1])]
+    elif greedy:
         k = max(verified[i] for i in greedy)
         drafted = np.full((len(greedy), k), -1, np.int64)  # [rows, K]: each row's drafts, -1 past them
         target = np.full((len(greedy), k + 1), -2, np.int64)  # [rows, K + 1]: the argmax ids, -2 past them

@@ -48,7 +48,7 @@ class ApiService:
                  model: str, default_max_tokens: int = 256) -> None:
         self.bundle, self.manifest, self.head, self.session, self.text = bundle, manifest, head, session, text
         self.model, self.default_max_tokens = model, default_max_tokens
-        self.metrics = Metrics(lambda: session.waiting, lambda: session.active, head.batch_stats,
+        self.metrics = Metrics(lambda: session.waiting, lambda: session.active, head.planner_stats,
                                lambda: (head.retargets, head.refusals, head.replayed_tokens))
         self._view, self._view_of = PipelineView(manifest, list(head.addresses)), head.retargets
         self.eos_ids = tuple(manifest.generation.eos_token_ids)
@@ -381,7 +381,7 @@ def make_app(service: ApiService, api_key: str | None = None) -> Any:
 
     async def pipeline(http: HttpRequest) -> Response:
         return JSONResponse(service.view.snapshot(service.model, service.session.active, service.session.waiting,
-                                                 service.head.batch_stats()))
+                                                 service.head.planner_stats()))
 
     page = (Path(__file__).parent / "web" / "index.html").read_bytes()
 

@@ -47,16 +47,16 @@ if TYPE_CHECKING:
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
-class _BatchCollector:
-    """The engine's counters, read when /metrics is scraped."""
+class _PlannerCollector:
+    """The engine's planner counters, read when /metrics is scraped."""
 
-    def __init__(self, batching: Callable[[], PlannerStats | None]) -> None:
-        self.batching = batching
+    def __init__(self, planner: Callable[[], PlannerStats | None]) -> None:
+        self.planner = planner
 
     def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        stats = self.batching()
+        stats = self.planner()
         if stats is None:
             return
         for name, text, value in (("batch_ticks", "Inferences (ticks) sent through the pipeline", stats.ticks),
@@ -100,7 +100,7 @@ class _MoveCollector:
 
 class Metrics:
     def __init__(self, queue_depth: Callable[[], int], active: Callable[[], int],
-                 batching: Callable[[], PlannerStats | None] | None = None,
+                 planner: Callable[[], PlannerStats | None] | None = None,
                  moves: Callable[[], tuple[int, int, int]] | None = None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -121,8 +121,8 @@ class Metrics:
         self.accepted = Counter("ovshard_speculative_accepted", "Draft tokens accepted", registry=r)
         Gauge("ovshard_queue_depth", "Requests waiting to start", registry=r).set_function(queue_depth)
         Gauge("ovshard_active_streams", "Requests running", registry=r).set_function(active)
-        if batching is not None:
-            r.register(_BatchCollector(batching))
+        if planner is not None:
+            r.register(_PlannerCollector(planner))
         if moves is not None:
             r.register(_MoveCollector(moves))
 

@@ -271,7 +271,7 @@ def test_batched_and_speculative_streams_over_worker_processes_equal_plain_greed
             assert stats.drafted > 0
             assert generate_concurrently(head, JOBS, timeout=300) == alone
             assert generate_concurrently(head, JOBS, speculation, timeout=300) == alone
-            batching = head.batch_stats()
+            batching = head.planner_stats()
             assert batching is not None and batching.seqs > batching.ticks, batching
         finally:
             head.close()

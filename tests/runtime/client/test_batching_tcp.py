@@ -53,7 +53,7 @@ def test_eight_batched_streams_each_give_their_solo_tokens(bundles: dict[int, Pa
     chunked over ticks: each stream's greedy tokens are exactly its solo tokens, ticks held several, and
     never more than a group's share, ceil(8 / stages): the groups in flight stay equal."""
     with local_workers(bundles[stages], exact=True, threads=1) as addresses:
-        head = Head(bundles[stages], addresses, batching=tick_budget(max_seqs=8, max_chunk=16))
+        head = Head(bundles[stages], addresses, budget=tick_budget(max_seqs=8, max_chunk=16))
         try:
             engine = head.engine
             assert engine is not None

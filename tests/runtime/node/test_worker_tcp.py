@@ -210,7 +210,7 @@ def test_run_local_names_its_isa_class_and_settings(bundles: dict[int, Path]) ->
 def test_run_in_process_prints_the_workers_text(bundles: dict[int, Path], tmp_path: Path) -> None:
     """`ovshard run --local --in-process` (every stage in the CLI's process, the last one computing only the
     rows each step reads) prints what `run --local` over worker processes prints, with prompt-lookup
-    speculation and without; --prompts-file is refused with what to do instead."""
+    speculation and without, and for a --prompts-file over --streams (its requests at once, one pool)."""
     def run(*extra: str) -> str:
         return subprocess.run([sys.executable, "-m", "ovshard.cli", "-q", "run", str(bundles[2]), "--local",
                                "--exact", "--max-tokens", "40", *extra], capture_output=True, text=True,
@@ -219,10 +219,14 @@ def test_run_in_process_prints_the_workers_text(bundles: dict[int, Path], tmp_pa
     for speculative in ("prompt-lookup", "off"):
         assert run("--in-process", "--speculative", speculative) == run("--speculative", speculative)
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("Once upon a time\n")
-    done = subprocess.run([sys.executable, "-m", "ovshard.cli", "-q", "run", str(bundles[2]), "--local",
-                           "--in-process", "--prompts-file", str(prompts)], capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0 and "--in-process runs one prompt at a time" in done.stderr, done.stderr
+    prompts.write_text("Once upon a time\nThe little dog\nOnce upon a time there was\n")
+
+    def blocks(out: str) -> list[str]:  # each completion's block, in prompt order (they print as they finish)
+        return sorted(out.split("=== ")[1:])
+
+    in_process = run("--in-process", "--prompts-file", str(prompts), "--streams", "3")
+    assert blocks(in_process) == blocks(run("--prompts-file", str(prompts), "--streams", "3"))
+    assert len(blocks(in_process)) == 3
 
 
 def test_llama3_rope_random_checkpoint_over_four_stages(tmp_path: Path) -> None:

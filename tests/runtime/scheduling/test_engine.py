@@ -21,7 +21,8 @@ from ovshard.runtime.decoding.speculative import Speculation
 from ovshard.runtime.engine.kv import CompactionPolicy
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.scheduling.block_tables import BlockManager
-from ovshard.runtime.scheduling.engine import Deliver, Engine
+from ovshard.runtime.scheduling.engine import Engine
+from ovshard.runtime.scheduling.links import Deliver
 from ovshard.runtime.scheduling.requests import Phase, Request
 from ovshard.runtime.scheduling.ticks import tick_budget
 from ovshard.runtime.wire import protocol as p
@@ -376,8 +377,11 @@ def test_a_repeated_prompt_reports_the_tokens_the_prefix_cache_held() -> None:
     engine.close()
 
 
-def test_a_paced_request_runs_a_step_only_once_its_reader_read_every_token() -> None:
-    """A paced request (Head.generate's) stays one step behind its reader: unread tokens hold its next row."""
+def test_a_paced_request_runs_at_most_one_step_ahead_of_its_reader() -> None:
+    """A paced request (Head.generate's) computes its next step while its reader takes the last one, and no
+    further: once a step ends with a token of the step before unread, its next row waits for the reader. The
+    reader here reads one token and stops: the engine ran one step past it (two if the reader took its token
+    before the second step ended), then waited."""
     link = ScriptedLink()
     engine = engine_over(link)
     request = Request(99, [3, 1], SamplingConfig(max_tokens=20), paced=True)
@@ -385,7 +389,7 @@ def test_a_paced_request_runs_a_step_only_once_its_reader_read_every_token() -> 
     tokens = request.tokens()
     assert next(tokens) == solo([3, 1], 1)[0]
     time.sleep(0.05)  # a free-running request would be done by now
-    assert len(request.partial) == 1 and len(link.sent) == 1
+    assert len(request.partial) in (2, 3) and len(link.sent) == len(request.partial)
     assert [next(tokens), *tokens] == solo([3, 1], 20)[1:]
     engine.close()
 
