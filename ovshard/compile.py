@@ -74,6 +74,9 @@ log = logging.getLogger(__name__)
 __all__ = ["PREDICTED_DEVICES", "CompileConfig", "DumpOptions", "compile_bundle", "compile_stage", "make_plan"]
 
 PREDICTED_DEVICES = ("CPU", "GPU")  # the static fusion predictor runs for these after every stage
+# the longest context compiled when --max-positions is left out and the checkpoint declares more (Llama 4 Scout:
+# 10,485,760, whose f32 rotary tables would take 10.7 GB in every stage): Llama 3.1's 128K
+DEFAULT_POSITIONS_CAP = 131_072
 CHAT_RECORD = ".chat.json"  # the chat template's record beside a converted tokenizer, in the cache; never in a bundle
 
 
@@ -96,6 +99,20 @@ def _calibrate(config: CompileConfig, ckpt: Checkpoint, workdir: Path,
         log.warning("--jobs %d: a calibrated compile builds its layers one after another (each reads the "
                     "activations of the layers before it); using 1", config.jobs)
     return replace(config, weights=weights, jobs=1), Activations(ckpt, text, max_positions)
+
+
+def served_positions(config: CompileConfig, ckpt: Checkpoint) -> int:
+    """The rotary tables' length, the longest context the bundle serves: ``--max-positions``, else the checkpoint's
+    ``max_position_embeddings`` up to DEFAULT_POSITIONS_CAP (said when it cuts)."""
+    declared = ckpt.dims.max_position_embeddings
+    if config.max_positions or declared <= DEFAULT_POSITIONS_CAP:
+        return config.max_positions or declared
+    model = ckpt.description
+    tables = rotary_table_bytes(len(model.rope), model.block.rotary_dim, declared)
+    log.warning("the checkpoint declares %s positions, whose rotary tables would take %.1f GB in every stage; "
+                "compiling for %s (--max-positions N serves a longer context)", f"{declared:,}", tables / 1e9,
+                f"{DEFAULT_POSITIONS_CAP:,}")
+    return DEFAULT_POSITIONS_CAP
 
 
 def make_plan(config: CompileConfig, ckpt: Checkpoint) -> PartitionPlan:
@@ -313,7 +330,7 @@ def _compile_bundle(config: CompileConfig, progress: LayerProgress) -> Manifest:
     if config.mla_cache == "expanded" and ckpt.dims.latent_cache:
         ckpt.description = replace(ckpt.description, dims=replace(ckpt.dims, latent_cache=False))
     ckpt.validate_tensors()
-    config = source_weights(config, ckpt)
+    config = replace(source_weights(config, ckpt), max_positions=served_positions(config, ckpt))
     generation = _generation(ckpt)
     if config.weights.is_int4 and not config.weights.int8_weights:  # one choice for the whole model
         config = replace(config, weights=replace(config.weights, int8_weights=choose_int8(ckpt, config.weights)))
@@ -321,7 +338,7 @@ def _compile_bundle(config: CompileConfig, progress: LayerProgress) -> Manifest:
     log.info("partition plan (%s):\n%s", plan.strategy, plan.format_table())
     chosen = _chosen_stages(plan, config.only_stage)
     progress.total = sum(len(s.layers) for s in chosen)
-    max_positions = config.max_positions or ckpt.dims.max_position_embeddings
+    max_positions = served_positions(config, ckpt)
     needed = staging.space_needed(plan, ckpt.dims.head_dim, max_positions)
     workdir, figures = _workdir(config.output, needed), []
     try:

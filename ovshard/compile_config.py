@@ -52,7 +52,7 @@ class CompileConfig:
     budgets: tuple[int, ...] | None = None  # per-node memory budgets in bytes
     context_tokens: int = 4096  # KV cache length the budgets must hold
     weights: WeightFormat = field(default_factory=WeightFormat)
-    max_positions: int | None = None  # rotary table length; default: max_position_embeddings
+    max_positions: int | None = None  # rotary table length; default: max_position_embeddings up to 131,072
     frontend: str = "torchscript"  # "torchscript" or "onnx": how the stage module reaches OpenVINO
     dumps: DumpOptions = field(default_factory=DumpOptions)
     skip_passes: tuple[str, ...] = ()  # pipeline passes not to run (A/B experiments, e.g. the beam_idx Gather)

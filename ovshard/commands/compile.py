@@ -74,7 +74,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="torchscript: torch.jit.trace + OpenVINO's PyTorch front end (default); onnx: "
                    "torch.onnx.export at opset 23 + OpenVINO's ONNX front end")
     p.add_argument("--max-positions", type=int,
-                   help="rotary table length = longest context served (default: max_position_embeddings)")
+                   help="rotary table length = longest context served (default: max_position_embeddings, at most 131072)")
     p.add_argument("--dump-after", metavar="all|PASS[,PASS]", help="dump the graph after these passes")
     p.add_argument("--dump-before", metavar="all|PASS[,PASS]", help="dump the graph before these passes")
     p.add_argument("--dump-dir", type=Path,

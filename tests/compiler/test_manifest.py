@@ -104,3 +104,25 @@ def test_hints_for_an_unknown_isa_class_are_refused(manifest_dict: dict) -> None
     d["runtime_hints"]["cpu_plugin_by_isa"]["avx512-amx"] = {"INFERENCE_PRECISION_HINT": "f32"}
     assert ("manifest.json.runtime_hints: cpu_plugin_by_isa names the ISA class 'avx512-amx'; expected one of "
             "avx512_amx, avx512, avx2, other") in refused(d)
+
+
+def test_a_context_past_the_default_cap_compiles_for_the_cap_and_says_so(
+        stories: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A checkpoint declaring 10,485,760 positions (Llama 4 Scout's) compiles for DEFAULT_POSITIONS_CAP, with a
+    warning that names both and --max-positions, instead of rotary tables of gigabytes; --max-positions wins."""
+    import shutil
+
+    from ovshard.compile import DEFAULT_POSITIONS_CAP
+
+    checkpoint = tmp_path / "long"
+    shutil.copytree(stories, checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 10_485_760}))
+    with caplog.at_level("WARNING", logger="ovshard.compile"):
+        capped = read_manifest(compile_fp32(checkpoint, tmp_path / "capped", stages=1))
+    assert capped.runtime_hints.max_positions == DEFAULT_POSITIONS_CAP == 131_072
+    assert "10,485,760 positions" in caplog.text and "--max-positions" in caplog.text, caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ovshard.compile"):
+        asked = read_manifest(compile_fp32(checkpoint, tmp_path / "asked", stages=1, max_positions=4096))
+    assert asked.runtime_hints.max_positions == 4096 and "positions" not in caplog.text
