@@ -17,6 +17,7 @@ spec is given (see report.py for the spec).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -36,6 +37,15 @@ import report
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 STORIES = ROOT.parent / "shared" / "models" / "stories260K"
+
+
+def compiler_version() -> str:
+    """A digest of the compiler's sources: a kept bundle is ovshard's default compile of the code at hand, never
+    of an older default."""
+    digest = hashlib.sha256()
+    for path in sorted(p for folder in ("ovshard", "passes") for p in (ROOT / folder).rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:10]
 
 
 def progress(message: str, tag: str = "bench") -> None:

@@ -99,6 +99,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
              None, ("{bundle1}", "--repeats", "20", "--threads", "1")),
         Step("static_decode", "a one-stage decode step on the dynamic paged model against its static copy, "
              "interleaved", None, ("{bundle1}", "--threads", "1", "--steps", "4", "--rounds", "1", "--context", "8")),
+        Step("local_loop", "run --local in process: the engine loop over the stages against a decode loop of its "
+             "own, interleaved", None, ("{bundle1}", "--threads", "1", "--tokens", "8", "--rounds", "1")),
     )),
     Suite("cluster", "ovshard up and the wire: placement, a node lost, TLS", (
         Step("cluster/placement", "measured placement against an equal split on an emulated unequal pair",
