@@ -23,6 +23,7 @@ import hashlib
 import itertools
 import logging
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,7 +94,9 @@ def calibration_text(ckpt: Checkpoint, source: str, samples: int, tokens: int, s
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"--calibration {source}: cannot read it as UTF-8 text ({e})") from e
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    # verbose=False: the whole text is longer than the tokenizer's model_max_length by design (it is cut into samples
+    # below), and transformers would warn that running it through the model as one sequence fails
+    ids = list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
     step = tokens - (bos is not None)
     cut = [([bos] if bos is not None else []) + ids[k:k + step] for k in range(0, len(ids), step)]
     cut = [c for c in cut if len(c) >= MIN_TOKENS]
@@ -311,11 +314,11 @@ class Activations:
     def _fit(self, projection: str, weight: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
         inputs = self.caught.get(projection)
         if inputs is None:  # an expert no calibration token was routed to
-            codes, scales = int4_fit.minmax(torch.from_numpy(weight), group)
+            codes, scales = int4_fit.minmax(_read_only(weight), group)
             return codes.numpy(), scales.numpy()
         if (id(inputs), group) not in self.moments:
             self.moments[(id(inputs), group)] = int4_fit.second_moments(inputs, group)
-        codes, scales = int4_fit.fit(torch.from_numpy(weight), self.moments[(id(inputs), group)])
+        codes, scales = int4_fit.fit(_read_only(weight), self.moments[(id(inputs), group)])
         return codes.numpy(), scales.numpy()
 
     def _catch(self, layer: int) -> None:
@@ -390,6 +393,16 @@ class Activations:
                 del weights
                 self.at += 1
                 watchdog.beat(f"calibration: layer {i} run in float32")
+
+
+def _read_only(weight: np.ndarray) -> torch.Tensor:
+    """``weight`` as a tensor on the same memory, no copy. The graph's constant lends it read-only; the fit and the
+    min-max scale only read it, so torch's warning that writing to such a tensor is undefined is silenced here."""
+    if weight.flags.writeable:
+        return torch.from_numpy(weight)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+        return torch.from_numpy(weight)
 
 
 class _Inputs(TorchFunctionMode):

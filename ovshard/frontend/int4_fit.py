@@ -13,8 +13,8 @@ no grid of shrunk min-max scales: clipping the largest weights of a group that w
 text and lost on other text (SmolLM2-135M, docs/results/2026-12-int4-fit.md).
 
 Every candidate is evaluated after rounding its scale to f16, as stored, so the error compared is the stored
-weight's. All of it is batched matmuls and elementwise ops over [groups, rows, group] tensors, a row block
-at a time (``BLOCK_BYTES``), so memory stays a few blocks of a weight.
+weight's. All of it is batched matmuls and elementwise ops over [groups, rows, group] tensors, a tile of rows
+and a few groups at a time (``BLOCK_BYTES``, ``MOMENTS_BYTES``), so memory stays a few tiles of a weight.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import torch
 
 ROUNDS = 1  # least-squares refits after the first (each: the codes its scale rounds to, and their own refit)
 LOW, HIGH = -8, 7  # symmetric INT4 codes
-BLOCK_BYTES = 512 << 10  # the rows fitted at once hold about this much f32: each temporary stays in cache, and under
+BLOCK_BYTES = 512 << 10  # the tile fitted at once holds about this much f32: each temporary stays in cache, and under
 # the 1 MiB at which the compile has glibc serve (and zero-fill) every allocation by mmap (ovshard.memory)
+MOMENTS_BYTES = 256 << 10  # the second moments a tile reads (its groups' [g, g] each), kept in cache for its rows
 
 
 def second_moments(inputs: torch.Tensor, group: int) -> torch.Tensor:
@@ -47,17 +48,23 @@ def fit(weight: torch.Tensor, moments: torch.Tensor) -> tuple[torch.Tensor, torc
         raise ValueError(f"a weight of {width} inputs and moments of {groups} groups of {group}")
     codes = torch.empty(out_features, groups, group, dtype=torch.int8)
     scales = torch.empty(out_features, groups, 1, dtype=torch.float16)
-    rows = max(1, BLOCK_BYTES // (4 * width))
+    # a tile of rows x a few groups: its moments stay in cache for all its rows (a wide weight's moments, e.g. 7 MB
+    # for 14,336 inputs, no longer streamed from memory once for every few rows), its rows many enough for a matmul
+    span = max(1, min(groups, MOMENTS_BYTES // (4 * group * group)))  # groups a tile
+    rows = max(1, BLOCK_BYTES // (4 * span * group))
 
-    def fit_rows(start: int) -> None:
-        w = weight[start:start + rows].float().reshape(-1, groups, group).transpose(0, 1)  # [groups, rows, g]
-        q, s = _fit_block(w.contiguous(), moments)
-        codes[start:start + rows] = q.transpose(0, 1)
-        scales[start:start + rows] = s.transpose(0, 1)
+    def fit_tile(tile: tuple[int, int]) -> None:
+        start, first = tile
+        w = weight[start:start + rows, first * group:(first + span) * group].float()
+        w = w.reshape(-1, min(span, groups - first), group).transpose(0, 1)  # [groups, rows, g]
+        q, s = _fit_block(w.contiguous(), moments[first:first + span])
+        codes[start:start + rows, first:first + span] = q.transpose(0, 1)
+        scales[start:start + rows, first:first + span] = s.transpose(0, 1)
 
+    tiles = [(start, first) for start in range(0, out_features, rows) for first in range(0, groups, span)]
     workers = torch.get_num_threads()
     with torch.no_grad(), _one_thread(), ThreadPoolExecutor(workers) as pool:
-        list(pool.map(fit_rows, range(0, out_features, rows)))  # each block on its own: the same bytes at any count
+        list(pool.map(fit_tile, tiles))  # each (row, group) on its own: the same bytes at any tile or thread count
     return codes, scales
 
 

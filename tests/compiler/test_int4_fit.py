@@ -4,8 +4,8 @@ The fit (``ovshard.frontend.int4_fit``) chooses, for every group of a weight at 
 output error on the calibration inputs' second moments; here a loop over rows and groups computes the same
 choice one group at a time, in float64. On the real stories260K, the default (calibrated) compile's outputs
 are closer to the float32 model's than the data-free compile's, and the compile reports its progress and a
-JSON summary. A weight whose inputs were not caught is a clear error, and a calibrated build reads each layer's
-weights from the checkpoint once.
+JSON summary, with no library warnings on stderr. A weight whose inputs were not caught is a clear error, and a
+calibrated build reads each layer's weights from the checkpoint once.
 """
 
 from __future__ import annotations
@@ -126,6 +126,18 @@ def test_the_default_compile_errs_less_than_data_free_and_reports_its_progress(s
         free = np.mean((logits["free"][k] - logits["fp32"][k]) ** 2)
         fitted = np.mean((logits["default"][k] - logits["fp32"][k]) ** 2)
         assert fitted < free, (k, fitted, free)
+
+
+@pytest.mark.slow
+def test_a_calibrated_compile_prints_no_library_warnings(stories: Path, tmp_path: Path) -> None:
+    """The calibration text is longer than stories260K's tokenizer's 512 tokens and the fit reads the graph's
+    read-only weights: neither transformers' sequence-length warning nor torch's non-writable-array one reaches
+    the user."""
+    done = subprocess.run([sys.executable, "-m", "ovshard.cli", "compile", str(stories), "-o", str(tmp_path / "b"),
+                           "--no-cache", "--budget", "1.0"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "calibration: " in done.stderr and "sequence length is longer" not in done.stderr, done.stderr[-2000:]
+    assert "not writable" not in done.stderr and "Warning" not in done.stderr, done.stderr[-2000:]
 
 
 def _story_ids(stories: Path, story: Path) -> list[int]:
