@@ -189,7 +189,7 @@ def test_too_little_memory_left_answers_503_with_the_reason_and_recovers_when_a_
     itself, with the uninterrupted text."""
     victim = _serving_worker(home)
     home.nodes.remove_node(victim, allow_graceful=False)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600  # a bound on a hang, not a speed: a loaded machine compiles slowly
     while True:
         try:
             _complete(home, PROMPTS[0])
@@ -201,7 +201,7 @@ def test_too_little_memory_left_answers_503_with_the_reason_and_recovers_when_a_
         time.sleep(1)
     assert victim.node_id[:12] in message and "overflows" in message, message
     home.add_node()
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 600  # a bound on a hang, not a speed: a loaded machine compiles slowly
     while True:
         try:
             assert _complete(home, PROMPTS[0]) == home.expected[PROMPTS[0]]
@@ -217,7 +217,7 @@ def test_a_joined_node_is_shown_unused_and_serves_after_rebalance(home: Home) ->
     """A node added to the serving pair is probed and shown as "joined, unused" (--rebalance-at 0: nothing moves
     by itself); `ovshard rebalance` places the 3 stages over the three nodes, and the text stays the same."""
     joined = home.add_node().node_id[:12]
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600  # a bound on a hang, not a speed: a loaded machine compiles slowly
     while (nodes := _status(home)[0]).get(joined, {}).get("state") != "joined, unused":
         assert time.monotonic() < deadline, nodes
         time.sleep(1)
@@ -257,7 +257,7 @@ def test_a_node_that_joins_is_taken_by_itself_when_it_predicts_enough_speed_up(
         alone = _complete(home, PROMPTS[2])
         joined = nodes.add_node(num_cpus=1, env_vars=_env(root / "n1"), node_ip_address="127.0.0.2").node_id[:12]
         write_node_ip_address(nodes.head_node.get_session_dir_path(), nodes.head_node.node_ip_address)
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 600  # a bound on a hang, not a speed
         while (states := _status(home))[0].get(joined, {}).get("state") != "serving":
             assert time.monotonic() < deadline, (states, home.log.read_text()[-3000:])
             time.sleep(1)
