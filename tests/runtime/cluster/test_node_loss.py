@@ -233,9 +233,9 @@ def test_a_joined_node_is_shown_unused_and_serves_after_rebalance(home: Home) ->
 
 def test_a_node_that_joins_is_taken_by_itself_when_it_predicts_enough_speed_up(
         stories: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """`up --rebalance-at 1.2` on a one-node cluster serves one stage; a node that joins makes a two-stage plan
-    predict at least 1.25x (a layer or more moves off the one node), so the stages move onto it by themselves,
-    and the text stays that of the one-node run."""
+    """`up --rebalance-at 1.2` on a one-node cluster serves one stage; a node that joins makes a plan that uses it
+    predict at least 1.25x (a layer or more moves off the one node, or all of them where the joined node measured
+    far faster), so the stages move onto it by themselves, and the text stays that of the one-node run."""
     from ray.cluster_utils import Cluster
 
     root = tmp_path_factory.mktemp("join")
@@ -262,7 +262,9 @@ def test_a_node_that_joins_is_taken_by_itself_when_it_predicts_enough_speed_up(
             assert time.monotonic() < deadline, (states, home.log.read_text()[-3000:])
             time.sleep(1)
         last = states[1]["last_replan"]
-        assert "predicted" in last["cause"] and last["stages"] == 2, last
+        # the plan follows each node's measured speed: 2 stages, or all on the joined node when the first measured
+        # far slower (as under other load); either way the joined node serves, by a predicted speed-up
+        assert "predicted" in last["cause"] and last["outcome"] == "moved" and last["stages"] in (1, 2), last
         assert _complete(home, PROMPTS[2]) == alone
     finally:
         if process is not None:
