@@ -244,3 +244,19 @@ def generate_concurrently(head, jobs, speculation=None, timeout: float = 300) ->
             return e
 
     return at_once(job, list(jobs), timeout)
+
+
+def refuse_paged_stage(monkeypatch: pytest.MonkeyPatch, index: int) -> None:
+    """In-process pipelines loaded after this get stage ``index``'s paged form refused (PagedUnsupportedError),
+    as the plugin refuses a stage it cannot page; the other stages compile as usual."""
+    from ovshard.errors import PagedUnsupportedError
+    from ovshard.runtime.client import inprocess
+
+    real = inprocess.compile_paged
+
+    def refuse(*args: object, **kwargs: object) -> object:
+        if args[3] == index:
+            raise PagedUnsupportedError(f"stage {index}: refused for the test")
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(inprocess, "compile_paged", refuse)

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import compile_fp32
+from conftest import compile_fp32, refuse_paged_stage
 
 from ovshard import memory
 from ovshard.bundle.manifest import read_manifest
-from ovshard.errors import PagedUnsupportedError
 from ovshard.runtime.client import inprocess
 from ovshard.runtime.client.inprocess import LocalPipeline, OneSequence
 from ovshard.runtime.decoding.decode import Stats
@@ -107,14 +106,7 @@ def test_a_stage_refused_in_paged_form_runs_stateful(bundles: dict[int, Path], m
                                                      caplog: pytest.LogCaptureFixture) -> None:
     """A stage whose paged form is refused runs stateful beside a paged one (rows converted at the boundary),
     the reason logged at INFO; speculation with rewinds still gives the stateful tokens."""
-    real = inprocess.compile_paged
-
-    def refuse_stage_1(*args: object, **kwargs: object) -> object:
-        if args[3] == 1:
-            raise PagedUnsupportedError("stage 1: refused for the test")
-        return real(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(inprocess, "compile_paged", refuse_stage_1)
+    refuse_paged_stage(monkeypatch, 1)
     with caplog.at_level(logging.INFO, logger=inprocess.__name__):
         mixed = LocalPipeline(bundles[2], config=EXACT_HINTS, slice_logits=True, paged=True)
     assert [type(s) for s in mixed.stages] == [OneSequence, Stage]

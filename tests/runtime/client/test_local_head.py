@@ -10,10 +10,9 @@ import logging
 from pathlib import Path
 
 import pytest
-from conftest import compile_fp32
+from conftest import compile_fp32, refuse_paged_stage
 
 from ovshard.bundle.manifest import read_manifest
-from ovshard.errors import PagedUnsupportedError
 from ovshard.runtime.client import inprocess
 from ovshard.runtime.client.inprocess import LocalPipeline, OneSequence
 from ovshard.runtime.client.local_head import LocalHead
@@ -87,14 +86,7 @@ def test_a_stage_refused_in_paged_form_runs_stateful_beside_a_paged_one(bundles:
                                                                          caplog: pytest.LogCaptureFixture) -> None:
     """A stage whose paged form is refused runs stateful (the reason logged at INFO), the paged one beside it serving
     one sequence: speculation with rewinds still gives the reference tokens."""
-    real = inprocess.compile_paged
-
-    def refuse_stage_1(*args: object, **kwargs: object) -> object:
-        if args[3] == 1:
-            raise PagedUnsupportedError("stage 1: refused for the test")
-        return real(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(inprocess, "compile_paged", refuse_stage_1)
+    refuse_paged_stage(monkeypatch, 1)
     with caplog.at_level(logging.INFO, logger=inprocess.__name__), \
             LocalHead(bundles[2], config=EXACT_HINTS) as head:
         assert [type(s) for s in head.link.stages] == [OneSequence, Stage] and not head.link.pooled
