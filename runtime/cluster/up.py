@@ -347,5 +347,23 @@ def join_ray(address: str) -> None:
     except (ConnectionError, ValueError, RuntimeError) as e:
         raise OvshardError(f"--ray {address}: cannot join the Ray cluster ({e}); start one with `ray start --head`, "
                            "pass the address `ovshard up` printed (its \"ray\" field), or --ray local") from e
+    _raylet_messages_to_stderr()
+
+
+def _raylet_messages_to_stderr() -> None:
+    """Ray's driver prints the cluster's error messages ("(raylet) The node ... missed too many heartbeats") to
+    stdout whatever ``log_to_driver`` says; ``up`` and ``status`` print their results there as JSON lines, so
+    send those messages to stderr, with the rest of the progress."""
+    from ray._private import worker
+
+    if getattr(worker.print_to_stdstream, "ovshard", False):
+        return
+    printed = worker.print_to_stdstream
+
+    def to_stderr(data: dict, ignore_prefix: bool) -> None:
+        printed({**data, "is_err": True} if data.get("pid") == "raylet" else data, ignore_prefix)
+
+    to_stderr.ovshard = True  # type: ignore[attr-defined]
+    worker.print_to_stdstream = to_stderr
 
 

@@ -18,3 +18,26 @@ def test_the_stages_move_by_themselves_from_the_threshold_speed_up(current_s: fl
                                                                    threshold: float, moves: bool) -> None:
     """current / planned slowest step >= threshold moves; below it, or threshold 0, or no prediction, does not."""
     assert worth_moving(current_s, planned_s, threshold) is moves
+
+
+def test_the_clusters_error_messages_go_to_stderr_and_leave_stdout_to_the_json_lines(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Ray's driver prints a raylet's message (a node that missed its heartbeats) to stdout whatever
+    ``log_to_driver`` says; once joined, ``up`` and ``status`` keep stdout for their JSON lines."""
+    from ray._private import worker
+
+    from ovshard.runtime.cluster.up import _raylet_messages_to_stderr
+
+    printed = worker.print_to_stdstream
+    try:
+        _raylet_messages_to_stderr()
+        _raylet_messages_to_stderr()  # joining twice wraps once
+        worker.print_to_stdstream({"lines": ["the node missed too many heartbeats"], "pid": "raylet",
+                                   "is_err": False}, ignore_prefix=False)
+        worker.print_to_stdstream({"lines": ["a task's own print"], "pid": 4242, "is_err": False},
+                                  ignore_prefix=False)
+    finally:
+        worker.print_to_stdstream = printed
+    out, err = capsys.readouterr()
+    assert "heartbeats" in err and "heartbeats" not in out
+    assert "a task's own print" in out
