@@ -149,25 +149,35 @@ def source_weights(config: CompileConfig, ckpt: Checkpoint) -> CompileConfig:
     of :data:`SOURCE_GROUPS`, its format in groups of 32, every decoder weight (``--budget 1.0``), data-free: those
     groups hold the source's blocks as they are, so the bundle loses next to nothing against the source at its
     size (SmolLM2-135M's Q4_1 file: +0.0% to +0.4% perplexity at 5.65 bits a parameter, against the calibrated
-    int4_sym default's +1.4% to +9.2% at 6.09; docs/results/2026-12-int4-accuracy.md); else unchanged."""
+    int4_sym default's +1.4% to +9.2% at 6.09; docs/results/2026-12-int4-accuracy.md); else unchanged. Warns where
+    a quantized source's weights are compressed again in another form."""
+    blocks = _source_blocks(ckpt) if ckpt.quantization is not None else None
+    if config.weights_from_source:
+        if blocks is None:
+            config = large_table(config, ckpt)
+        else:
+            log.info("weights: the source's decoder matrices are %s: %s in groups of 32, data-free, holds them as "
+                     "they are (--weights, --group-size or --budget choose otherwise)", blocks, SOURCE_GROUPS[blocks])
+            calibration = "none" if config.calibration == "default" else config.calibration
+            config = replace(config, weights=replace(config.weights, mode=SOURCE_GROUPS[blocks], group_size=32,
+                                                     budget=1.0), calibration=calibration)
+    kept = blocks is not None and (config.weights.mode, config.weights.group_size) == (SOURCE_GROUPS[blocks], 32)
+    if ckpt.quantization is not None and config.weights.mode not in ("fp32", "fp16") and not kept:
+        log.warning("%s is quantized (%s); ovshard dequantizes it and compresses it again (--weights %s), which "
+                    "compounds the two quantization errors. Compile with --weights fp16 or fp32, or start from the "
+                    "original safetensors checkpoint.", ckpt.path.name, ckpt.quantization, config.weights.mode)
+    return config
+
+
+def _source_blocks(ckpt: Checkpoint) -> str | None:
+    """The block type of :data:`SOURCE_GROUPS` every decoder matrix of a dense quantized source is in, else None."""
     from ovshard.frontend.tensors import layer_tensors
 
-    if not config.weights_from_source:
-        return config
-    if ckpt.quantization is None:
-        return large_table(config, ckpt)
     shapes = {name: shape for i in range(ckpt.dims.num_layers)
               for name, shape in layer_tensors(ckpt.spec, ckpt.dims, i).items() if len(shape) >= 2}
     types = {ckpt.tensor_info(name)[0] for name in shapes}
     stacked = any(len(shape) > 2 for shape in shapes.values())  # experts [experts, out, in]: NNCF's, not these groups
-    if stacked or len(types) != 1 or next(iter(types)) not in SOURCE_GROUPS:
-        return large_table(config, ckpt)
-    mode = SOURCE_GROUPS[next(iter(types))]
-    log.info("weights: the source's decoder matrices are %s: %s in groups of 32, data-free, holds them as they are "
-             "(--weights, --group-size or --budget choose otherwise)", next(iter(types)), mode)
-    calibration = "none" if config.calibration == "default" else config.calibration
-    return replace(config, weights=replace(config.weights, mode=mode, group_size=32, budget=1.0),
-                   calibration=calibration)
+    return None if stacked or len(types) != 1 or next(iter(types)) not in SOURCE_GROUPS else next(iter(types))
 
 
 LARGE_TABLE = 0.5  # a tied embedding over this share of the parameters gets its own INT4 format (large_table)

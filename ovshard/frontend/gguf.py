@@ -278,12 +278,8 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
     )
     quant = ckpt.source_quantization
     if quant.quantized:
-        logger.warning(
-            "%s is quantized (%s: %s). ovshard dequantizes it to float32; compressing it again to INT4 (the "
-            "default --weights, but for a file whose decoder matrices are all Q4_1: int4_affine holds their blocks "
-            "as they are) compounds the two quantization errors. Compile with --weights fp16 or fp32, "
-            "or start from the original safetensors checkpoint.", path.name, quant.file_type,
-            ", ".join(f"{n} {t}" for t, n in quant.tensor_types))
+        logger.info("%s is quantized (%s: %s); ovshard reads it dequantized to float32", path.name, quant.file_type,
+                    ", ".join(f"{n} {t}" for t, n in quant.tensor_types))
     logger.debug("opened %s: %s %s, %d tensors", path, arch, quant.file_type, len(tensors))
     return ckpt
 

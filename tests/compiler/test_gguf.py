@@ -275,19 +275,32 @@ def test_fingerprint_and_digests(tmp_path: Path) -> None:
     assert changed.tensor_digest("model.norm.weight") == first.tensor_digest("model.norm.weight")
 
 
-def test_quantized_file_warns_and_reports(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A quantized file logs the compounding-error warning and reports its types; a float file does neither."""
-    with caplog.at_level(logging.WARNING, logger="ovshard.frontend.gguf"):
-        quantized = open_gguf(write_gguf(tmp_path / "q.gguf", "llama", hf_weights("llama"), qtype="Q8_0"))
-    assert any("--weights fp16" in r.getMessage() for r in caplog.records)
-    quant = quantized.source_quantization
+def test_quantized_file_reports_and_warns_only_where_it_is_compressed_again(tmp_path: Path,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A quantized file reports its types; the compile's format rules warn that two quantizations' errors compound
+    where its weights are compressed again in another form (a Q8_0 file to INT4), and not where they are kept as
+    float (--weights fp16) or as they are (an all-Q4_1 decoder in int4_affine groups of 32); a float file never."""
+    from dataclasses import replace
+
+    from ovshard.bundle.weights import WeightFormat
+    from ovshard.compile import CompileConfig
+    from ovshard.compile_config import source_weights
+
+    def warned(source: Path, **config: object) -> bool:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            default = CompileConfig(checkpoint=source, output=tmp_path / "out", weights_from_source=True)
+            source_weights(replace(default, **config), open_gguf(source))
+        return any("compounds the two quantization errors" in r.getMessage() for r in caplog.records)
+
+    q8 = write_gguf(tmp_path / "q.gguf", "llama", hf_weights("llama"), qtype="Q8_0")
+    quant = open_gguf(q8).source_quantization
     assert quant.file_type == "Q8_0" and quant.quantized
     assert dict(quant.tensor_types) == {"Q8_0": 16, "F32": 5}
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="ovshard.frontend.gguf"):
-        plain = open_gguf(write_gguf(tmp_path / "f.gguf", "llama", hf_weights("llama"), qtype="F16"))
-    assert not caplog.records
-    assert plain.source_quantization.file_type == "F16" and not plain.source_quantization.quantized
+    assert warned(q8) and not warned(q8, weights=WeightFormat("fp16"), weights_from_source=False)
+    assert not warned(write_gguf(tmp_path / "q41.gguf", "llama", hf_weights("llama"), qtype="Q4_1"))
+    plain = write_gguf(tmp_path / "f.gguf", "llama", hf_weights("llama"), qtype="F16")
+    assert not warned(plain) and not open_gguf(plain).source_quantization.quantized
 
 
 def test_llama3_rope_table_read_as_llama3_parameters(tmp_path: Path) -> None:

@@ -64,7 +64,7 @@ def test_a_q4_gguf_keeps_its_blocks_by_default(tmp_path: Path, qtype: str, mode:
     """A tiny llama GGUF whose matrices are Q4_1 (Q4_0): the default compile (no --weights, --group-size or
     --budget) stores every decoder weight int4_affine (int4_sym) in groups of 32, data-free, and its logits are
     closer to the fp32 bundle's than those of the other format in the same groups; an explicit --weights keeps
-    its format."""
+    its format, and only that compile warns that the two quantizations' errors compound."""
     from dense_gguf import hf_weights, write_gguf
 
     from ovshard.bundle.manifest import read_manifest
@@ -79,6 +79,8 @@ def test_a_q4_gguf_keeps_its_blocks_by_default(tmp_path: Path, qtype: str, mode:
         done = subprocess.run([sys.executable, "-m", "ovshard.cli", "-q", "compile", str(source), "-o",
                                str(tmp_path / name), "--no-cache", *extra], capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
+        # only a compile that compresses the source's blocks again in another form warns that the errors compound
+        assert ("compounds the two quantization errors" in done.stderr) == (name == "other"), (name, done.stderr)
         pipe = LocalPipeline(tmp_path / name, config=EXACT_HINTS)
         logits[name] = pipe.forward([1, *range(3, 40)])[0]
     fmt = read_manifest(tmp_path / "default").weights
