@@ -25,8 +25,9 @@ from pathlib import Path
 from types import TracebackType
 
 STATUS = Path("/proc/self/status")
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 1 << 20
+TRIM_THRESHOLD = 8 << 20  # the free space a heap keeps at its top before it gives it back (glibc's default 128 KiB)
 _FIELDS = {"RssAnon:": "anon", "VmRSS:": "rss", "VmHWM:": "hwm"}
 
 
@@ -72,7 +73,11 @@ def return_freed_blocks(threshold: int = MMAP_THRESHOLD) -> bool:
     a compile's layer-sized buffers soon come from the heap, whose freed space stays with the process and
     whose reuse depends on timing. Measured on ``tests/compiler/test_compile_memory.py``'s calibrated compiles (3 runs
     each): peak anon 477-555 MiB at 2 layers and 535-580 at 6 with glibc's default, 424-429 and 432-440 with
-    a fixed 1 MiB threshold. Setting it turns glibc's adjustment off."""
+    a fixed 1 MiB threshold. Setting it turns glibc's adjustment off, and with it that of the trim threshold, left
+    at 128 KiB: the INT4 scale fit's tiles (512 KiB temporaries, freed and allocated again a few hundred times a
+    weight) then gave their pages back and faulted them in anew (~50,000 page faults a 1B-shaped gate weight, the fit
+    1.5x slower on 2 cores: page faults of one process's threads queue on its memory map), so the heap keeps
+    ``TRIM_THRESHOLD`` (8 MiB; 2 MiB still faulted) free at its top."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -80,7 +85,7 @@ def return_freed_blocks(threshold: int = MMAP_THRESHOLD) -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # musl and others have no mallopt
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, threshold))
+    return bool(mallopt(M_MMAP_THRESHOLD, threshold)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""The calibrated INT4 scale fit: every group of a weight at once, on its calibration inputs (torch, float32).
+"""The calibrated INT4 scale fit: a weight's groups fitted to their calibration inputs, many rows at once (torch, f32).
 
 A weight ``W`` [out, in] is stored as symmetric INT4 codes ``q`` in [-8, 7], ``group`` inputs to a scale
 ``s`` (one f16 a row and group), and read back as ``s * q``. Its output on calibration inputs ``X`` [tokens,
@@ -13,23 +13,25 @@ no grid of shrunk min-max scales: clipping the largest weights of a group that w
 text and lost on other text (SmolLM2-135M, docs/results/2026-12-int4-fit.md).
 
 Every candidate is evaluated after rounding its scale to f16, as stored, so the error compared is the stored
-weight's. All of it is batched matmuls and elementwise ops over [groups, rows, group] tensors, a tile of rows
-and a few groups at a time (``BLOCK_BYTES``, ``MOMENTS_BYTES``), so memory stays a few tiles of a weight.
+weight's. All of it is matmuls (through oneDNN: ``ovshard.frontend.onednn``) and elementwise ops over a tile of
+one group's rows at a time (``BLOCK_BYTES``), whose moments [g, g] stay in cache for all its rows; memory stays a
+few tiles of a weight. Each (row, group) is fitted on its own, so the bytes are the same at any thread count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
 
+from ovshard.frontend.onednn import linear
+
 ROUNDS = 1  # least-squares refits after the first (each: the codes its scale rounds to, and their own refit)
 LOW, HIGH = -8, 7  # symmetric INT4 codes
 BLOCK_BYTES = 512 << 10  # the tile fitted at once holds about this much f32: each temporary stays in cache, and under
 # the 1 MiB at which the compile has glibc serve (and zero-fill) every allocation by mmap (ovshard.memory)
-MOMENTS_BYTES = 256 << 10  # the second moments a tile reads (its groups' [g, g] each), kept in cache for its rows
 
 
 def second_moments(inputs: torch.Tensor, group: int) -> torch.Tensor:
@@ -42,29 +44,7 @@ def second_moments(inputs: torch.Tensor, group: int) -> torch.Tensor:
 def fit(weight: torch.Tensor, moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (int8 in [-8, 7], [out, groups, group]) and f16 scales ([out, groups, 1]) of ``weight`` [out, in]
     that minimise each group's ``d^T H d`` over the candidate scales; ``moments`` from :func:`second_moments`."""
-    out_features, width = weight.shape
-    groups, group, _ = moments.shape
-    if groups * group != width:
-        raise ValueError(f"a weight of {width} inputs and moments of {groups} groups of {group}")
-    codes = torch.empty(out_features, groups, group, dtype=torch.int8)
-    scales = torch.empty(out_features, groups, 1, dtype=torch.float16)
-    # a tile of rows x a few groups: its moments stay in cache for all its rows (a wide weight's moments, e.g. 7 MB
-    # for 14,336 inputs, no longer streamed from memory once for every few rows), its rows many enough for a matmul
-    span = max(1, min(groups, MOMENTS_BYTES // (4 * group * group)))  # groups a tile
-    rows = max(1, BLOCK_BYTES // (4 * span * group))
-
-    def fit_tile(tile: tuple[int, int]) -> None:
-        start, first = tile
-        w = weight[start:start + rows, first * group:(first + span) * group].float()
-        w = w.reshape(-1, min(span, groups - first), group).transpose(0, 1)  # [groups, rows, g]
-        q, s = _fit_block(w.contiguous(), moments[first:first + span])
-        codes[start:start + rows, first:first + span] = q.transpose(0, 1)
-        scales[start:start + rows, first:first + span] = s.transpose(0, 1)
-
-    tiles = [(start, first) for start in range(0, out_features, rows) for first in range(0, groups, span)]
-    workers = torch.get_num_threads()
-    with torch.no_grad(), _one_thread(), ThreadPoolExecutor(workers) as pool:
-        list(pool.map(fit_tile, tiles))  # each (row, group) on its own: the same bytes at any tile or thread count
+    codes, scales = _fit_tiles(weight, moments, _fit_block, (torch.int8, torch.float16))
     return codes, scales
 
 
@@ -73,31 +53,42 @@ def fit_asym(weight: torch.Tensor, moments: torch.Tensor) -> tuple[torch.Tensor,
     groups, group]), zero points ``z`` (uint8, [out, groups, 1]) and f16 scales, read back as ``s (q - z)``. From the
     min-max scale and its zero point, the same alternation over ``q - z``: the least-squares scale of the codes,
     then the codes and zero point that scale rounds to; the pair of least ``d^T H d`` is kept."""
+    codes, zeros, scales = _fit_tiles(weight, moments, _fit_block_asym, (torch.uint8, torch.uint8, torch.float16))
+    return codes, zeros, scales
+
+
+def _fit_tiles(weight: torch.Tensor, moments: torch.Tensor, fit_block: Callable[..., tuple[torch.Tensor, ...]],
+               dtypes: tuple[torch.dtype, ...]) -> tuple[torch.Tensor, ...]:
+    """``fit_block`` (:func:`_fit_block`, :func:`_fit_block_asym`) over ``weight`` [out, in] in tiles of one group's
+    rows, spread over torch's threads; its outputs, the codes [rows, group] then the rest [rows, 1], gathered as
+    [out, groups, group] and [out, groups, 1] of ``dtypes``."""
     out_features, width = weight.shape
     groups, group, _ = moments.shape
     if groups * group != width:
         raise ValueError(f"a weight of {width} inputs and moments of {groups} groups of {group}")
-    codes = torch.empty(out_features, groups, group, dtype=torch.uint8)
-    zeros = torch.empty(out_features, groups, 1, dtype=torch.uint8)
-    scales = torch.empty(out_features, groups, 1, dtype=torch.float16)
-    rows = max(1, BLOCK_BYTES // (4 * width))
+    outputs = [torch.empty(out_features, groups, group if n == 0 else 1, dtype=dtype) for n, dtype in enumerate(dtypes)]
+    transposed = moments.transpose(1, 2).contiguous()  # the weight of a linear that multiplies by H: x H = x (H^T)^T
+    rows = max(1, BLOCK_BYTES // (4 * group))
 
-    def fit_rows(start: int) -> None:
-        w = weight[start:start + rows].float().reshape(-1, groups, group).transpose(0, 1)  # [groups, rows, g]
-        q, z, s = _fit_block_asym(w.contiguous(), moments)
-        codes[start:start + rows] = q.transpose(0, 1)
-        zeros[start:start + rows] = z.transpose(0, 1)
-        scales[start:start + rows] = s.transpose(0, 1)
+    def fit_tile(tile: tuple[int, int]) -> None:
+        start, g = tile
+        w = weight[start:start + rows, g * group:(g + 1) * group].float().contiguous()  # [rows, group]
+        for out, part in zip(outputs, fit_block(w, transposed[g]), strict=True):
+            out[start:start + rows, g] = part
 
-    with torch.no_grad(), _one_thread(), ThreadPoolExecutor(torch.get_num_threads()) as pool:
-        list(pool.map(fit_rows, range(0, out_features, rows)))
-    return codes, zeros, scales
+    tiles = [(start, g) for start in range(0, out_features, rows) for g in range(groups)]
+    workers = torch.get_num_threads()
+    # each worker one thread for oneDNN too: its OpenMP thread count is per thread, and a new one would take every core
+    with torch.no_grad(), _one_thread(), ThreadPoolExecutor(workers, initializer=torch.set_num_threads,
+                                                            initargs=(1,)) as pool:
+        list(pool.map(fit_tile, tiles))
+    return tuple(outputs)
 
 
-def _fit_block_asym(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fit_block_asym(w: torch.Tensor, ht: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_fit_block` for asymmetric codes: the signed codes ``q - z`` take the place of ``q``."""
     low = w.amin(-1, keepdim=True)
-    hw = torch.bmm(w, h)
+    hw = linear(w, ht)
     whw = (w * hw).sum(-1, keepdim=True)
 
     def rounded(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +101,7 @@ def _fit_block_asym(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, tor
     best_s, best_base, best_z = s, s, z
     for step in range(ROUNDS + 1):
         chw = (c * hw).sum(-1, keepdim=True)
-        chc = (c * torch.bmm(c, h)).sum(-1, keepdim=True)
+        chc = (c * linear(c, ht)).sum(-1, keepdim=True)
         refit = _f16(torch.where((chc > 0) & (chw > 0), chw / chc, s))
         for cand in (s, refit):
             err = whw - 2 * cand * chw + cand * cand * chc
@@ -141,34 +132,34 @@ def _minmax(w: torch.Tensor) -> torch.Tensor:
     return torch.where(-low >= high, -low, -high) / -LOW
 
 
-def _fit_block(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The best codes and f16 scales of ``w`` [groups, rows, g] for the moments ``h`` [groups, g, g].
+def _fit_block(w: torch.Tensor, ht: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best codes and f16 scales of ``w`` [rows, g] for one group's moments, given transposed (``ht`` = H^T).
 
     For codes ``q`` and a scale ``s`` the error expands to ``w^T H w - 2 s q^T H w + s^2 q^T H q``: with ``H w``
-    computed once, each set of codes costs one batched matmul (``H q``) and two dot products, and each scale
-    tried for them (the one they were rounded at, their least-squares one) a few ops on [groups, rows, 1]."""
-    minmax = _minmax(w)
-    hw = torch.bmm(w, h)  # [groups, rows, g]
+    computed once, each set of codes costs one matmul (``H q``) and two dot products, and the scales tried for
+    them (the one they were rounded at, their least-squares one) a few ops on [rows, 2]. Of all the pairs, in the
+    order met, the first of least error is kept."""
+    hw = linear(w, ht)  # [rows, g]: w H
     whw = (w * hw).sum(-1, keepdim=True)
-    best_err = torch.full_like(whw, float("inf"))
-    best_s = best_base = _f16(minmax)  # the scale kept, and the one its codes came from
-    s = best_s
-    q = torch.div(w, s).round_().clamp_(LOW, HIGH)
+    s = _f16(_minmax(w))
+    codes, tried, errors = [torch.div(w, s).round_().clamp_(LOW, HIGH)], [], []
     for step in range(ROUNDS + 1):
+        q = codes[step]
         qhw = (q * hw).sum(-1, keepdim=True)
-        qhq = (q * torch.bmm(q, h)).sum(-1, keepdim=True)
+        qhq = (q * linear(q, ht)).sum(-1, keepdim=True)
         refit = _f16(torch.where(qhq > 0, qhw / qhq, s))  # the least-squares scale of these codes
-        for cand in (s, refit):
-            err = whw - 2 * cand * qhw + cand * cand * qhq  # [groups, rows, 1]
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_s = torch.where(better, cand, best_s)
-            best_base = torch.where(better, s, best_base)
+        scales = torch.cat((s, refit), -1)  # [rows, 2]: the scales tried for these codes
+        tried.append(scales)
+        errors.append(whw - 2 * scales * qhw + scales * scales * qhq)
         if step < ROUNDS:
             s = refit
-            q = torch.div(w, s).round_().clamp_(LOW, HIGH)
-    q = torch.div(w, best_base).round_().clamp_(LOW, HIGH)  # the chosen codes again: rounded at the scale they came from
-    return q.to(torch.int8), best_s.to(torch.float16)
+            codes.append(torch.div(w, s).round_().clamp_(LOW, HIGH))
+    # the first of least error, as a running minimum keeps it; an error that is NaN never wins
+    best = torch.cat(errors, -1).nan_to_num_(nan=float("inf")).argmin(-1, keepdim=True)  # [rows, 1]
+    chosen = codes[-1]
+    for step in range(ROUNDS - 1, -1, -1):
+        chosen = torch.where(best < 2 * (step + 1), codes[step], chosen)
+    return chosen.to(torch.int8), torch.cat(tried, -1).gather(-1, best).to(torch.float16)
 
 
 @contextmanager
@@ -188,4 +179,4 @@ def _f16(scale: torch.Tensor) -> torch.Tensor:
     """``scale`` as stored: rounded to f16, a zero made the smallest normal f16 (a group of zeros keeps codes 0)."""
     tiny = torch.finfo(torch.float16).tiny
     s = scale.to(torch.float16).float()
-    return torch.where(s.abs() < tiny, torch.full_like(s, tiny), s)
+    return torch.where(s.abs() < tiny, tiny, s)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from ovshard.frontend import int4_fit
+from ovshard.frontend import int4_fit, onednn
 from ovshard.frontend.source import open_source
 
 
@@ -159,6 +159,24 @@ def test_a_weight_whose_inputs_were_not_caught_is_a_clear_error(stories: Path, t
     message = str(caught.value)
     assert "layer 1's experts_gate weight" in message and "--calibration none" in message, message
     assert "inputs of down, gate, k, o, q, up, v" in message, message
+
+
+@pytest.mark.skipif(not onednn.AVAILABLE, reason="this torch runs no float32 linear through oneDNN")
+def test_a_layers_float32_run_multiplies_through_onednn_and_keeps_every_input(stories: Path, tmp_path: Path) -> None:
+    """The calibration's float32 run of a layer sends its projections through oneDNN (MKL's sgemm, torch's default,
+    runs its AVX2 code on AMD CPUs), still keeps every projection's inputs, and the fit reads those."""
+    from ovshard.frontend.calibration import Activations, calibration_text
+
+    ckpt = open_source(stories)
+    activations = Activations(ckpt, calibration_text(ckpt, "text", 2, 32, tmp_path))
+    weight = ckpt.load(ckpt.spec.q_proj.format(i=0) + ".weight").numpy()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        codes, scales = activations.fit_int4("0.q", weight, 32)
+    calls = [event.name for event in profile.events()]  # the main thread's: the fit's workers are not profiled
+    assert calls.count("mkldnn::_linear_pointwise") == 7, sorted(set(calls))  # q, k, v, o, gate, up, down
+    assert sorted(activations.caught) == ["down", "gate", "k", "o", "q", "up", "v"]
+    direct = int4_fit.fit(torch.from_numpy(weight), int4_fit.second_moments(activations.caught["q"], 32))
+    assert np.array_equal(codes, direct[0].numpy()) and np.array_equal(scales, direct[1].numpy())
 
 
 def test_a_calibrated_streamed_build_reads_each_layer_weight_once(stories: Path, tmp_path: Path) -> None:
