@@ -190,7 +190,7 @@ def large_table(config: CompileConfig, ckpt: Checkpoint) -> CompileConfig:
     """The default format where a tied embedding is over half the model (Gemma 3 270M: 63%): the table in
     asymmetric INT4 groups of 16, fitted to the lm_head's inputs in a calibrated compile, and every decoder weight
     INT8 (``--budget 4.0``). Its INT8 copy alone would be over 4 bits a parameter; this costs 6.30 on Gemma 3 270M
-    and loses +2.4% to +3.4% perplexity on prose, code and dialogue, against llama.cpp Q4_K_M's 7.36 bits
+    and loses +2.2% to +3.8% perplexity on prose, code and dialogue, against llama.cpp Q4_K_M's 7.36 bits
     (docs/results/2026-12-int4-accuracy.md); else unchanged. The table must also have at least ``WIDE_TABLE`` rows
     a hidden unit (Gemma 3 270M: 410; Gemma 3 1B 228, Llama 3.2 1B 63), so that cutting a larger model to a few
     layers never changes its default."""
