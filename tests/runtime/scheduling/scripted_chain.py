@@ -42,23 +42,51 @@ def solo(prompt: list[int], n: int) -> list[int]:
     return out
 
 
-class ScriptedLink:
+Answer = p.Message | StageFailure
+
+
+class HeldAnswers:
+    """What the scripted doubles share: answers go to the engine's ``deliver`` at once, or, while ``hold``, wait in
+    ``held`` (one list per tick or step) until :meth:`release`."""
+
+    def __init__(self, hold: bool) -> None:
+        self.hold = hold
+        self.held: list[list[Answer]] = []
+        self.deliver: Deliver | None = None
+
+    def listen(self, deliver: Deliver) -> None:
+        self.deliver = deliver
+
+    def release(self) -> None:
+        held, self.held = self.held, []
+        for answers in held:
+            self._give(answers)
+
+    def _answer(self, answers: list[Answer]) -> None:
+        if self.hold:
+            self.held.append(answers)
+        else:
+            self._give(answers)
+
+    def _give(self, answers: list[Answer]) -> None:
+        assert self.deliver is not None
+        for answer in answers:
+            self.deliver(answer)
+
+
+class ScriptedLink(HeldAnswers):
     """A chain of ``depth`` stages in process: answers each Batch's rows by ``NEXT`` (argmax ids, or top-k with
     the right id first); ``hold`` keeps answers until :meth:`release`; ``fail_tick`` / ``refuse`` script faults."""
 
     def __init__(self, blocks: int = 64, depth: int = 2, hold: bool = False) -> None:
+        super().__init__(hold)
         self.depth, self.blocks = depth, BlockManager(blocks, BS)
-        self.hold, self.held = hold, []
         self.sent: list[p.Batch] = []
         self.fail_tick: int | None = None
         self.refuse: tuple[int, int] | None = None  # (tick, row index) to refuse
-        self.deliver: Deliver | None = None
         self.closed = False
         self.retired: list[int] = []  # sequences the engine said it is done with
         self.changed = threading.Condition()
-
-    def listen(self, deliver: Deliver) -> None:
-        self.deliver = deliver
 
     def close(self) -> None:
         self.closed = True
@@ -70,27 +98,13 @@ class ScriptedLink:
         with self.changed:
             self.sent.append(batch)
             self.changed.notify_all()
-        answers = self._answers(batch)
-        if self.hold:
-            self.held.append(answers)
-        else:
-            self._give(answers)
-
-    def release(self) -> None:
-        held, self.held = self.held, []
-        for answers in held:
-            self._give(answers)
+        self._answer(self._answers(batch))
 
     def wait_sent(self, n: int) -> None:
         with self.changed:
             assert self.changed.wait_for(lambda: len(self.sent) >= n, timeout=30), f"{len(self.sent)} ticks sent"
 
-    def _give(self, answers: list[p.Message | StageFailure]) -> None:
-        assert self.deliver is not None
-        for answer in answers:
-            self.deliver(answer)
-
-    def _answers(self, batch: p.Batch) -> list[p.Message | StageFailure]:
+    def _answers(self, batch: p.Batch) -> list[Answer]:
         if self.fail_tick == len(self.sent) - 1:
             return [StageFailure(f"tick {batch.tick} lost", recoverable=True)]
         ids = batch.tensor.to_array().tolist()

@@ -10,6 +10,7 @@ from scripted_chain import (
     MAX_POSITIONS,
     NEXT,
     VOCAB,
+    HeldAnswers,
     OffByOne,
     ScriptedHost,
     run,
@@ -22,12 +23,11 @@ from ovshard.runtime.client.streams import StreamLink
 from ovshard.runtime.decoding.speculative import Speculation
 from ovshard.runtime.engine.kv import CompactionPolicy
 from ovshard.runtime.scheduling.engine import Engine
-from ovshard.runtime.scheduling.links import Deliver
 from ovshard.runtime.scheduling.ticks import tick_budget
 from ovshard.runtime.wire import protocol as p
 
 
-class ScriptedStreams:
+class ScriptedStreams(HeldAnswers):
     """A chain of stateful stages in process, as a StreamLink sees it (``conns[0]``, ``open_stream``,
     ``listen``): it keeps each open stream's cache as a stage does and refuses what a stage refuses
     (node/steps.check_step: the position after the rewind, the physical cache past max_positions without
@@ -35,16 +35,15 @@ class ScriptedStreams:
     script a stage's Error on the n-th Step and a lost connection."""
 
     def __init__(self, max_positions: int = MAX_POSITIONS, hold: bool = False) -> None:
+        super().__init__(hold)
         self.depth, self.addresses, self.conns = 2, ["scripted:0", "scripted:1"], [self]
-        self.max_positions, self.hold = max_positions, hold
+        self.max_positions = max_positions
         self.caches: dict[int, list[int]] = {}  # stream -> its mask (1 visible, 0 hidden)
         self.steps: list[p.Step] = []
-        self.held: list[p.Message | StageFailure] = []
         self.opened: list[int] = []
         self.closed_streams: list[int] = []
         self.refuse_step: int | None = None
         self.fail_step: int | None = None
-        self.deliver: Deliver | None = None
         self.max_open = 0
         self.hold_opens = False  # every stage's OpenOk held until the test calls self.opening's callbacks
         self.opening: list[Callable[[], None]] = []
@@ -59,34 +58,19 @@ class ScriptedStreams:
         else:
             opened(None)
 
-    def listen(self, deliver: Deliver) -> None:
-        self.deliver = deliver
-
     def send(self, msg: p.Message) -> None:  # conns[0].send, and every stage's Close
         if isinstance(msg, p.Close):
             self.caches.pop(msg.stream, None)
             self.closed_streams.append(msg.stream)
-            assert all(a.stream != msg.stream for a in self.held if isinstance(a, p.Result)), "Close before answer"
+            assert all(a.stream != msg.stream for answers in self.held for a in answers if isinstance(a, p.Result)), \
+                "Close before answer"
             return
         assert isinstance(msg, p.Step)
         self.steps.append(msg)
-        answer = self._run(msg)
-        if self.hold:
-            self.held.append(answer)
-        else:
-            self._give(answer)
-
-    def answer_held(self) -> None:
-        held, self.held = self.held, []
-        for answer in held:
-            self._give(answer)
+        self._answer([self._run(msg)])
 
     def close(self) -> None:
         pass
-
-    def _give(self, answer: p.Message | StageFailure) -> None:
-        assert self.deliver is not None
-        self.deliver(answer)
 
     def _run(self, msg: p.Step) -> p.Message | StageFailure:
         n = len(self.steps) - 1
@@ -169,7 +153,7 @@ def test_a_cancelled_stateful_request_closes_its_stream_once_its_step_is_answere
     request.cancel()
     settle(engine, lambda: request.done)
     assert chain.caches and not chain.closed_streams  # its Step is still in flight
-    chain.answer_held()
+    chain.release()
     settle(engine, lambda: chain.closed_streams == chain.opened)
     assert request.finish_reason == "cancelled"
     engine.close()
