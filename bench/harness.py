@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,6 +47,16 @@ def compiler_version() -> str:
     for path in sorted(p for folder in ("ovshard", "passes") for p in (ROOT / folder).rglob("*.py")):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:10]
+
+
+def current_bundle(folder: Path, name: str) -> Path:
+    """Where the compiler at hand keeps its bundle ``name`` in ``folder`` (``name-<compiler_version>``); the
+    bundles an older compiler kept there under that name (or the name alone) are removed."""
+    out = folder / f"{name}-{compiler_version()}"
+    for old in folder.glob(f"{name}*"):
+        if old != out:
+            shutil.rmtree(old, ignore_errors=True)
+    return out
 
 
 def progress(message: str, tag: str = "bench") -> None:

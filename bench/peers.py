@@ -45,7 +45,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import report  # noqa: E402  (bench/report.py: the suite's tables)
-from harness import compiler_version  # noqa: E402
+from harness import current_bundle  # noqa: E402
 from llama_build import LlamaBuild, build, fastest  # noqa: E402
 
 ROOT = HERE.parent
@@ -160,11 +160,7 @@ def _convertible(name: str, out: Path) -> Path:
 
 
 def bundle(name: str, stages: int) -> Path:
-    kept = f"{name}-{stages}st-default"
-    out = CACHE / "bundles" / f"{kept}-{compiler_version()}"
-    for old in (CACHE / "bundles").glob(f"{kept}*"):  # an older compiler's default, or the unversioned name
-        if old != out:
-            shutil.rmtree(old, ignore_errors=True)
+    out = current_bundle(CACHE / "bundles", f"{name}-{stages}st-default")
     if not (out / "manifest.json").is_file():
         source = {"gemma3-270m": lambda: gguf_files(Path(), name)["Q4_K_M (as shipped)"],
                   SMOLLM2: lambda: smollm2_files(Path())["Q4_1 (as shipped)"]}.get(name, lambda: checkpoint(name))()

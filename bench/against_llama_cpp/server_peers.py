@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import select
-import shutil
 import socket
 import statistics
 import subprocess
@@ -33,7 +32,7 @@ HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 import peers  # noqa: E402  (bench/peers.py: builds llama.cpp once)
-from harness import compiler_version  # noqa: E402
+from harness import current_bundle  # noqa: E402
 from report import write_rows  # noqa: E402
 
 from ovshard.runtime.client.launch import local_workers  # noqa: E402
@@ -59,11 +58,7 @@ def free_port() -> int:
 def default_bundle(gguf: Path, stages: int, cache: Path) -> Path:
     """The default compile of ``gguf`` in ``stages`` stages, compiled once into ``cache`` by the compiler at hand
     (an older compiler's default is compiled again)."""
-    kept = f"{gguf.stem.lower()}-{stages}st-default"
-    out = cache / f"{kept}-{compiler_version()}"
-    for old in cache.glob(f"{kept}*"):
-        if old != out:
-            shutil.rmtree(old, ignore_errors=True)
+    out = current_bundle(cache, f"{gguf.stem.lower()}-{stages}st-default")
     if not (out / "manifest.json").is_file():
         log(f"compiling {gguf.name} into {stages} stages -> {out}")
         subprocess.run([sys.executable, "-m", "ovshard.cli", "-q", "compile", str(gguf), "--stages", str(stages),
