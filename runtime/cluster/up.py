@@ -356,9 +356,9 @@ def _raylet_messages_to_stderr() -> None:
     send those messages to stderr, with the rest of the progress."""
     from ray._private import worker
 
-    if getattr(worker.print_to_stdstream, "ovshard", False):
+    printed = getattr(worker, "print_to_stdstream", None)
+    if printed is None or getattr(printed, "ovshard", False):  # a Ray without it, or wrapped by an earlier join
         return
-    printed = worker.print_to_stdstream
 
     def to_stderr(data: dict, ignore_prefix: bool) -> None:
         printed({**data, "is_err": True} if data.get("pid") == "raylet" else data, ignore_prefix)
