@@ -7,6 +7,7 @@ A diff in review shows what a change did to the graphs or to the output. Rewrite
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -37,8 +38,20 @@ def test_pass_dumps_match_golden(stories: Path, tmp_path: Path, update_golden: b
     expected = {p.relative_to(GOLDEN_DIR): p.read_text() for p in sorted(GOLDEN_DIR.rglob("*.txt"))}
     assert sorted(expected) == sorted(produced), "golden files differ in number; run with --update-golden"
     for rel, text in produced.items():
-        diff = text_diff(expected[rel], text, f"golden/{rel}", f"now/{rel}")
+        diff = text_diff(_fitted_unhashed(expected[rel]), _fitted_unhashed(text), f"golden/{rel}", f"now/{rel}")
         assert not diff, f"{rel} differs from golden (run with --update-golden if intended):\n{diff[:3000]}"
+
+
+FITTED = re.compile(r"(= Constant (?:i4|u4|f16)\[[^\]]*\] sha256:)[0-9a-f]+")
+
+
+def _fitted_unhashed(text: str) -> str:
+    """``text`` with the hashes of the compressed weights' codes and f16 scales left out: the default compile fits
+    them to the calibration text with float32 sums in the order oneDNN's kernel for the CPU chooses, so a near-tie
+    between two scales can fall either way on another CPU (one 64 x 64 weight of stories260K's does between an AMD
+    EPYC and an Intel Xeon). The graphs, every other constant and the greedy tokens (below) stay compared; golden/
+    keeps the hashes, so a rewrite shows in review when the fitted bytes change."""
+    return FITTED.sub(r"\1*", text)
 
 
 TOKENS_FILE = GOLDEN / "stories260K-tokens.json"
