@@ -279,10 +279,14 @@ def llama_rows(model: Model, root: Path, texts: list[Path]) -> list[dict]:
         files[kind] = out / f"{kind}.gguf"
         subprocess.run([str(binaries / "llama-quantize"), str(full), str(files[kind]), kind], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    from llama_build import fastest
+
+    # llama-perplexity runs the prompt kernels: the build with AMX where they run, else the one without
+    scorer = fastest(tree, peers.TARGETS, files["Q4_0"], log=peers.log).bins
     rows: list[dict] = []
     base: dict[str, float | None] = {}
     for kind, path in files.items():
-        found = {t.stem: _llama_perplexity(binaries, path, t, model.context) for t in dict.fromkeys([model.text, *texts])}
+        found = {t.stem: _llama_perplexity(scorer, path, t, model.context) for t in dict.fromkeys([model.text, *texts])}
         base = base or found
         ppl, ref = found[model.text.stem], base[model.text.stem]
         assert ppl is not None and ref is not None, f"{model.text}: shorter than two contexts of {model.context} tokens"

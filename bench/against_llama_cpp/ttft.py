@@ -26,7 +26,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 from harness import RESULTS, write_results  # noqa: E402
-from peers import bundle, gguf_files, llama_cpp, log  # noqa: E402
+from llama_build import fastest  # noqa: E402
+from peers import TARGETS, bundle, gguf_files, llama_cpp, log  # noqa: E402
 
 PROMPT = "The capital of France is"
 
@@ -55,7 +56,7 @@ def main() -> int:
     tree = llama_cpp()
     gguf = next(iter(gguf_files(tree, args.model).values()))
     ours = bundle(args.model, 1)
-    llama = [str(tree / "build" / "bin" / "llama-completion"), "-m", str(gguf), "-p", PROMPT, "-n", "1", "-t",
+    llama = [str(fastest(tree, TARGETS, gguf, log=log).tool("llama-completion")), "-m", str(gguf), "-p", PROMPT, "-n", "1", "-t",
              str(args.threads), "-no-cnv", "--no-warmup"]
 
     def ovshard(in_process: bool) -> list[str]:

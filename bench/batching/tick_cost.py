@@ -12,7 +12,7 @@ once (two threads, one per stage, each inference on its own thread): on one mach
 bus and caches, which separate PCs do not; "ceiling, both at once" uses those times for the N-stream groups.
 Results: bench/results/tick_cost.{json,md}.
 
-    .venv/bin/python bench/batching/tick_cost.py [--bundle B] [--threads 1] [--rounds 12]
+    .venv/bin/python bench/batching/tick_cost.py [--bundle B] [--threads 1] [--rounds 12] [--prop KEY=VALUE]
 """
 
 from __future__ import annotations
@@ -48,15 +48,17 @@ def default_bundle() -> Path:
     return bench.bundle(MODELS["llama-3.2-1b"], 2)
 
 
-def tick_times(bundle: Path, threads: int, rounds: int) -> tuple[list[dict[int, float]], list[dict[int, float]]]:
-    """Per stage: sequences per tick -> median seconds of one tick, alone and with the other stage computing."""
+def tick_times(bundle: Path, threads: int, rounds: int,
+               props: dict[str, str] | None = None) -> tuple[list[dict[int, float]], list[dict[int, float]]]:
+    """Per stage: sequences per tick -> median seconds of one tick, alone and with the other stage computing;
+    ``props``: CPU plugin properties over the bundle's hints."""
     manifest, core = read_manifest(bundle), ov.Core()
     rng = np.random.default_rng(0)
     per_seq = -(-(CONTEXT + 1) // 32) + 1
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(max(SEQUENCES))]
     stages, makers = [], []
     for index in range(manifest.num_stages):
-        stage = compile_paged(core, bundle, manifest, index, "CPU", stage_config(False, threads),
+        stage = compile_paged(core, bundle, manifest, index, "CPU", {**(stage_config(False, threads) or {}), **(props or {})},
                               per_seq * max(SEQUENCES), slice_logits=True)
         if index == 0:
             def rows(n: int) -> np.ndarray:
@@ -108,12 +110,15 @@ def main() -> int:
     parser.add_argument("--bundle", type=Path, help="a 2-stage bundle (default: the Llama-3.2-1B shape, INT4)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--prop", action="append", default=[], metavar="KEY=VALUE",
+                        help="a CPU plugin property over the bundle's hints (repeatable)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
     bundle = args.bundle or default_bundle()
     if read_manifest(bundle).num_stages != 2:
         parser.error(f"{bundle}: the ceilings assume 2 stages; compile it with --stages 2")
-    alone, paired = tick_times(bundle, args.threads, args.rounds)
+    props = dict(p.split("=", 1) for p in args.prop)
+    alone, paired = tick_times(bundle, args.threads, args.rounds, props)
     rows: list[dict[str, object]] = []
     for side, times in (("alone", alone), ("both at once", paired)):
         rows += [{"stage": f"{k} ({side})", **{f"{n} seqs ms": round(t[n] * 1e3, 1) for n in SEQUENCES},
@@ -124,7 +129,7 @@ def main() -> int:
                  **{f"{n} streams": round(ceiling(alone, n), 2) for n in STREAMS}})
     rows.append({"stage": "ceiling, N streams / 1 stream (both at once)", **blank,
                  **{f"{n} streams": round(ceiling(paired, n, alone), 2) for n in STREAMS}})
-    meta = {"bundle": str(bundle), "threads": args.threads, "rounds": args.rounds}
+    meta = {"bundle": str(bundle), "threads": args.threads, "rounds": args.rounds, "properties": props}
     print(write_results("tick_cost", rows, meta, out=args.out, title="a paged tick's compute against its sequences"))
     return 0
 
