@@ -158,10 +158,10 @@ def main() -> int:
     if not 1 <= args.stages <= args.threads:
         parser.error(f"--stages {args.stages}: expected 1 to --threads ({args.threads}), one thread a stage at least")
     bundle = default_bundle(gguf, args.stages, args.cache)
-    llama_build = fastest(peers.llama_cpp(), peers.TARGETS, gguf, log=log)  # AMX where it runs, else without
-    log(f"llama.cpp: {llama_build.label}")
+    peer = fastest(peers.llama_cpp(), peers.TARGETS, gguf, log=log)  # AMX where it runs, else without
+    log(f"llama.cpp: {peer.label}")
     port = free_port()
-    llama = [str(llama_build.tool("llama-server")), "-m", str(gguf), "-np", str(args.clients),
+    llama = [str(peer.tool("llama-server")), "-m", str(gguf), "-np", str(args.clients),
              "--cont-batching", "-t", str(args.threads), "-c", str(args.clients * 1024), "--host", "127.0.0.1",
              "--port", str(port)]
     samples: dict[str, list[float]] = {"ovshard": [], "llama-server": []}
@@ -185,7 +185,7 @@ def main() -> int:
     ratio = statistics.median(a / b for a, b in zip(samples["ovshard"], samples["llama-server"], strict=True))
     rows = [{"clients": args.clients, "ovshard_kv": args.kv, "ovshard_tok_s": round(statistics.median(samples["ovshard"]), 1),
              "llama_server_tok_s": round(statistics.median(samples["llama-server"]), 1),
-             "ovshard_vs_llama_server": round(ratio, 2), "target": ">= 1.3x", "llama.cpp build": llama_build.label}]
+             "ovshard_vs_llama_server": round(ratio, 2), "target": ">= 1.3x", "llama.cpp build": peer.label}]
     command = " ".join([".venv/bin/python", "bench/against_llama_cpp/server_peers.py", *sys.argv[1:]])
     print(write_rows(args.results, "server_peers", command, [{**rows[0], "samples": samples}], list(rows[0])))
     return 0
