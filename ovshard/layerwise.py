@@ -375,7 +375,7 @@ def _job(checkpoint: Path, job: Job, passes_of: Callable[[], list[GraphPass]], m
     from ovshard.memory import return_freed_blocks
 
     return_freed_blocks()  # as in the main process (ovshard.compile.compile_bundle)
-    with watchdog.one_blas_thread():  # as in the main process: numpy's BLAS never hands work to its own threads
+    with watchdog.no_telemetry(), watchdog.one_blas_thread():  # as in the main process: no fork, no BLAS threads
         _job_piece(open_source(checkpoint), job, passes_of, max_positions, cache_root, scratch, piece_bytes)
 
 

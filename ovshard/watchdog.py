@@ -1,12 +1,21 @@
-"""A compile that cannot hang in numpy's BLAS, and that says where it is when it makes no progress.
+"""A compile that never forks itself, cannot hang in numpy's BLAS, and says where it is when it makes no progress.
 
 A default (calibrated) compile was once seen to stop for good: its main thread spun in OpenBLAS's
 ``exec_blas`` (a matmul of NNCF's scale estimation) waiting for a BLAS worker thread that slept in a futex and
-never took the job. ``exec_blas`` is OpenBLAS's hand-off to its own thread pool; with one BLAS thread it is never
-called (the kernel runs in the calling thread), so a compile runs numpy's BLAS on one thread
-(``threadpoolctl``). It costs nothing measurable: the default compile of SmolLM2-135M took 51.3 s with one BLAS
-thread and 53.5 s with two on 2 cores, with byte-identical weights (the heavy work is OpenVINO's and torch's,
-on their own threads).
+never took the job. The cause: OpenVINO's converter and NNCF report each use to their telemetry, which sends
+every event from a thread of its pool through a forked child of the process (``openvino_telemetry``'s GA4
+backend: ``multiprocessing.Process`` on Linux), and OpenBLAS shuts its thread pool down in a ``pthread_atfork``
+handler (``blas_thread_shutdown_``) whatever another thread is doing in it. A fork from one thread while
+another multiplies in numpy's BLAS hangs: shown in a few seconds by a thread forking in a loop beside one
+calling ``a @ a`` (gdb: the forking thread in ``blas_thread_shutdown_`` joining a BLAS worker that waits for
+work, the matmul never returning). Each fork also copies the page tables of a compiler holding gigabytes:
+the telemetry made a data-free compile of four 1B-shaped layers take 30 s instead of 17.
+
+So a compile declines the telemetry for its own process (:func:`no_telemetry`; the user's own setting, the
+consent file of ``opt_in_out``, is never touched), and runs numpy's BLAS on one thread (``threadpoolctl``):
+its hand-off to a thread pool is then never taken, whatever else forks. One BLAS thread costs nothing
+measurable: the default compile of SmolLM2-135M took 51.3 s with one and 53.5 s with two on 2 cores, with
+byte-identical weights (the heavy work is OpenVINO's and torch's, on their own threads).
 
 And whatever else might stop a compile, it is not silent: the compile beats a heartbeat at every piece it
 finishes (:func:`beat`), and a watchdog thread that hears none for ``stall_s`` seconds logs what the last beat
@@ -79,12 +88,34 @@ def one_blas_thread() -> Iterator[None]:
 
 
 @contextmanager
+def no_telemetry() -> Iterator[None]:
+    """OpenVINO's and NNCF's telemetry declined inside: their shared ``openvino_telemetry.Telemetry`` finds no
+    consent whenever a tool (re)initialises it, and an instance made before has its consent taken away, so no
+    event is sent and nothing forks. Afterwards the check is the library's own again."""
+    try:
+        from openvino_telemetry import Telemetry
+        from openvino_telemetry.utils.opt_in_checker import ConsentCheckResult, OptInChecker
+    except ImportError:  # no telemetry package: nothing to decline
+        yield
+        return
+    check = OptInChecker.check
+    OptInChecker.check = lambda self, *args, **kwargs: ConsentCheckResult.DECLINED
+    made = getattr(Telemetry, "_SingletonMetaClass__single_instance", None)
+    if made is not None:
+        made.consent = False
+    try:
+        yield
+    finally:
+        OptInChecker.check = check
+
+
+@contextmanager
 def guarded(stall_s: float = STALL_S) -> Iterator[None]:
-    """Run a compile with numpy's BLAS on one thread and a watchdog on its heartbeat."""
+    """Run a compile with no telemetry, numpy's BLAS on one thread and a watchdog on its heartbeat."""
     beat("the compile started")
     stop = threading.Event()
     watcher = threading.Thread(target=_watch, args=(stop, stall_s), name="ovshard-watchdog", daemon=True)
-    with one_blas_thread():
+    with no_telemetry(), one_blas_thread():
         watcher.start()
         try:
             yield

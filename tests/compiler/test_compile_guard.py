@@ -1,8 +1,12 @@
-"""A compile runs numpy's BLAS on one thread, ends under a load of other numpy threads, and reports a stall."""
+"""A compile forks nothing (no telemetry), runs numpy's BLAS on one thread, ends under a load of other numpy threads,
+and reports a stall."""
 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -75,3 +79,35 @@ def test_the_default_compile_ends_under_a_load_of_numpy_threads(stories: Path, t
     assert not worker.is_alive(), "the compile did not end within 15 minutes under load"
     assert not errors, errors
     assert read_manifest(tmp_path / "bundle").weights.methods  # it calibrated, as the default does
+
+
+# Run as a user would (no CI variable, a home of its own where OpenVINO's telemetry was never declined): once
+# `import openvino` has sent its own event, count every fork of the process while it compiles.
+_COUNT_FORKS = """
+import os, sys, time
+import openvino  # its import sends one telemetry event, from the sender's thread pool
+from openvino_telemetry import Telemetry
+sender = Telemetry().sender
+while sender.queue_size:  # that event sent before the count starts
+    time.sleep(0.05)
+forks = []
+os.register_at_fork(before=lambda: forks.append(1))
+from ovshard.cli import main
+code = main(["-q", "compile", sys.argv[1], "-o", sys.argv[2], "--no-cache", "--stages", "2"])
+print(code, len(forks))
+"""
+
+
+def test_a_compile_forks_nothing_though_telemetry_is_on(stories: Path, tmp_path: Path) -> None:
+    """OpenVINO's converter and NNCF send each event from a forked child (a fork beside a numpy matmul hangs
+    OpenBLAS, and copies a large compiler's page tables): stories260K's default compile, telemetry on for the
+    user, forks no process."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "NNCF_CI", "NNCF_DEV")} | {"HOME": str(home)}
+    done = subprocess.run([sys.executable, "-c", _COUNT_FORKS, str(stories), str(tmp_path / "bundle")], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (home / "intel" / "openvino_ga_cid").is_file(), "the telemetry was never on: the test shows nothing"
+    assert done.stdout.split()[-2:] == ["0", "0"], (done.stdout, done.stderr[-3000:])
+    assert read_manifest(tmp_path / "bundle").weights.methods  # the default compile: calibrated
