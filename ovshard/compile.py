@@ -38,7 +38,7 @@ from ovshard.bundle.manifest import (
 )
 from ovshard.bundle.plan import PartitionPlan
 from ovshard.bundle.stage import StageSpec
-from ovshard.bundle.weights import DEFAULT_DATA_AWARE, DEFAULT_DATA_AWARE_ASYM, WeightFormat
+from ovshard.bundle.weights import DEFAULT_DATA_AWARE, DEFAULT_DATA_AWARE_ASYM, OWN_FIT, WeightFormat
 from ovshard.cache import PieceCache, tokenizer_key
 from ovshard.compile_config import (
     CompileConfig,
@@ -50,6 +50,7 @@ from ovshard.compile_config import (
 from ovshard.errors import BundleError, ConfigError, PlanError
 from ovshard.frontend.calibration import Activations, calibration_text
 from ovshard.frontend.checkpoint import Checkpoint
+from ovshard.frontend.fit_ahead import FitAhead
 from ovshard.frontend.source import open_source
 from ovshard.frontend.trace import trace_stage
 from ovshard.ir.instruments import (
@@ -81,7 +82,7 @@ CHAT_RECORD = ".chat.json"  # the chat template's record beside a converted toke
 
 
 def _calibrate(config: CompileConfig, ckpt: Checkpoint, workdir: Path,
-               max_positions: int) -> tuple[CompileConfig, Activations | None]:
+               max_positions: int) -> tuple[CompileConfig, Activations | FitAhead | None]:
     """With --calibration: the text, recorded in the weight format, and the activations the layers read."""
     if config.calibration == "default":
         config = replace(config, calibration=default_calibration(config, ckpt))
@@ -98,7 +99,10 @@ def _calibrate(config: CompileConfig, ckpt: Checkpoint, workdir: Path,
     if config.jobs > 1:
         log.warning("--jobs %d: a calibrated compile builds its layers one after another (each reads the "
                     "activations of the layers before it); using 1", config.jobs)
-    return replace(config, weights=weights, jobs=1), Activations(ckpt, text, max_positions)
+    activations = Activations(ckpt, text, max_positions)
+    # the scale fit's work runs beside the layer's conversion (ovshard.frontend.fit_ahead)
+    return replace(config, weights=weights, jobs=1), (FitAhead(activations, weights) if OWN_FIT in weights.methods
+                                                      else activations)
 
 
 def served_positions(config: CompileConfig, ckpt: Checkpoint) -> int:
@@ -138,7 +142,7 @@ def _instruments(config: CompileConfig) -> list[Instrument]:
 
 
 def compile_stage(ckpt: Checkpoint, stage: StageSpec, config: CompileConfig, max_positions: int,
-                  workdir: Path, calibration: Activations | None = None,
+                  workdir: Path, calibration: Activations | FitAhead | None = None,
                   progress: LayerProgress | None = None) -> tuple[StageEntry, list[PassRecord]]:
     """Build one stage (streamed or whole), save it; free everything before returning."""
     start = time.perf_counter()

@@ -165,7 +165,10 @@ def _tied_head(b: StageBuild, asm: Assembler, weight: ov.Output) -> None:
 def _trace_layers(b: StageBuild, a: int, z: int) -> ov.Model:
     """Layers [a, z) traced. A calibrated compile lends their float32 weights, which the traced graph's constants
     share, to its float32 runs of the layers (``Calibration.lend``): read once, held once."""
-    weights = [load_layer(b.ckpt, i, b.stage) for i in range(a, z)]
+    weights = []
+    for i in range(a, z):
+        held = b.calibration.weights(i) if b.calibration is not None else None  # loaded ahead by the calibration
+        weights.append(held if held is not None else load_layer(b.ckpt, i, b.stage))
     if b.calibration is not None:
         b.calibration.lend(a, weights)
     return pieces.layers_piece(b.ckpt, a, z, b.stage, weights)

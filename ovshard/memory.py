@@ -78,14 +78,41 @@ def return_freed_blocks(threshold: int = MMAP_THRESHOLD) -> bool:
     weight) then gave their pages back and faulted them in anew (~50,000 page faults a 1B-shaped gate weight, the fit
     1.5x slower on 2 cores: page faults of one process's threads queue on its memory map), so the heap keeps
     ``TRIM_THRESHOLD`` (8 MiB; 2 MiB still faulted) free at its top."""
+    global _fixed
+    if _mallopt(M_MMAP_THRESHOLD, threshold) and _mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD):
+        _fixed = threshold
+        return True
+    return False
+
+
+_fixed: int | None = None  # the mmap threshold return_freed_blocks fixed, once it has
+
+
+@contextmanager
+def heap_below(size: int) -> Iterator[None]:
+    """Inside, blocks under ``size`` bytes come from the heap even where :func:`return_freed_blocks` fixed a lower
+    threshold: for work that frees and allocates such blocks many times (the scale fit's tiles), which a mapping
+    each would fault in and zero anew; then the fixed threshold again. Nothing where none was fixed (glibc's own
+    threshold follows the blocks freed)."""
+    fixed = _fixed
+    if fixed is None or size <= fixed or not _mallopt(M_MMAP_THRESHOLD, size):
+        yield
+        return
+    try:
+        yield
+    finally:
+        _mallopt(M_MMAP_THRESHOLD, fixed)
+
+
+def _mallopt(parameter: int, value: int) -> bool:
+    """glibc's ``mallopt``; False where the C library is not glibc."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        return bool(libc.mallopt(parameter, value))
     except (OSError, AttributeError):  # musl and others have no mallopt
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, threshold)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
 @contextmanager

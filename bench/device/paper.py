@@ -145,18 +145,22 @@ def gguf_files(work: Path, llama_src: Path, bins: Path, shape: str, ckpt: Path) 
 
 
 def compile_bundle(ckpt: Path, out: Path, stages: int, extra: tuple[str, ...] = (),
-                   positions: int = 4096) -> dict[str, float]:
+                   positions: int = 4096, package: str | None = None) -> dict[str, float]:
     """``ovshard compile`` in a child process: its wall seconds and peak RSS (GB), the peak as the compile reports
     it (``VmHWM``): a child's ``ru_maxrss`` starts from this process's resident set at the fork, which after the
-    8B shape's checkpoint writing is larger than a compile's whole peak."""
+    8B shape's checkpoint writing is larger than a compile's whole peak. ``package``: another ovshard (a folder laid
+    out as run.sh lays out this one) first on the child's path, to time a change against the code before it."""
     start = time.perf_counter()
+    env = None if package is None else dict(os.environ, PYTHONPATH=f"{package}:{os.environ.get('PYTHONPATH', '')}")
     done = subprocess.run([sys.executable, "-m", "ovshard.cli", "-q", "compile", str(ckpt), "-o", str(out),
                            "--stages", str(stages), "--max-positions", str(positions), "--no-cache", "--json", *extra],
-                          stdout=subprocess.PIPE, text=True)
+                          stdout=subprocess.PIPE, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"compile of {ckpt} failed (status {done.returncode})")
-    peak = json.loads(done.stdout)["peak_rss_bytes"]
-    return {"wall_s": round(time.perf_counter() - start, 1), "peak_rss_gb": round(peak / 2**30, 2) if peak else None}
+    found = json.loads(done.stdout)
+    peak = found["peak_rss_bytes"]
+    return {"wall_s": round(time.perf_counter() - start, 1), "peak_rss_gb": round(peak / 2**30, 2) if peak else None,
+            "layer_pieces_s_per_layer": found.get("seconds_per_layer")}
 
 
 def regroup(fine: Path, groups: list[list[int]], out: Path) -> Path:
@@ -215,23 +219,26 @@ def cost(work: Path, results: Results, shape: str) -> None:
     RSS, at 2 and 4 layers (``PAPER_COST_LAYERS=2,8`` for another pair: the 8B shape's fixed part, its
     embedding and INT8 lm_head, hides a layer's cost at 2 and 4)."""
     short, long = (int(n) for n in os.environ.get("PAPER_COST_LAYERS", "2,4").split(","))
-    variants = {"data-free": ("--calibration", "none"),
-                "the default (scale fit on the shipped text)": ()}
+    variants: dict[str, tuple[tuple[str, ...], str | None]] = {
+        "data-free": (("--calibration", "none"), None), "the default (scale fit on the shipped text)": ((), None)}
+    if os.environ.get("PAPER_COST_BEFORE"):  # the default compile of an earlier ovshard, beside this one's
+        variants["the default, the code before (PAPER_COST_BEFORE)"] = ((), os.environ["PAPER_COST_BEFORE"])
     rows = []
-    for name, extra in variants.items():
+    for name, (extra, package) in variants.items():
         got = {}
         for layers in (short, long):
             ckpt = checkpoint(work, shape, layers)
             out = work / f"cost-{layers}l"
             shutil.rmtree(out, ignore_errors=True)
-            got[layers] = compile_bundle(ckpt, out, 1, ("--budget", "1.0", *extra))
+            got[layers] = compile_bundle(ckpt, out, 1, ("--budget", "1.0", *extra), package=package)
             shutil.rmtree(out, ignore_errors=True)
             log(f"cost: {name}, {layers} layers: {got[layers]}")
         rows.append({"variant": name, f"wall_{short}_layers_s": got[short]["wall_s"],
                      f"wall_{long}_layers_s": got[long]["wall_s"],
                      "s_per_layer": round((got[long]["wall_s"] - got[short]["wall_s"]) / (long - short), 2),
                      f"peak_rss_gb_{short}_layers": got[short]["peak_rss_gb"],
-                     f"peak_rss_gb_{long}_layers": got[long]["peak_rss_gb"]})
+                     f"peak_rss_gb_{long}_layers": got[long]["peak_rss_gb"],
+                     f"layer_pieces_s_per_layer_{long}_layers": got[long]["layer_pieces_s_per_layer"]})
         results.put("cost", {"shape": shape, "rows": rows})
     base = rows[0]["s_per_layer"]
     for row in rows:

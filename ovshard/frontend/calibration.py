@@ -99,6 +99,10 @@ def calibration_text(ckpt: Checkpoint, source: str, samples: int, tokens: int, s
     # verbose=False: the whole text is longer than the tokenizer's model_max_length by design (it is cut into samples
     # below), and transformers would warn that running it through the model as one sequence fails
     ids = list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+    if max(ids, default=0) >= ckpt.dims.vocab_size:
+        raise ConfigError(f"--calibration {source}: the tokenizer beside {ckpt.path} gives token ids up to {max(ids)}, "
+                          f"past the model's {ckpt.dims.vocab_size} embedding rows: it is not this model's tokenizer; "
+                          "put the model's own beside it, or compile with --calibration none (data-free INT4)")
     step = tokens - (bos is not None)
     cut = [([bos] if bos is not None else []) + ids[k:k + step] for k in range(0, len(ids), step)]
     cut = [c for c in cut if len(c) >= MIN_TOKENS]
@@ -274,8 +278,11 @@ class Activations:
         self.lent: dict[int, Weights] = {}  # layer -> its float32 weights, loaded by the piece's trace (lend)
         self.table_moments: dict[int, torch.Tensor] = {}  # group -> second moments of the lm_head's inputs
 
+    def weights(self, layer: int) -> Weights | None:
+        return None  # never loaded ahead: the trace loads each layer and lends it (``lend``)
+
     def lend(self, first: int, weights: Sequence[Weights]) -> None:
-        """Layers ``first`` ...'s float32 weights, loaded for their trace: :meth:`_catch` reads them, not the file."""
+        """Layers ``first`` ...'s float32 weights, loaded for their trace: :meth:`catch` reads them, not the file."""
         self.lent = {first + k: w for k, w in enumerate(weights)}
 
     def fit_int4(self, key: str, weight: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
@@ -284,7 +291,7 @@ class Activations:
         the data-free min-max scale)."""
         layer, projection = key.split(".")
         if self.caught_layer != int(layer):
-            self._catch(int(layer))
+            self.catch(int(layer))
         if weight.ndim == 3:
             fitted = [self._fit(f"{projection}[{e}]", weight[e], group) for e in range(weight.shape[0])]
             return np.stack([c for c, _ in fitted]), np.stack([s for _, s in fitted])
@@ -323,7 +330,7 @@ class Activations:
         codes, scales = int4_fit.fit(_read_only(weight), self.moments[(id(inputs), group)])
         return codes.numpy(), scales.numpy()
 
-    def _catch(self, layer: int) -> None:
+    def catch(self, layer: int) -> None:
         """Run ``layer`` on every sample, keeping its matmuls' inputs, and move the samples past it."""
         self._move_to(layer)
         self.caught, self.moments, self.caught_layer = {}, {}, None

@@ -27,11 +27,13 @@ from contextlib import contextmanager
 import torch
 
 from ovshard.frontend.onednn import linear
+from ovshard.memory import heap_below
 
 ROUNDS = 1  # least-squares refits after the first (each: the codes its scale rounds to, and their own refit)
 LOW, HIGH = -8, 7  # symmetric INT4 codes
-BLOCK_BYTES = 512 << 10  # the tile fitted at once holds about this much f32: each temporary stays in cache, and under
-# the 1 MiB at which the compile has glibc serve (and zero-fill) every allocation by mmap (ovshard.memory)
+BLOCK_BYTES = 2 << 20  # the tile fitted at once holds about this much f32: few enough torch ops a weight that 16
+# threads do not queue on the GIL between them, and the temporaries still in a core's L2; kept in the heap while the
+# fit runs (ovshard.memory.heap_below), not mapped and zero-filled anew each
 
 
 def second_moments(inputs: torch.Tensor, group: int) -> torch.Tensor:
@@ -79,8 +81,8 @@ def _fit_tiles(weight: torch.Tensor, moments: torch.Tensor, fit_block: Callable[
     tiles = [(start, g) for start in range(0, out_features, rows) for g in range(groups)]
     workers = torch.get_num_threads()
     # each worker one thread for oneDNN too: its OpenMP thread count is per thread, and a new one would take every core
-    with torch.no_grad(), _one_thread(), ThreadPoolExecutor(workers, initializer=torch.set_num_threads,
-                                                            initargs=(1,)) as pool:
+    with torch.no_grad(), _one_thread(), heap_below(4 * BLOCK_BYTES), ThreadPoolExecutor(
+            workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
         list(pool.map(fit_tile, tiles))
     return tuple(outputs)
 

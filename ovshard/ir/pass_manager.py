@@ -71,6 +71,10 @@ class Calibration(Protocol):
         lm_head's inputs, the final hidden states after the final norm: symmetric as :meth:`fit_int4` returns;
         ``asym``: uint8 codes in [0, 15], uint8 zero points [rows, groups, 1] and f16 scales."""
 
+    def weights(self, layer: int) -> Any | None:
+        """Layer ``layer``'s float32 weights (``ovshard.frontend.stage_module.Weights``) if the calibration loaded
+        them already (``ovshard.frontend.fit_ahead``), for the trace to take; None: the trace loads them."""
+
     def lend(self, first: int, weights: Sequence[Any]) -> None:
         """The float32 weights (``ovshard.frontend.stage_module.Weights``) of layers ``first``, ``first + 1`` ...,
         loaded to trace their piece: the float32 runs that catch those layers' matmul inputs read them instead of

@@ -136,6 +136,15 @@ def test_calibration_errors_say_what_to_do(stories: Path, tmp_path: Path) -> Non
                               capture_output=True, text=True, timeout=300)
         assert done.returncode != 0 and message in done.stderr, (flags, done.stderr[-800:])
         assert "Traceback" not in done.stderr and not (tmp_path / "b").exists()
+    small = tmp_path / "small"  # a 256-row vocabulary beside stories260K's tokenizer, whose ids reach 511
+    subprocess.run([*CLI, "-q", "synth", "tiny", "--layers", "1", "-o", str(small)], check=True, capture_output=True)
+    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (stories / name).is_file():
+            (small / name).write_bytes((stories / name).read_bytes())
+    done = subprocess.run([*CLI, "compile", str(small), "-o", str(tmp_path / "b"), "--no-cache"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2 and "is not this model's tokenizer" in done.stderr, done.stderr[-800:]
+    assert "Traceback" not in done.stderr and not (tmp_path / "b").exists()
     with pytest.raises(ConfigError, match="fewer than one sample"):
         short = tmp_path / "short.txt"
         short.write_text("Once upon a time.")
