@@ -11,9 +11,9 @@ prepared (the first, or a mixture-of-experts layer, whose float32 experts are to
 prepared from the weights its trace lends (``Calibration.lend``) while the trace converts it. Memory: one dense
 layer's float32 weights more, held ahead.
 
-Loading ahead pays where cores are spare. On the device's 16-core Xeon (the 8B shape, 4 layers, ``--budget 1.0``)
-a calibrated layer cost 1.42-1.59x a data-free one with it, at 1.48x the peak memory, against 1.69-1.77x (1.09x
-the memory) with the fits only beside the conversion; on 2 cores it cost more than fitting beside the conversion
+Loading ahead pays where cores are spare. On a 16-core Xeon (the 8B shape, 4 and 8 layers, ``--budget 1.0``) a
+calibrated layer cost 1.42-1.59x a data-free one with it (median 1.53x), at 1.40-1.48x the peak memory, against
+1.69-1.77x (1.09x the memory) with the fits only beside the conversion; on 2 cores it cost more than fitting beside the conversion
 alone (the two threads share the cores, and the memory is 1.35x). So a layer is loaded ahead only where torch has
 ``AHEAD_THREADS`` threads or more (docs/results/2026-12-int4-fit.md).
 
