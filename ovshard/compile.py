@@ -358,6 +358,8 @@ def _compile_bundle(config: CompileConfig, progress: LayerProgress) -> Manifest:
             watchdog.beat(f"stage {stage.index} compiled")
             entries.append(entry)
             log_records += records
+        if isinstance(activations, FitAhead):
+            activations.close()  # what it prepared for a piece the cache held goes now, and its thread
         tokenizer, chat = _tokenizer(ckpt, workdir, _piece_cache(config, workdir) if config.cache_dir else None)
         manifest = Manifest(
             source=Source(path=str(ckpt.path), fingerprint=ckpt.fingerprint(), model_type=ckpt.dims.model_type,

@@ -88,6 +88,9 @@ class FitAhead:
         if all(first + n in self.ready for n in range(len(weights))):  # prepared ahead (or the piece is done)
             return
         self._settle()
+        # what was prepared ahead and never taken (a piece the cache held): dropped, not held to the end
+        self.loaded.clear()
+        self.fitted = {key: fit for key, fit in self.fitted.items() if int(key.split(".")[0]) >= first}
         self._submit(list(weights), first)
 
     def fit_int4(self, key: str, weight: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
@@ -103,11 +106,19 @@ class FitAhead:
 
     def fit_table(self, weight: np.ndarray, group: int, asym: bool = False) -> tuple[np.ndarray, ...]:
         self._settle()
+        self.loaded.clear()  # the lm_head comes after every layer: nothing loaded ahead is still to be taken
         return self.activations.fit_table(weight, group, asym)
 
     def __call__(self, piece: Piece) -> list[dict[str, np.ndarray]] | None:
         self._settle()
         return self.activations(piece)
+
+    def close(self) -> None:
+        """The compile is done with it: its thread's work waited for and the thread ended, nothing held."""
+        self._settle()
+        self.pool.shutdown()
+        self.loaded.clear()
+        self.fitted.clear()
 
     def _submit(self, lent: list[Weights], first: int) -> None:
         """Prepare the ``lent`` layers from ``first`` on the thread, then load and prepare the dense layer after."""

@@ -38,7 +38,11 @@ def test_fitting_ahead_stores_the_same_bytes(stories: Path, tmp_path: Path, monk
         compile_bundle(CompileConfig(stories, tmp_path / name, stages=2, cache_dir=None))
         return _bins(tmp_path / name)
 
-    in_turn = compile_with("in-turn", lambda activations, fmt: activations, 1)
+    class InTurn:  # the activations alone: each layer run and fitted when the compression asks
+        def __new__(cls, activations: object, fmt: object) -> object:  # type: ignore[misc]
+            return activations
+
+    in_turn = compile_with("in-turn", InTurn, 1)
     beside = compile_with("beside", Recorded, 10**6)
     ahead = compile_with("ahead", Recorded, 1)
     assert in_turn and beside == in_turn and ahead == in_turn
@@ -46,3 +50,25 @@ def test_fitting_ahead_stores_the_same_bytes(stories: Path, tmp_path: Path, monk
     for done in made:
         assert done.handed > 0 and not done.fitted and not done.loaded, (done.handed, done.fitted, done.loaded)
     assert made[0].handed == made[1].handed
+
+
+def test_a_layer_prepared_ahead_for_a_cached_piece_is_not_held(stories: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stage 1 compiled alone fills the piece cache; the whole compile then takes stage 1's piece from it, so the
+    layer prepared ahead for that piece is never traced: the bundle is still the uncached one, and nothing loaded
+    ahead is left held."""
+    made: list[fit_ahead.FitAhead] = []
+
+    class Recorded(fit_ahead.FitAhead):
+        def __init__(self, *args: object) -> None:
+            super().__init__(*args)  # type: ignore[arg-type]
+            made.append(self)
+
+    monkeypatch.setattr(compile_module, "FitAhead", Recorded)
+    monkeypatch.setattr(fit_ahead, "AHEAD_THREADS", 1)
+    cache = tmp_path / "cache"
+    compile_bundle(CompileConfig(stories, tmp_path / "part", stages=2, only_stage=1, cache_dir=cache))
+    compile_bundle(CompileConfig(stories, tmp_path / "cached", stages=2, cache_dir=cache))
+    compile_bundle(CompileConfig(stories, tmp_path / "fresh", stages=2, cache_dir=None))
+    assert _bins(tmp_path / "cached") == _bins(tmp_path / "fresh")
+    assert not made[1].loaded and made[1].handed < made[2].handed  # stage 1's fits came from the cache
