@@ -50,6 +50,15 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
         Step("compile/prefill_logits_memory",
              "peak memory of a long prefill on a 128K vocabulary, logits of every row or "
              "only those needed", None, ("--tokens", "32", "--rounds", "1")),
+        Step("compile/layer_clock",
+             "where one compile's time goes, part by part, on the compile's thread and the fit-ahead thread",
+             None, ("{stories}",)),
+        Step("compile/under_load",
+             "the default compile of a real model again and again, every core held by numpy: each must end",
+             None, ("{stories}", "--runs", "1", "--load", "1")),
+        Step("compile/fork_beside_blas",
+             "a fork beside a threaded numpy matmul (what telemetry forks did): hung trials, and with one BLAS "
+             "thread", ("--trials", "3"), ("--trials", "1", "--seconds", "4")),
     )),
     Suite("batching", "paged stages: many sequences in one inference, and what batching changes", (
         Step("batching/paged_batch",

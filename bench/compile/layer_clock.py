@@ -11,6 +11,7 @@ inside the passes), so the column does not add up to the total. Prints a table t
 
 from __future__ import annotations
 
+import argparse
 import collections
 import functools
 import json
@@ -57,6 +58,10 @@ PARTS = [(layerwise, "_trace_layers", "layer piece: weights loaded and traced to
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog="Other options go to `ovshard compile` as they are.")
+    parser.add_argument("checkpoint", help="what `ovshard compile` takes: a checkpoint folder, a GGUF file")
+    args, options = parser.parse_known_args()
     for owner, name, part in PARTS:
         _clocked(owner, name, part)
     import nncf
@@ -64,13 +69,9 @@ def main() -> int:
     _clocked(nncf, "compress_weights", "NNCF compress_weights")
     from ovshard import cli
 
-    args = sys.argv[1:]
-    if not args or args[0].startswith("-"):
-        print(__doc__, file=sys.stderr)
-        return 2
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ovshard-layer-clock-") as tmp:
-        code = cli.main(["-q", "compile", args[0], "-o", f"{tmp}/bundle", "--no-cache", "--json", *args[1:]])
+        code = cli.main(["-q", "compile", args.checkpoint, "-o", f"{tmp}/bundle", "--no-cache", "--json", *options])
     total = time.perf_counter() - began
     names = [part for _, _, part in PARTS] + ["NNCF compress_weights"]
     rows = [(part, round(SECONDS.get((part, "main"), 0.0), 2), round(SECONDS.get((part, "other"), 0.0), 2))
