@@ -252,7 +252,7 @@ def test_a_stage_dying_mid_stream_is_named(bundles: dict[int, Path]) -> None:
             tokens = head.generate([1, 403], SamplingConfig(max_tokens=200))
             next(tokens)
             workers.processes[1].kill()
-            with pytest.raises(OvshardError, match=r"stage \d at 127.0.0.1:\d+ (closed|reported)"):
+            with pytest.raises(OvshardError, match=r"stage \d at 127\.0\.0\.1:\d+"):
                 for _ in tokens:
                     pass
         finally:
