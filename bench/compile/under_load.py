@@ -56,7 +56,8 @@ def main() -> int:
                                           text=True, timeout=args.timeout)
                     code, err = done.returncode, done.stderr
                 except subprocess.TimeoutExpired as e:
-                    code, err = None, (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else ""
+                    code = None  # stalled: keep what it said, the watchdog's report among it
+                    err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
                 seconds = round(time.monotonic() - began, 1)
                 watchdog = "no progress for" in err
                 runs.append({"run": n + 1, "seconds": seconds, "returncode": code, "watchdog_spoke": watchdog})
