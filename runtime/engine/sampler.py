@@ -11,7 +11,7 @@ ranks first (it wins greedy, and it is kept by top-k when only some of the tied 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,9 +64,10 @@ def _check_logits(logits: np.ndarray) -> np.ndarray:
     row = np.asarray(logits, dtype=np.float64)
     if row.ndim != 1 or row.size == 0:
         raise ValueError(f"expected one non-empty logits row [vocab], got shape {row.shape}")
-    if np.isnan(row).any() or np.isposinf(row).any():
+    top = row.max()  # one pass: NaN anywhere makes it NaN, +inf anywhere +inf, every entry -inf -inf
+    if np.isnan(top) or np.isposinf(top):
         raise ValueError("logits contain NaN or +inf: the last stage overflowed (try f32 inference hints)")
-    if np.isneginf(row).all():
+    if np.isneginf(top):
         raise ValueError("every logit is -inf: no token can be sampled")
     return row
 
@@ -76,31 +77,37 @@ def _rank(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return np.lexsort((ids, -logits))
 
 
-def _best(logits: np.ndarray, ids: np.ndarray, k: int) -> np.ndarray:
+def _id(ids: np.ndarray | None, at: np.ndarray) -> np.ndarray:
+    """The token ids at positions ``at`` (``ids`` None: a whole row, whose positions are its ids; no [vocab]
+    range is made for it)."""
+    return at if ids is None else ids[at]
+
+
+def _best(logits: np.ndarray, ids: np.ndarray | None, k: int) -> np.ndarray:
     """`_rank(logits, ids)[:k]` without sorting the whole row: the k-th largest logit t splits it, every
     position above t is in, and positions equal to t fill the rest, lower ids first; only those k are sorted
     (a full sort of a 49,152-token row cost 5 ms a step)."""
     if k >= logits.size:
-        return _rank(logits, ids)
+        return _rank(logits, _id(ids, np.arange(logits.size)))
     t = np.partition(logits, logits.size - k)[logits.size - k]  # the k-th largest
     above = np.flatnonzero(logits > t)
     tied = np.flatnonzero(logits == t)
-    tied = tied[np.argsort(ids[tied], kind="stable")[: k - above.size]]
+    tied = tied[np.argsort(_id(ids, tied), kind="stable")[: k - above.size]]
     chosen = np.concatenate([above, tied])
-    return chosen[_rank(logits[chosen], ids[chosen])]
+    return chosen[_rank(logits[chosen], _id(ids, chosen))]
 
 
-def _nucleus(logits: np.ndarray, z: np.ndarray, ids: np.ndarray, kept: np.ndarray | None,
-             top_p: float) -> np.ndarray:
+def _nucleus(logits: np.ndarray, z: Callable[[np.ndarray | None], np.ndarray], ids: np.ndarray | None,
+             kept: np.ndarray | None, top_p: float) -> np.ndarray:
     """The top-p prefix (see `_support`) of the tokens kept so far (``kept``, ranked; None: the whole row),
     ranking only as many tokens as it takes (by their logits: z can round distinct logits together): 64, then
     8x more until their mass reaches ``top_p``, the whole pool at once past a quarter of it (a flat row)."""
-    pool = z.size if kept is None else kept.size
-    total = np.exp(z if kept is None else z[kept]).sum()
+    pool = logits.size if kept is None else kept.size
+    total = np.exp(z(kept)).sum()
     m = min(64, pool)
     while True:
         order = kept[:m] if kept is not None else _best(logits, ids, m)
-        cumulative = np.cumsum(np.exp(z[order]) / total)
+        cumulative = np.cumsum(np.exp(z(order)) / total)
         n = int(np.searchsorted(cumulative, top_p, side="left")) + 1
         if n <= m or m == pool:
             return order[: min(n, order.size)]
@@ -121,24 +128,27 @@ def _support(logits: np.ndarray, ids: np.ndarray | None,
     Greedy (T = 0) is the limit T -> 0: all mass on the argmax (lowest id among ties).
     Only the tokens a filter keeps are ranked; with no filter nothing is.
     """
-    if ids is None and (config.greedy or config.top_k or config.top_p < 1):
-        ids = np.arange(logits.size)
     if config.greedy:
-        assert ids is not None
-        return ids[_best(logits, ids, 1)], np.ones(1)
-    with np.errstate(over="ignore"):  # a logit far below the max may overflow to -inf: probability 0
-        z = (logits - logits.max()) / config.temperature
-    if ids is None:  # the whole row, in id order already
-        p = np.exp(z)
-        return None, p / p.sum()
+        return _id(ids, _best(logits, ids, 1)), np.ones(1)
+    top, temperature = logits.max(), config.temperature
+
+    def z(at: np.ndarray | None) -> np.ndarray:
+        """z of the positions ``at`` (None: the whole row), each the same number the whole row's would hold:
+        a top-k filter needs only its k."""
+        with np.errstate(over="ignore"):  # a logit far below the max may overflow to -inf: probability 0
+            return ((logits if at is None else logits[at]) - top) / temperature
+
     order = _best(logits, ids, config.top_k) if config.top_k else None
     if config.top_p < 1:
         order = _nucleus(logits, z, ids, order, config.top_p)
     if order is None:
+        if ids is None:  # the whole row, in id order already
+            p = np.exp(z(None))
+            return None, p / p.sum()
         order = np.arange(ids.size)
-    order = order[np.argsort(ids[order], kind="stable")]  # by token id, so both sample paths draw alike
-    p = np.exp(z[order])
-    return ids[order], p / p.sum()
+    order = order[np.argsort(_id(ids, order), kind="stable")]  # by token id, so both sample paths draw alike
+    p = np.exp(z(order))
+    return _id(ids, order), p / p.sum()
 
 
 def probabilities(logits: np.ndarray, config: SamplingConfig) -> np.ndarray:
@@ -156,8 +166,9 @@ def _draw(ids: np.ndarray | None, p: np.ndarray, rng: np.random.Generator) -> in
     """Inverse CDF over tokens in id order with one uniform u: token i iff c_{i-1} <= u * c_n < c_i
     (``ids`` None: p covers the whole row, position = id)."""
     cumulative = np.cumsum(p)
-    i = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
-    pick = min(i, int(np.flatnonzero(p)[-1]))  # rounding can put u * c_n on c_n itself
+    pick = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+    if pick == p.size:  # rounding put u * c_n on c_n itself: the last token with mass (elsewhere p[pick] > 0)
+        pick = int(np.flatnonzero(p)[-1])
     return pick if ids is None else int(ids[pick])
 
 
