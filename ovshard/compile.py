@@ -121,14 +121,16 @@ def served_positions(config: CompileConfig, ckpt: Checkpoint) -> int:
 
 def make_plan(config: CompileConfig, ckpt: Checkpoint) -> PartitionPlan:
     model = ckpt.description
-    rotary = rotary_table_bytes(len(model.rope), model.block.rotary_dim,
-                                config.max_positions or model.dims.max_position_embeddings)
-    costs = model_costs(model.arch, model.dims, config.weights, stage_bytes=rotary)
+    positions = config.max_positions or model.dims.max_position_embeddings
+    rotary = rotary_table_bytes(len(model.rope), model.block.rotary_dim, positions)
+    reach = [model.block.window(kind) or model.block.chunk(kind) for kind in model.block.layer_types]
+    costs = model_costs(model.arch, model.dims, config.weights, stage_bytes=rotary, reach=reach)
+    read_context = min(config.context_tokens, positions)  # a step's KV reads: no sequence outgrows the positions
     if config.layers is not None:
         return plan_layers(costs, config.layers, config.context_tokens)
     if config.budgets is not None:
-        return plan_budgets(costs, config.budgets, config.context_tokens, config.balance)
-    return plan_balanced(costs, config.stages or 1, config.context_tokens, config.balance)
+        return plan_budgets(costs, config.budgets, config.context_tokens, config.balance, read_context)
+    return plan_balanced(costs, config.stages or 1, config.context_tokens, config.balance, read_context)
 
 
 def _instruments(config: CompileConfig) -> list[Instrument]:

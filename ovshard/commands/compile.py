@@ -35,11 +35,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     split.add_argument("--layers", help="explicit half-open layer ranges, e.g. 0:3,3:5,5:7")
     split.add_argument("--budgets", help="per-node memory budgets, e.g. 2GB,2GB,4GB (one stage each)")
     p.add_argument("--context-tokens", type=int, default=4096,
-                   help="KV-cache length counted against --budgets (default 4096)")
+                   help="KV-cache length counted against --budgets, and the context whose KV cache a step reads "
+                   "when --balance reads (up to --max-positions; default 4096)")
     p.add_argument("--balance", default="reads", choices=("reads", "memory"),
-                   help="what --stages (and --budgets, among the splits that fit) even out: each stage's weight "
-                   "bytes read per decode step, its step time (default; the lm_head counts, the embedding's "
-                   "gathered rows hardly), or its memory (weights + KV cache)")
+                   help="what --stages (and --budgets, among the splits that fit) even out: each stage's bytes "
+                   "read per decode step, its step time (default; its weights, the lm_head's in the last stage, "
+                   "the embedding's gathered rows hardly, and its layers' KV cache of one sequence at "
+                   "--context-tokens), or its memory (weights + KV cache)")
     p.add_argument("--mla-cache", default="latent", choices=("latent", "expanded"),
                    help="multi-head latent attention (DeepSeek-V3): cache the latent and rotary key (default; 38x "
                    "fewer bytes at V3's width) or every head's key and value (a faster decode step on CPU)")

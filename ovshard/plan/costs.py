@@ -13,6 +13,7 @@ share, beside all of attention and the router), which the planner's step time fo
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from ovshard.bundle.dims import ModelDims
 from ovshard.bundle.kv_store import KVStore, kv_store
@@ -57,16 +58,17 @@ def _layer_bytes(spec: ArchSpec, dims: ModelDims, fmt: WeightFormat, i: int) -> 
     return int(small + min(matrices * int4 + budget_share, matrices * (1.0 - fmt.ratio * (1.0 - int4))))
 
 
-def _layer_block(spec: ArchSpec, dims: ModelDims, fmt: WeightFormat, i: int, kv: int) -> Block:
+def _layer_block(spec: ArchSpec, dims: ModelDims, fmt: WeightFormat, i: int, kv: int, reach: int | None) -> Block:
     """Layer ``i``: its memory counts every expert; a decode step reads only the routed ones (top-k of all). A
     dense layer of a MoE model is read whole."""
     weight_bytes = _layer_bytes(spec, dims, fmt, i)
     if not dims.sparse(i):
-        return Block(f"layer.{i}", "layer", i, weight_bytes, kv)
+        return Block(f"layer.{i}", "layer", i, weight_bytes, kv, kv_reach=reach)
     elements = sum(math.prod(s) for s in layer_tensors(spec, dims, i).values())
     experts = 3 * dims.num_experts * dims.expert_size * dims.hidden_size
     idle = experts * (1.0 - dims.experts_per_token / dims.num_experts) / elements  # share of the layer not read
-    return Block(f"layer.{i}", "layer", i, weight_bytes, kv, read_bytes=int(weight_bytes * (1.0 - idle)))
+    return Block(f"layer.{i}", "layer", i, weight_bytes, kv, read_bytes=int(weight_bytes * (1.0 - idle)),
+                 kv_reach=reach)
 
 
 def rotary_table_bytes(tables: int, rotary_dim: int, max_positions: int) -> int:
@@ -76,20 +78,21 @@ def rotary_table_bytes(tables: int, rotary_dim: int, max_positions: int) -> int:
 
 
 def model_costs(spec: ArchSpec, dims: ModelDims, fmt: WeightFormat, stage_bytes: int = 0,
-                kv_cache: KVStore = NEW_BUNDLE_KV) -> ModelCosts:
+                kv_cache: KVStore = NEW_BUNDLE_KV, reach: Sequence[int | None] = ()) -> ModelCosts:
     """The planner's view of the model: embed, one block per layer, head; ``stage_bytes`` every stage holds
     whatever its layers (the rotary tables: ``rotary_table_bytes``); ``kv_cache``: how its stages store keys and
     values (a compiled bundle's: ``Manifest.kv_store``).
 
     It takes the family and dimensions only (from a :class:`~ovshard.frontend.description.ModelDescription`
-    when compiling, from a manifest's ``architecture`` when placing a compiled bundle)."""
+    when compiling, from a manifest's ``architecture`` when placing a compiled bundle); ``reach``: per layer, the
+    cached positions its attention reads at most (a sliding window), None or empty for all."""
     int8_backup = fmt.mode.startswith("int4") and not fmt.all_layers
     table = dims.vocab_size * dims.hidden_size
     per_weight = bytes_per_weight(fmt.table or fmt, int8_backup and fmt.table is None)
     # a step gathers the fed tokens' rows of the embedding: a row's bytes, against all of the lm_head's
     embed = Block("embed", "embed", None, int(table * per_weight), 0, read_bytes=int(dims.hidden_size * per_weight))
     kv = kv_cache.bytes_per_token(dims)  # cache heads x (key + value dims) as stored: MLA's latent cache too
-    layers = [_layer_block(spec, dims, fmt, i, kv) for i in range(dims.num_layers)]
+    layers = [_layer_block(spec, dims, fmt, i, kv, reach[i] if reach else None) for i in range(dims.num_layers)]
     head = Block("head", "head", None, int(table * per_weight) + 4 * dims.hidden_size, 0)
     return ModelCosts(blocks=(embed, *layers, head), activation_bytes_per_token=dims.hidden_size * WIRE_ELEMENT_BYTES,
                       shared_head_bytes=embed.weight_bytes if dims.tie_word_embeddings else 0,

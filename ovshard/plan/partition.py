@@ -40,6 +40,7 @@ class Block:
     weight_bytes: int  # after the chosen weight compression
     kv_bytes_per_token: int  # KV cache added per token of context (0 for embed and head)
     read_bytes: int | None = None  # weight bytes a decode step reads; None: all of them (the embedding: a row)
+    kv_reach: int | None = None  # cached positions a step's attention reads at most (a sliding window); None: all
 
 
 @dataclass(frozen=True)
@@ -92,11 +93,23 @@ class _Chain:
     stage_bytes: int = 0
     embed_read: int = 0
     head_read: int = 0
+    kv_per_layer: tuple[int, ...] = ()  # [L] KV bytes a cached token takes in each layer
+    kv_reach: tuple[int | None, ...] = ()  # [L] Block.kv_reach
 
-    def reads(self, index: int, count: int, start: int, end: int) -> int:
-        """Weight bytes stage ``index`` of ``count`` reads per decode step: its layers, the lm_head in the
-        last stage; the embedding's one row in the first (what a step's time follows, not bytes held)."""
+    def kv_reads(self, context: int) -> tuple[int, ...]:
+        """[L + 1] prefix sums of the KV bytes a decode step's attention reads in each layer for one sequence of
+        ``context`` tokens: every cached position, or the layer's window of them."""
+        per_layer = (kv * (context if reach is None else min(context, reach))
+                     for kv, reach in zip(self.kv_per_layer, self.kv_reach, strict=True))
+        return tuple(itertools.accumulate(per_layer, initial=0))
+
+    def reads(self, index: int, count: int, start: int, end: int, kv_reads: Sequence[int] | None = None) -> int:
+        """Bytes stage ``index`` of ``count`` reads per decode step: its layers' weights, the lm_head in the
+        last stage, the embedding's one row in the first (what a step's time follows, not bytes held), and, given
+        ``kv_reads`` (``kv_reads(context)``), its layers' KV cache of one sequence at that context."""
         read = self.read_prefix[end] - self.read_prefix[start]
+        if kv_reads is not None:
+            read += kv_reads[end] - kv_reads[start]
         if index == 0:
             read += self.embed_read
         if index == count - 1:
@@ -136,6 +149,8 @@ def _chain(costs: ModelCosts) -> _Chain:
         stage_bytes=costs.stage_bytes,
         embed_read=_read(attrs[0]),
         head_read=_read(attrs[-1]),
+        kv_per_layer=tuple(a["kv_bytes_per_token"] for a in layers),
+        kv_reach=tuple(a.get("kv_reach") for a in layers),
     )
 
 
@@ -219,10 +234,11 @@ BALANCES = ("reads", "memory")
 
 
 def plan_balanced(costs: ModelCosts, num_stages: int, context_tokens: int = 4096,
-                  balance: str = "reads") -> PartitionPlan:
-    """``balance="reads"`` (default): minimise the largest stage's weight bytes read per decode step (its step
-    time: the lm_head counts in the last stage, the embedding's gathered rows hardly at all); ``"memory"``:
-    the largest stage memory (weights + KV cache). Ties: the smallest sum of squares, then the smallest cuts."""
+                  balance: str = "reads", read_context: int | None = None) -> PartitionPlan:
+    """``balance="reads"`` (default): minimise the largest stage's bytes read per decode step (its step time:
+    the lm_head counts in the last stage, the embedding's gathered rows hardly at all, and each layer's KV cache
+    of one sequence at ``read_context`` tokens, by default ``context_tokens``); ``"memory"``: the largest stage
+    memory (weights + KV cache). Ties: the smallest sum of squares, then the smallest cuts."""
     _check_request(costs, num_stages, context_tokens)
     _check_balance(balance)
     chain = _chain(costs)
@@ -230,8 +246,10 @@ def plan_balanced(costs: ModelCosts, num_stages: int, context_tokens: int = 4096
     def memory(i: int, a: int, b: int) -> int:
         return chain.stage(i, num_stages, a, b, context_tokens, None).memory_bytes
 
+    kv = chain.kv_reads(context_tokens if read_context is None else read_context)
+
     def reads(i: int, a: int, b: int) -> int:
-        return chain.reads(i, num_stages, a, b)
+        return chain.reads(i, num_stages, a, b, kv)
 
     cost = reads if balance == "reads" else memory
     _, ranges = optimal_ranges(costs.num_layers, num_stages, cost, lambda i, a, b: cost(i, a, b) ** 2)
@@ -277,10 +295,10 @@ def _check_ranges(ranges: Ranges, size: int) -> None:
 
 
 def plan_budgets(costs: ModelCosts, budgets: Sequence[int], context_tokens: int = 4096,
-                 balance: str = "memory") -> PartitionPlan:
+                 balance: str = "memory", read_context: int | None = None) -> PartitionPlan:
     """Fit stage i within budgets[i]; PlanError if nothing fits. ``balance="memory"``: minimise the largest
     memory/budget ratio; ``"reads"``: among the splits that fit, minimise the largest stage's bytes read per
-    decode step (``plan_balanced``).
+    decode step (``plan_balanced``, KV at ``read_context``).
 
     Ties go to the smallest sum of squares, then the smallest cut positions. When nothing fits, the
     error reports the split with the smallest largest overflow in bytes.
@@ -301,8 +319,10 @@ def plan_budgets(costs: ModelCosts, budgets: Sequence[int], context_tokens: int 
         costs.num_layers, n, lambda i, a, b: Fraction(memory(i, a, b), budgets[i]), ratio_sq
     )
     if worst <= 1 and balance == "reads":
+        kv = chain.kv_reads(context_tokens if read_context is None else read_context)
+
         def reads(i: int, a: int, b: int) -> int | None:
-            return chain.reads(i, n, a, b) if memory(i, a, b) <= budgets[i] else None
+            return chain.reads(i, n, a, b, kv) if memory(i, a, b) <= budgets[i] else None
 
         _, ranges = optimal_ranges(costs.num_layers, n, reads, lambda i, a, b: (reads(i, a, b) or 0) ** 2)
         return _make_plan(chain, "budgets-reads", ranges, context_tokens, budgets)

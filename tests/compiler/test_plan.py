@@ -79,6 +79,7 @@ def test_graph_nodes_carry_block_costs() -> None:
         "weight_bytes": 20,
         "kv_bytes_per_token": 3,
         "read_bytes": None,  # all of its weight bytes
+        "kv_reach": None,  # its attention reads every cached position
     }
     assert graph.nodes["embed"]["weight_bytes"] == 5
     assert graph.nodes["head"]["kind"] == "head"
@@ -148,7 +149,7 @@ def test_balanced_matches_brute_force(
     weights: list[int], embed: int, head: int, kv: int, ctx: int, data: st.DataObject
 ) -> None:
     """The balanced plan is the brute-force minimum of (largest memory, sum of squares, cut positions); by
-    reads, of the same over each stage's bytes read a step."""
+    reads, of the same over each stage's bytes read a step (weights, and one sequence's KV at the context)."""
     costs = make_costs(weights, embed=embed, head=head, kv=kv)
     n = data.draw(st.integers(1, len(weights)), label="num_stages")
     chain = _chain(costs)
@@ -158,7 +159,7 @@ def test_balanced_matches_brute_force(
         return max(memories), sum(m * m for m in memories), ranges
 
     def reads_key(ranges: list[tuple[int, int]]) -> tuple[int, int, list[tuple[int, int]]]:
-        reads = [chain.reads(i, len(ranges), a, b) for i, (a, b) in enumerate(ranges)]
+        reads = [chain.reads(i, len(ranges), a, b, chain.kv_reads(ctx)) for i, (a, b) in enumerate(ranges)]
         return max(reads), sum(r * r for r in reads), ranges
 
     assert ranges_of(plan_balanced(costs, n, ctx, "memory")) == min(all_splits(len(weights), n), key=key)
@@ -441,3 +442,37 @@ def test_balance_by_reads_gives_the_lm_head_stage_fewer_layers() -> None:
         plan_balanced(costs, 2, 0, "speed")
     fits = plan_budgets(costs, [2 << 30, 2 << 30], 0, "reads")
     assert [s.layers for s in fits.stages] == [s.layers for s in reads.stages]
+
+
+def test_balance_by_reads_counts_the_kv_cache_a_step_reads() -> None:
+    """A step's attention reads every cached position of its layers: SmolLM2-135M's shape (576 wide, 3 KV heads
+    of 64: 456 bytes of u8 KV a token a layer, against 2.2 MB of INT4 weights) caches about its weights' bytes
+    a layer at 4,096 tokens, so by reads at that context the last stage, which also reads the INT8 lm_head,
+    takes more layers than by weights alone; the Llama-3.2-1B shape (a layer's weights 30x its KV at 4,096
+    tokens) keeps its cut, and the same context counts in the budgets' reads."""
+    small = describe(preset("llama-3.2-1b", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                            num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152))
+    costs = model_costs(small.arch, small.dims, WeightFormat(mode="int4_affine", group_size=32, budget=1.0))
+    weights_only, at_4k = plan_balanced(costs, 2, 4096, read_context=0), plan_balanced(costs, 2, 4096)
+    assert at_4k.stages[0].layers[1] < weights_only.stages[0].layers[1], (weights_only.format_table(),
+                                                                          at_4k.format_table())
+    chain = _chain(costs)
+    kv = chain.kv_reads(4096)
+    assert (max(chain.reads(s.index, 2, *s.layers, kv) for s in at_4k.stages)
+            < max(chain.reads(s.index, 2, *s.layers, kv) for s in weights_only.stages))
+    fits = plan_budgets(costs, [1 << 30, 1 << 30], 4096, "reads")
+    assert [s.layers for s in fits.stages] == [s.layers for s in at_4k.stages]
+    model = describe(preset("llama-3.2-1b"))
+    dense = model_costs(model.arch, model.dims, WeightFormat())
+    assert ([s.layers for s in plan_balanced(dense, 2, 4096).stages]
+            == [s.layers for s in plan_balanced(dense, 2, 4096, read_context=0).stages])
+
+
+def test_kv_reads_stop_at_a_sliding_layers_window() -> None:
+    """A sliding-window layer's attention reads at most its window of cached positions, a global one all."""
+    blocks = (Block("embed", "embed", None, 0, 0), Block("layer.0", "layer", 0, 100, 10),
+              Block("layer.1", "layer", 1, 100, 10, kv_reach=512), Block("head", "head", None, 0, 0))
+    chain = _chain(ModelCosts(blocks=blocks, activation_bytes_per_token=4))
+    assert chain.kv_reads(4096) == (0, 40960, 40960 + 5120)
+    assert chain.kv_reads(256) == (0, 2560, 5120)
+    assert chain.reads(0, 1, 0, 2, chain.kv_reads(4096)) == 200 + 46080
