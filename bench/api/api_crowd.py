@@ -5,9 +5,11 @@ after 3 chunks, against the server's defaults (or the `ovshard api` options afte
 Prints one JSON object: requests kept, completed (finish reason stop or length), dropped and refused (429,
 with the Retry-After values seen), the median and slowest latency of the kept ones (request sent -> last
 chunk), the KV blocks in use and requests running or waiting once the crowd is over, and each process's RSS
-(the API process, then its workers) after a warm-up of 8 clients and after the crowd.
+(the API process, then its workers) after a warm-up of 8 clients and after the crowd (``--crowds N``: after
+each of N crowds in a row, the last one measured).
 
     .venv/bin/python bench/api/api_crowd.py BUNDLE                          # the defaults
+    .venv/bin/python bench/api/api_crowd.py BUNDLE --crowds 3               # memory after each of 3 crowds
     .venv/bin/python bench/api/api_crowd.py BUNDLE -- --streams 4 --queue 16  # user-set limits
 """
 
@@ -60,12 +62,19 @@ def main() -> int:
     parser.add_argument("bundle", type=Path)
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--crowds", type=int, default=1, help="crowds in a row against the same server; each one's "
+                        "memory after it is reported (a leak grows with every crowd, a batch's buffers once)")
     parser.add_argument("options", nargs="*", help="`ovshard api` options, after --")
     args = parser.parse_args()
     model = args.bundle.resolve().name
     with api(args.bundle, *args.options, local=True) as server:
         at_once(lambda i: client_run(server, model, args.tokens, i), list(range(8)))
         warm = rss_mb(server.process.pid)
+        later = []
+        for _ in range(args.crowds - 1):  # the first crowds: only their memory after them is kept
+            at_once(lambda i: client_run(server, model, args.tokens, i), list(range(args.clients)), 300)
+            until(idle, server.url)
+            later.append(rss_mb(server.process.pid))
         start = time.perf_counter()
         results = at_once(lambda i: client_run(server, model, args.tokens, i), list(range(args.clients)), 300)
         wall = time.perf_counter() - start
@@ -81,7 +90,7 @@ def main() -> int:
             "after": {k: after[k] for k in ("ovshard_kv_blocks{state=used}", "ovshard_active_streams",
                                             "ovshard_queue_depth", "ovshard_batch_sequences{state=running}",
                                             "ovshard_batch_sequences{state=waiting}")},
-            "rss_mb_warm": warm, "rss_mb_after": rss_mb(server.process.pid),
+            "rss_mb_warm": warm, "rss_mb_after_earlier_crowds": later, "rss_mb_after": rss_mb(server.process.pid),
         }
     print(json.dumps(report, indent=1))
     return 0
