@@ -448,7 +448,7 @@ def test_balance_by_reads_counts_the_kv_cache_a_step_reads() -> None:
     """A step's attention reads every cached position of its layers: SmolLM2-135M's shape (576 wide, 3 KV heads
     of 64: 456 bytes of u8 KV a token a layer, against 2.2 MB of INT4 weights) caches about its weights' bytes
     a layer at 4,096 tokens, so by reads at that context the last stage, which also reads the INT8 lm_head,
-    takes more layers than by weights alone; the Llama-3.2-1B shape (a layer's weights 30x its KV at 4,096
+    takes more layers than by weights alone; the Llama-3.2-1B shape (a layer's weights about 8x its KV at 4,096
     tokens) keeps its cut, and the same context counts in the budgets' reads."""
     small = describe(preset("llama-3.2-1b", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                             num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152))
