@@ -68,15 +68,19 @@ def main() -> int:
     args = parser.parse_args()
     model = args.bundle.resolve().name
     with api(args.bundle, *args.options, local=True) as server:
-        at_once(lambda i: client_run(server, model, args.tokens, i), list(range(8)))
+
+        def crowd(clients: int) -> list:
+            return at_once(lambda i: client_run(server, model, args.tokens, i), list(range(clients)), 300)
+
+        crowd(8)
         warm = rss_mb(server.process.pid)
         later = []
         for _ in range(args.crowds - 1):  # the first crowds: only their memory after them is kept
-            at_once(lambda i: client_run(server, model, args.tokens, i), list(range(args.clients)), 300)
+            crowd(args.clients)
             until(idle, server.url)
             later.append(rss_mb(server.process.pid))
         start = time.perf_counter()
-        results = at_once(lambda i: client_run(server, model, args.tokens, i), list(range(args.clients)), 300)
+        results = crowd(args.clients)
         wall = time.perf_counter() - start
         after = until(idle, server.url)
         kept = [seconds for finish, seconds, _ in results if finish not in ("dropped", "429")]

@@ -93,14 +93,13 @@ class _Chain:
     stage_bytes: int = 0
     embed_read: int = 0
     head_read: int = 0
-    kv_per_layer: tuple[int, ...] = ()  # [L] KV bytes a cached token takes in each layer
     kv_reach: tuple[int | None, ...] = ()  # [L] Block.kv_reach
 
     def kv_reads(self, context: int) -> tuple[int, ...]:
         """[L + 1] prefix sums of the KV bytes a decode step's attention reads in each layer for one sequence of
         ``context`` tokens: every cached position, or the layer's window of them."""
-        per_layer = (kv * (context if reach is None else min(context, reach))
-                     for kv, reach in zip(self.kv_per_layer, self.kv_reach, strict=True))
+        per_layer = ((after - before) * (context if reach is None else min(context, reach))
+                     for (before, after), reach in zip(itertools.pairwise(self.kv_prefix), self.kv_reach, strict=True))
         return tuple(itertools.accumulate(per_layer, initial=0))
 
     def reads(self, index: int, count: int, start: int, end: int, kv_reads: Sequence[int] | None = None) -> int:
@@ -149,7 +148,6 @@ def _chain(costs: ModelCosts) -> _Chain:
         stage_bytes=costs.stage_bytes,
         embed_read=_read(attrs[0]),
         head_read=_read(attrs[-1]),
-        kv_per_layer=tuple(a["kv_bytes_per_token"] for a in layers),
         kv_reach=tuple(a.get("kv_reach") for a in layers),
     )
 
