@@ -20,7 +20,7 @@ tokens at positions [p_s, p_s + T_s), N = sum of T_s rows::
 
 Position p of sequence s is slot p % 32 of block table_s[p // 32]: the kernel writes the new rows' KV there and
 attends over positions [0, p_s + T_s) of the sequence only, so the caches hold whatever the block manager
-(blocks.py) decides and a rewind is a shorter ``past_lens``.
+(scheduling/block_tables.py) decides and a rewind is a shorter ``past_lens``.
 
 Facts of OpenVINO 2026.4.1 this module works around, each checked when it loads a stage:
 

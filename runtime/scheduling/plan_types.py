@@ -27,7 +27,7 @@ class BatchError(OvshardError):
 class TickBudget:
     """``token_budget``: most rows in one inference; ``max_seqs``: most sequences holding KV blocks at once
     (<= token_budget, so every running sequence's next row fits a tick); ``max_chunk``: most rows of one
-    prefill in one tick (None: the budget); ``defer_shared_prefills``: see batching.py's docstring."""
+    prefill in one tick (None: the budget); ``defer_shared_prefills``: see tick_planner.py's docstring."""
 
     token_budget: int = 256
     max_seqs: int = 16
@@ -99,7 +99,7 @@ class Sampled:
 
 @dataclass(frozen=True)
 class SeqView:
-    """A sequence as the scheduler knows it (batching.py's docstring defines the counters)."""
+    """A sequence as the scheduler knows it (tick_planner.py's docstring defines the counters)."""
 
     seq: Hashable
     ids: tuple[int, ...]

@@ -56,7 +56,7 @@ input_ids i64 [N] (stage 0) or hidden_states [N, H]; BatchRow i is (stream, posi
 its count rows run at positions [position, position + count), and its block table is the next ``blocks``
 entries of ``tables`` (i32, block ids of the session's grant, ceil((position + count) / block_size) of
 them); want is "" for a prefill chunk that wants no scores, else as Step's. The head owns the block tables
-(it runs the scheduler, batching.py) and every stage applies ``copies`` (i32 [C, 2]: src, dst) before the
+(it runs the scheduler, scheduling/tick_planner.py) and every stage applies ``copies`` (i32 [C, 2]: src, dst) before the
 inference. A row a stage cannot run is refused alone (a Refusal travels on with the batch, and the last
 stage reports it in BatchDone); the rest of the batch runs.
 
