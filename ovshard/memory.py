@@ -12,13 +12,13 @@ peak falls back to ``getrusage`` (the process's peak so far) and the anonymous p
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import gc
 import importlib
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,13 +106,21 @@ def heap_below(size: int) -> Iterator[None]:
 
 def _mallopt(parameter: int, value: int) -> bool:
     """glibc's ``mallopt``; False where the C library is not glibc."""
+    mallopt = _libc_mallopt()
+    return mallopt is not None and bool(mallopt(parameter, value))
+
+
+@functools.cache
+def _libc_mallopt() -> Callable[[int, int], int] | None:
+    """``mallopt`` from the C library the process already has loaded (``CDLL(None)``: no search). Not
+    ``ctypes.util.find_library``, which runs ``ldconfig -p`` in a child process at every call: the scale fit sets
+    the threshold twice a weight, and each child, until it execs, counts a copy of the compile's memory."""
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(parameter, value))
+        return ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # musl and others have no mallopt
-        return False
+        return None
 
 
 @contextmanager

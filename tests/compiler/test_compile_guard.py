@@ -90,18 +90,22 @@ from openvino_telemetry import Telemetry
 sender = Telemetry().sender
 while sender.queue_size:  # that event sent before the count starts
     time.sleep(0.05)
-forks = []
+forks, spawns = [], []
 os.register_at_fork(before=lambda: forks.append(1))
 from ovshard.cli import main
+import transformers  # one of its imports runs ldconfig once (ctypes.util.find_library) as it loads
+spawning = {"subprocess.Popen", "os.posix_spawn", "os.spawn", "os.exec"}  # children Python's fork hooks miss
+sys.addaudithook(lambda event, args: spawns.append(args[0]) if event in spawning else None)
 code = main(["-q", "compile", sys.argv[1], "-o", sys.argv[2], "--no-cache", "--stages", "2"])
-print(code, len(forks))
+print(spawns, file=sys.stderr)
+print(code, len(forks), len(spawns))
 """
 
 
 def test_a_compile_forks_nothing_though_telemetry_is_on(stories: Path, tmp_path: Path) -> None:
     """OpenVINO's converter and NNCF send each event from a forked child (a fork beside a numpy matmul hangs
     OpenBLAS, and copies a large compiler's page tables): stories260K's default compile, telemetry on for the
-    user, forks no process."""
+    user, forks no process and starts none (``ctypes.util.find_library`` ran ``ldconfig`` twice a fitted weight)."""
     home = tmp_path / "home"
     home.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "NNCF_CI", "NNCF_DEV")} | {"HOME": str(home)}
@@ -109,5 +113,5 @@ def test_a_compile_forks_nothing_though_telemetry_is_on(stories: Path, tmp_path:
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (home / "intel" / "openvino_ga_cid").is_file(), "the telemetry was never on: the test shows nothing"
-    assert done.stdout.split()[-2:] == ["0", "0"], (done.stdout, done.stderr[-3000:])
+    assert done.stdout.split()[-3:] == ["0", "0", "0"], (done.stdout, done.stderr[-3000:])
     assert read_manifest(tmp_path / "bundle").weights.methods  # the default compile: calibrated
