@@ -20,11 +20,13 @@ import openvino as ov
 
 from ovshard import watchdog
 from ovshard.bundle import names, schema, staging
+from ovshard.bundle.dims import ModelDims
 from ovshard.bundle.manifest import (
     CPU_PLUGIN_BY_ISA_MEASURED,
     CPU_PLUGIN_HINTS,
     CPU_PLUGIN_HINTS_BY_ISA,
     CPU_PLUGIN_MEASURED,
+    DQ_WITHIN_GROUPS_MEASURED,
     Chat,
     Generation,
     Manifest,
@@ -35,6 +37,7 @@ from ovshard.bundle.manifest import (
     TensorSpec,
     TokenizerFiles,
     sha256_file,
+    within_weight_groups,
 )
 from ovshard.bundle.plan import PartitionPlan
 from ovshard.bundle.stage import StageSpec
@@ -66,7 +69,7 @@ from ovshard.memory import PeakSampler, libraries_spared_from_gc, return_freed_b
 from ovshard.passes import pipeline
 from ovshard.plan.costs import model_costs, rotary_table_bytes
 from ovshard.plan.partition import plan_balanced, plan_budgets, plan_layers
-from ovshard.plan.precision import choose_int8
+from ovshard.plan.precision import choose_int8, int4_groups
 from ovshard.report import LayerProgress, StageFigures, format_report, stage_done
 from ovshard.verify.predict import PredictFusionInstrument
 
@@ -232,12 +235,20 @@ def _generation(ckpt: Checkpoint) -> Generation:
     return Generation(bos_token_id=bos, eos_token_ids=eos_ids)
 
 
-def _runtime_hints(max_positions: int) -> RuntimeHints:
+def _runtime_hints(max_positions: int, dims: ModelDims, weights: WeightFormat) -> RuntimeHints:
     """What every new bundle tells its nodes: the context length, and the measured CPU plugin properties
-    (for every CPU, and per instruction-set class), each with the measurement that chose it."""
-    return RuntimeHints(max_positions, dict(CPU_PLUGIN_HINTS), CPU_PLUGIN_MEASURED,
-                        cpu_plugin_by_isa={isa: dict(hints) for isa, hints in CPU_PLUGIN_HINTS_BY_ISA.items()},
-                        cpu_plugin_by_isa_measured=dict(CPU_PLUGIN_BY_ISA_MEASURED))
+    (for every CPU, and per instruction-set class), each with the measurement that chose it; dynamic
+    quantization's group within the bundle's smallest INT4 weight group."""
+    group = min(int4_groups(dims, weights), default=None)
+    base = within_weight_groups(CPU_PLUGIN_HINTS, group)
+    by_isa = {isa: within_weight_groups(hints, group) for isa, hints in CPU_PLUGIN_HINTS_BY_ISA.items()}
+    def why(text: str, hints: dict[str, str], clamped: dict[str, str]) -> str:
+        return text + (f"; {DQ_WITHIN_GROUPS_MEASURED}" if clamped != hints else "")
+
+    measured = {isa: why(CPU_PLUGIN_BY_ISA_MEASURED[isa], hints, by_isa[isa])
+                for isa, hints in CPU_PLUGIN_HINTS_BY_ISA.items()}
+    return RuntimeHints(max_positions, base, why(CPU_PLUGIN_MEASURED, CPU_PLUGIN_HINTS, base),
+                        cpu_plugin_by_isa=by_isa, cpu_plugin_by_isa_measured=measured)
 
 
 def _copy_configs(ckpt: Checkpoint, workdir: Path) -> dict[str, str]:
@@ -373,7 +384,7 @@ def _compile_bundle(config: CompileConfig, progress: LayerProgress) -> Manifest:
             pass_log=tuple(log_records),
             tokenizer=tokenizer,
             generation=generation,
-            runtime_hints=_runtime_hints(max_positions),
+            runtime_hints=_runtime_hints(max_positions, ckpt.dims, config.weights),
             extra_files=_copy_configs(ckpt, workdir),
             dumps=str(config.dumps.dump_dir.resolve()) if config.dumps.dump_dir and config.dumping else None,
             chat=chat,

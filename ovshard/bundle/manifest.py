@@ -148,6 +148,23 @@ CPU_PLUGIN_BY_ISA_MEASURED: dict[str, str] = {
 }
 
 
+DQ_GROUP = "DYNAMIC_QUANTIZATION_GROUP_SIZE"
+MIN_DQ_GROUP = 16  # the CPU plugin quantizes activations in groups of a multiple of its 16-lane SIMD width
+DQ_WITHIN_GROUPS_MEASURED = (
+    "activations quantized in groups no larger than the smallest INT4 weight group the bundle stores: Gemma 3 270M's "
+    "default (its lm_head INT4 in groups of 16) decoded 1.4-1.6x faster with groups of 16 than of 128 and 32, its "
+    "lm_head 2x (2-core Intel Xeon with AMX, OpenVINO 2026.4.1, bench/op_profile.py --prop; docs/results/2026-12-one-node.md)")
+
+
+def within_weight_groups(hints: dict[str, str], group: int | None) -> dict[str, str]:
+    """``hints`` with dynamic quantization's group no larger than ``group``, the smallest INT4 weight group of the
+    bundle (None: it has none): a compressed FullyConnected whose weight groups are smaller than its activations'
+    runs its slow path (DQ_WITHIN_GROUPS_MEASURED). Off (0) stays off; the plugin takes no group under 16."""
+    value = hints.get(DQ_GROUP)
+    if group is None or value is None or int(value) <= 0 or int(value) <= group:
+        return dict(hints)
+    return {**hints, DQ_GROUP: str(max(group, MIN_DQ_GROUP))}
+
 @dataclass(frozen=True)
 class RuntimeHints:
     max_positions: int  # rotary table length: the longest context any stage can serve

@@ -106,6 +106,22 @@ def embedding_bytes(dims: ModelDims, fmt: WeightFormat) -> float:
     return dims.vocab_size * dims.hidden_size * (4.0 if fmt.mode == "fp32" else 2.0)
 
 
+def int4_groups(dims: ModelDims, fmt: WeightFormat) -> set[int]:
+    """The group sizes of the grouped INT4 weights a bundle in ``fmt`` stores (per-channel INT4, INT8 and float
+    weights have none): every decoder weight not kept INT8, NNCF's fallback group where the format's does not
+    divide a weight's inputs, and the embedding and lm_head where they are INT4."""
+    if not fmt.is_int4:
+        return set()
+    kept = set(fmt.int8_weights)
+    inputs = {i for layer in range(dims.num_layers) for key, (_, i) in linear_shapes(dims, layer).items()
+              if f"{layer}.{key}" not in kept}
+    groups = {fmt.group_for(i) for i in inputs} if fmt.group_size > 0 else set()
+    table = fmt.table or (fmt if fmt.all_layers else None)
+    if table is not None and table.group_size > 0:
+        groups.add(table.group_for(dims.hidden_size))
+    return {g for g in groups if g is not None}
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One decoder weight: its key (``"3.down"``), INT4 error, the bytes INT8 would add to the bundle and to

@@ -126,3 +126,42 @@ def test_a_tied_table_over_half_the_model_gets_int4_groups_of_16_by_default(gemm
     assert source_weights(CompileConfig(gemma_gguf, tmp_path / "g"), gemma).weights == WeightFormat()
     small = source_weights(CompileConfig(stories, tmp_path / "s", weights_from_source=True), open_source(stories))
     assert small.weights == WeightFormat()
+
+
+def test_activations_are_quantized_in_groups_no_larger_than_the_smallest_weight_group(stories: Path,
+                                                                                     tmp_path: Path) -> None:
+    """A compressed FullyConnected whose weight groups are smaller than its activations' runs the plugin's slow path
+    (Gemma 3 270M's lm_head in groups of 16: 2x the time under groups of 128), so a bundle's hints quantize
+    activations in groups no larger than its smallest INT4 group, on every ISA class that quantizes them, and the
+    stage compiles with that group; off stays off, and a bundle of larger groups keeps the measured hints."""
+    from ovshard.bundle.manifest import CPU_PLUGIN_HINTS, CPU_PLUGIN_HINTS_BY_ISA, read_manifest, within_weight_groups
+    from ovshard.plan.precision import int4_groups
+    from ovshard.runtime.engine.plugin import plugin_config
+
+    dq = "DYNAMIC_QUANTIZATION_GROUP_SIZE"
+    assert within_weight_groups({dq: "128", "A": "b"}, 16) == {dq: "16", "A": "b"}
+    assert within_weight_groups({dq: "128"}, 8) == {dq: "16"}  # the plugin's least group
+    assert within_weight_groups({dq: "32"}, 64) == {dq: "32"} and within_weight_groups({dq: "0"}, 16) == {dq: "0"}
+    assert within_weight_groups({dq: "128"}, None) == {dq: "128"} and within_weight_groups({}, 16) == {}
+    dims = open_source(stories).dims  # hidden 64, intermediate 172: groups of 128 fall back to 64, or to INT8
+    assert int4_groups(dims, WeightFormat()) == {64}
+    assert int4_groups(dims, WeightFormat(embedding="int4_asym", embedding_group=16)) == {16, 64}
+    assert int4_groups(dims, WeightFormat("int8")) == set() and int4_groups(dims, WeightFormat(group_size=-1)) == set()
+
+    out = tmp_path / "b"
+    done = subprocess.run([sys.executable, "-m", "ovshard.cli", "-q", "compile", str(stories), "-o", str(out),
+                           "--stages", "1", "--no-cache", "--max-positions", "256", "--calibration", "none",
+                           "--embedding", "int4_asym", "--embedding-group-size", "16"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    hints = read_manifest(out).runtime_hints
+    assert hints.cpu_plugin[dq] == "16"
+    for isa, measured in CPU_PLUGIN_HINTS_BY_ISA.items():
+        wanted = within_weight_groups({**CPU_PLUGIN_HINTS, **measured}, 16)[dq]
+        assert plugin_config(read_manifest(out), "CPU", None, isa)[dq] == wanted
+        assert int(wanted) <= 16 and ("smallest INT4 weight group" in hints.cpu_plugin_by_isa_measured[isa]) == (
+            dq in measured)
+    from ovshard.runtime.engine.stage import Stage
+
+    stage = Stage(out, read_manifest(out), 0)  # this machine's class, as a node loads it
+    assert int(stage.compiled.get_property(dq)) <= 16
