@@ -242,13 +242,15 @@ def _runtime_hints(max_positions: int, dims: ModelDims, weights: WeightFormat) -
     group = min(int4_groups(dims, weights), default=None)
     base = within_weight_groups(CPU_PLUGIN_HINTS, group)
     by_isa = {isa: within_weight_groups(hints, group) for isa, hints in CPU_PLUGIN_HINTS_BY_ISA.items()}
-    def why(text: str, hints: dict[str, str], clamped: dict[str, str]) -> str:
-        return text + (f"; {DQ_WITHIN_GROUPS_MEASURED}" if clamped != hints else "")
-
-    measured = {isa: why(CPU_PLUGIN_BY_ISA_MEASURED[isa], hints, by_isa[isa])
+    measured = {isa: _measured(CPU_PLUGIN_BY_ISA_MEASURED[isa], hints, by_isa[isa])
                 for isa, hints in CPU_PLUGIN_HINTS_BY_ISA.items()}
-    return RuntimeHints(max_positions, base, why(CPU_PLUGIN_MEASURED, CPU_PLUGIN_HINTS, base),
+    return RuntimeHints(max_positions, base, _measured(CPU_PLUGIN_MEASURED, CPU_PLUGIN_HINTS, base),
                         cpu_plugin_by_isa=by_isa, cpu_plugin_by_isa_measured=measured)
+
+
+def _measured(text: str, hints: dict[str, str], written: dict[str, str]) -> str:
+    """The measurement behind ``written``: ``text``, and the one behind the group change where there is one."""
+    return text + (f"; {DQ_WITHIN_GROUPS_MEASURED}" if written != hints else "")
 
 
 def _copy_configs(ckpt: Checkpoint, workdir: Path) -> dict[str, str]:

@@ -156,8 +156,8 @@ DQ_GROUP = "DYNAMIC_QUANTIZATION_GROUP_SIZE"
 MIN_DQ_GROUP = 16  # the CPU plugin quantizes activations in groups of a multiple of its 16-lane SIMD width
 DQ_WITHIN_GROUPS_MEASURED = (
     "activations quantized in groups no larger than the smallest INT4 weight group the bundle stores: Gemma 3 270M's "
-    "default (its lm_head INT4 in groups of 16) decoded 1.4-1.6x faster with groups of 16 than of 128 and 32, its "
-    "lm_head 2x (2-core Intel Xeon with AMX, OpenVINO 2026.4.1, bench/op_profile.py --prop; docs/results/2026-12-one-node.md)")
+    "default (its lm_head INT4 in groups of 16) decoded a step 1.3-1.9x faster with groups of 16 than of 128 (2-core and "
+    "16-core Intel Xeons with AMX, OpenVINO 2026.4.1, bench/op_profile.py --prop; docs/results/2026-12-one-node.md)")
 
 
 def within_weight_groups(hints: dict[str, str], group: int | None) -> dict[str, str]:
@@ -168,6 +168,7 @@ def within_weight_groups(hints: dict[str, str], group: int | None) -> dict[str, 
     if group is None or value is None or int(value) <= 0 or int(value) <= group:
         return dict(hints)
     return {**hints, DQ_GROUP: str(max(group, MIN_DQ_GROUP))}
+
 
 @dataclass(frozen=True)
 class RuntimeHints:
