@@ -134,7 +134,12 @@ def test_activations_are_quantized_in_groups_no_larger_than_the_smallest_weight_
     (Gemma 3 270M's lm_head in groups of 16: 2x the time under groups of 128), so a bundle's hints quantize
     activations in groups no larger than its smallest INT4 group, on every ISA class that quantizes them, and the
     stage compiles with that group; off stays off, and a bundle of larger groups keeps the measured hints."""
-    from ovshard.bundle.manifest import CPU_PLUGIN_HINTS, CPU_PLUGIN_HINTS_BY_ISA, read_manifest, within_weight_groups
+    from ovshard.bundle.manifest import (
+        CPU_PLUGIN_HINTS,
+        CPU_PLUGIN_HINTS_BY_ISA,
+        read_manifest,
+        within_weight_groups,
+    )
     from ovshard.plan.precision import int4_groups
     from ovshard.runtime.engine.plugin import plugin_config
 
