@@ -112,10 +112,11 @@ def int4_groups(dims: ModelDims, fmt: WeightFormat) -> set[int]:
     divide a weight's inputs, and the embedding and lm_head where they are INT4."""
     if not fmt.is_int4:
         return set()
-    kept = set(fmt.int8_weights)
-    inputs = {i for layer in range(dims.num_layers) for key, (_, i) in linear_shapes(dims, layer).items()
-              if f"{layer}.{key}" not in kept}
-    groups = {fmt.group_for(i) for i in inputs} if fmt.group_size > 0 else set()
+    groups = set()
+    if fmt.group_size > 0:  # -1: one scale per output channel, no groups
+        kept = set(fmt.int8_weights)
+        groups = {fmt.group_for(i) for layer in range(dims.num_layers)
+                  for key, (_, i) in linear_shapes(dims, layer).items() if f"{layer}.{key}" not in kept}
     table = fmt.table or (fmt if fmt.all_layers else None)
     if table is not None and table.group_size > 0:
         groups.add(table.group_for(dims.hidden_size))

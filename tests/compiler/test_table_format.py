@@ -140,10 +140,11 @@ def test_activations_are_quantized_in_groups_no_larger_than_the_smallest_weight_
         read_manifest,
         within_weight_groups,
     )
+    from ovshard.bundle.manifest import DQ_GROUP as dq
     from ovshard.plan.precision import int4_groups
     from ovshard.runtime.engine.plugin import plugin_config
+    from ovshard.runtime.engine.stage import Stage
 
-    dq = "DYNAMIC_QUANTIZATION_GROUP_SIZE"
     assert within_weight_groups({dq: "128", "A": "b"}, 16) == {dq: "16", "A": "b"}
     assert within_weight_groups({dq: "128"}, 8) == {dq: "16"}  # the plugin's least group
     assert within_weight_groups({dq: "32"}, 64) == {dq: "32"} and within_weight_groups({dq: "0"}, 16) == {dq: "0"}
@@ -159,14 +160,12 @@ def test_activations_are_quantized_in_groups_no_larger_than_the_smallest_weight_
                            "--embedding", "int4_asym", "--embedding-group-size", "16"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    hints = read_manifest(out).runtime_hints
+    manifest = read_manifest(out)
+    hints = manifest.runtime_hints
     assert hints.cpu_plugin[dq] == "16"
     for isa, measured in CPU_PLUGIN_HINTS_BY_ISA.items():
         wanted = within_weight_groups({**CPU_PLUGIN_HINTS, **measured}, 16)[dq]
-        assert plugin_config(read_manifest(out), "CPU", None, isa)[dq] == wanted
-        assert int(wanted) <= 16 and ("smallest INT4 weight group" in hints.cpu_plugin_by_isa_measured[isa]) == (
-            dq in measured)
-    from ovshard.runtime.engine.stage import Stage
-
-    stage = Stage(out, read_manifest(out), 0)  # this machine's class, as a node loads it
+        assert int(wanted) <= 16 and plugin_config(manifest, "CPU", None, isa)[dq] == wanted
+        assert ("smallest INT4 weight group" in hints.cpu_plugin_by_isa_measured[isa]) == (dq in measured)
+    stage = Stage(out, manifest, 0)  # this machine's class, as a node loads it
     assert int(stage.compiled.get_property(dq)) <= 16
