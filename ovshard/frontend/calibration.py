@@ -24,8 +24,7 @@ import hashlib
 import itertools
 import logging
 import time
-import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -323,19 +322,17 @@ class Activations:
     def _fit(self, projection: str, weight: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
         inputs = self.caught.get(projection)
         if inputs is None:  # an expert no calibration token was routed to
-            codes, scales = int4_fit.minmax(_read_only(weight), group)
+            codes, scales = int4_fit.minmax(int4_fit.read_only(weight), group)
             return codes.numpy(), scales.numpy()
-        if (id(inputs), group) not in self.moments:
-            self.moments[(id(inputs), group)] = int4_fit.second_moments(inputs, group)
-        codes, scales = int4_fit.fit(_read_only(weight), self.moments[(id(inputs), group)])
-        return codes.numpy(), scales.numpy()
+        return int4_fit.fit_inputs(inputs, weight, group, self.moments)
 
-    def catch(self, layer: int) -> None:
-        """Run ``layer`` on every sample, keeping its matmuls' inputs, and move the samples past it."""
+    def catch(self, layer: int, each: Callable[[str, torch.Tensor], None] | None = None) -> None:
+        """Run ``layer`` on every sample, keeping its matmuls' inputs, and move the samples past it. Where the samples
+        make one batch, ``each`` gets each weight's projection and inputs [tokens, in] as its matmul runs."""
         self._move_to(layer)
         self.caught, self.moments, self.caught_layer = {}, {}, None
         weights = self._weights(layer)
-        catch = _Inputs(weights)
+        catch = _Inputs(weights, each if len({h.shape[1] for h in self.hidden}) == 1 else None)
         with torch.no_grad():
             self._forward(layer, weights, catch)
         self.caught, self.caught_layer, self.at = catch.inputs(), layer, layer + 1
@@ -406,21 +403,13 @@ class Activations:
                 watchdog.beat(f"calibration: layer {i} run in float32")
 
 
-def _read_only(weight: np.ndarray) -> torch.Tensor:
-    """``weight`` as a tensor on the same memory, no copy. The graph's constant lends it read-only; the fit and the
-    min-max scale only read it, so torch's warning that writing to such a tensor is undefined is silenced here."""
-    if weight.flags.writeable:
-        return torch.from_numpy(weight)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
-        return torch.from_numpy(weight)
-
-
 class _Inputs(TorchFunctionMode):
     """Inside it, every ``F.linear`` whose weight is one of a layer's keeps its input, by projection."""
 
-    def __init__(self, weights: Weights) -> None:
+    def __init__(self, weights: Weights, each: Callable[[str, torch.Tensor], None] | None = None) -> None:
         super().__init__()
+        self.each = each
+        self.flat: dict[int, torch.Tensor] = {}  # id of an input -> it as [tokens, in], one for all that read it
         self.names = {id(t): name.removesuffix("_weight") for name, t in weights.named_buffers()
                       if name.endswith("_weight") and t.dim() == 2}
         self.experts = {t[e].data_ptr(): f"{name.removesuffix('_weight')}[{e}]" for name, t in weights.named_buffers()
@@ -434,6 +423,8 @@ class _Inputs(TorchFunctionMode):
             name = self.names.get(id(weight)) or self.experts.get(weight.data_ptr())  # "down", "experts_down[3]"
             if name is not None:
                 self.seen.setdefault(name, []).append(args[0])  # held: projections reading it are told by identity
+                if self.each is not None:
+                    self.each(name, self.flat.setdefault(id(args[0]), args[0].reshape(-1, args[0].shape[-1])))
         return func(*args, **kwargs)
 
     def inputs(self) -> dict[str, torch.Tensor]:

@@ -20,10 +20,12 @@ few tiles of a weight. Each (row, group) is fitted on its own, so the bytes are 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from ovshard.frontend.onednn import linear
@@ -43,10 +45,11 @@ def second_moments(inputs: torch.Tensor, group: int) -> torch.Tensor:
     return torch.bmm(x.transpose(1, 2), x) / tokens
 
 
-def fit(weight: torch.Tensor, moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fit(weight: torch.Tensor, moments: torch.Tensor, workers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (int8 in [-8, 7], [out, groups, group]) and f16 scales ([out, groups, 1]) of ``weight`` [out, in]
-    that minimise each group's ``d^T H d`` over the candidate scales; ``moments`` from :func:`second_moments`."""
-    codes, scales = _fit_tiles(weight, moments, _fit_block, (torch.int8, torch.float16))
+    that minimise each group's ``d^T H d`` over the candidate scales; ``moments`` from :func:`second_moments`; on
+    ``workers`` threads (torch's count if None), the same bytes on any number."""
+    codes, scales = _fit_tiles(weight, moments, _fit_block, (torch.int8, torch.float16), workers)
     return codes, scales
 
 
@@ -59,8 +62,28 @@ def fit_asym(weight: torch.Tensor, moments: torch.Tensor) -> tuple[torch.Tensor,
     return codes, zeros, scales
 
 
+def fit_inputs(inputs: torch.Tensor, weight: np.ndarray, group: int, moments: dict[tuple[int, int], torch.Tensor],
+               workers: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``weight`` fitted to ``inputs`` [tokens, in] (:func:`fit`); their second moments kept in ``moments`` for the
+    weights that read the same inputs (q, k and v; gate and up)."""
+    if (id(inputs), group) not in moments:
+        moments[(id(inputs), group)] = second_moments(inputs, group)
+    codes, scales = fit(read_only(weight), moments[(id(inputs), group)], workers)
+    return codes.numpy(), scales.numpy()
+
+
+def read_only(weight: np.ndarray) -> torch.Tensor:
+    """``weight`` as a tensor on the same memory, no copy. The graph's constant lends it read-only; the fit and the
+    min-max scale only read it, so torch's warning that writing to such a tensor is undefined is silenced here."""
+    if weight.flags.writeable:
+        return torch.from_numpy(weight)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+        return torch.from_numpy(weight)
+
+
 def _fit_tiles(weight: torch.Tensor, moments: torch.Tensor, fit_block: Callable[..., tuple[torch.Tensor, ...]],
-               dtypes: tuple[torch.dtype, ...]) -> tuple[torch.Tensor, ...]:
+               dtypes: tuple[torch.dtype, ...], workers: int | None = None) -> tuple[torch.Tensor, ...]:
     """``fit_block`` (:func:`_fit_block`, :func:`_fit_block_asym`) over ``weight`` [out, in] in tiles of one group's
     rows, spread over torch's threads; its outputs, the codes [rows, group] then the rest [rows, 1], gathered as
     [out, groups, group] and [out, groups, 1] of ``dtypes``."""
@@ -79,7 +102,7 @@ def _fit_tiles(weight: torch.Tensor, moments: torch.Tensor, fit_block: Callable[
             out[start:start + rows, g] = part
 
     tiles = [(start, g) for start in range(0, out_features, rows) for g in range(groups)]
-    workers = torch.get_num_threads()
+    workers = workers or torch.get_num_threads()
     # each worker one thread for oneDNN too: its OpenMP thread count is per thread, and a new one would take every core
     with torch.no_grad(), _one_thread(), heap_below(4 * BLOCK_BYTES), ThreadPoolExecutor(
             workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:

@@ -2,7 +2,8 @@
 
 stories260K's default compile (calibrated, the scale fit) at 2 stages, three ways: the activations alone (each
 layer run and fitted when its compression asks), the fits on their own thread beside the conversion, and each
-next layer loaded and prepared ahead (what a machine with ``AHEAD_THREADS`` torch threads does). Every stored
+next layer loaded and prepared ahead, each weight fitted while its layer's float32 run goes on (what a machine with
+``AHEAD_THREADS`` torch threads does). Every stored
 weight is the same byte for byte, and the compression took every fit from the thread rather than fitting again.
 """
 
@@ -47,6 +48,7 @@ def test_fitting_ahead_stores_the_same_bytes(stories: Path, tmp_path: Path, monk
     ahead = compile_with("ahead", Recorded, 1)
     assert in_turn and beside == in_turn and ahead == in_turn
     assert not made[0].load_ahead and made[1].load_ahead
+    assert made[0].early == 0 and made[1].early > 0  # loaded ahead: fitted while their layer's run went on
     for done in made:
         assert done.handed > 0 and not done.fitted and not done.loaded, (done.handed, done.fitted, done.loaded)
     assert made[0].handed == made[1].handed
