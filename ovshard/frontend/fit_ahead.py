@@ -9,7 +9,10 @@ piece's trace then takes the weights loaded ahead (:meth:`weights`), so its grap
 and the compression takes each weight's codes and scales as they were fitted (:meth:`fit_int4`). A layer nobody
 prepared (the first, or a mixture-of-experts layer, whose float32 experts are too large to hold two of) is
 prepared from the weights its trace lends (``Calibration.lend``) while the trace converts it. Memory: one dense
-layer's float32 weights more, held ahead.
+layer's float32 weights more, held ahead. Where layers are loaded ahead, each weight's fit also starts as soon as
+its matmul has run, on a thread of its own with half of torch's threads, beside the rest of the float32 run: the
+fit's small ops gain nothing from 8 threads to 16, the run's large matmuls do (16 cores, the 8B shape: a layer
+0.80-0.93x the time of fitting after the run).
 
 Loading ahead pays where cores are spare. On a 16-core Xeon (the 8B shape, 4 and 8 layers, ``--budget 1.0``) a
 calibrated layer cost 1.42-1.59x a data-free one with it (median 1.53x), at 1.40-1.48x the peak memory, against
