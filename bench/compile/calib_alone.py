@@ -62,8 +62,9 @@ def main() -> int:
                 if name == projection or tensor.dim() != 2 or projection not in acts.caught:
                     continue
                 inputs = acts.caught[projection]
+                group = args.group if tensor.shape[-1] % args.group == 0 else tensor.shape[-1]  # narrow: one group
                 if id(inputs) not in seen:  # q, k and v (gate and up) share their inputs' moments, as in the compile
-                    seen[id(inputs)], s = _clock(int4_fit.second_moments, inputs, args.group)
+                    seen[id(inputs)], s = _clock(int4_fit.second_moments, inputs, group)
                     moments_s += s
                 moments = seen[id(inputs)]
                 _, s = _clock(int4_fit.fit, tensor, moments)
