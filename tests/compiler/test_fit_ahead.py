@@ -2,9 +2,9 @@
 
 stories260K's default compile (calibrated, the scale fit) at 2 stages, three ways: the activations alone (each
 layer run and fitted when its compression asks), the fits on their own thread beside the conversion, and each
-next layer loaded and prepared ahead, each weight fitted while its layer's float32 run goes on (what a machine with
-``AHEAD_THREADS`` torch threads does). Every stored
-weight is the same byte for byte, and the compression took every fit from the thread rather than fitting again.
+next layer loaded and prepared ahead, each weight fitted while its layer's float32 run goes on (what a machine
+with ``AHEAD_THREADS`` torch threads does). Every stored weight is the same byte for byte, and the compression
+took every fit from the thread rather than fitting again.
 """
 
 from __future__ import annotations
