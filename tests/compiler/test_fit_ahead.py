@@ -4,7 +4,8 @@ stories260K's default compile (calibrated, the scale fit) at 2 stages, three way
 layer run and fitted when its compression asks), the fits on their own thread beside the conversion, and each
 next layer loaded and prepared ahead, each weight fitted while its layer's float32 run goes on (what a machine
 with ``AHEAD_THREADS`` torch threads does). Every stored weight is the same byte for byte, and the compression
-took every fit from the thread rather than fitting again.
+took every fit from the thread rather than fitting again. The same for a mixture of experts, whose stacked experts
+are fitted after their layer's run.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
+from families import moe_with_tokenizer
 
 from ovshard import compile as compile_module
 from ovshard.compile import CompileConfig, compile_bundle
@@ -74,3 +76,25 @@ def test_a_layer_prepared_ahead_for_a_cached_piece_is_not_held(stories: Path, tm
     compile_bundle(CompileConfig(stories, tmp_path / "fresh", stages=2, cache_dir=None))
     assert _bins(tmp_path / "cached") == _bins(tmp_path / "fresh")
     assert not made[1].loaded and made[1].handed < made[2].handed  # stage 1's fits came from the cache
+
+
+def test_a_mixture_of_experts_fitted_beside_its_run_stores_the_same_bytes(stories: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A random Qwen3-MoE's default compile: with the layers prepared ahead, its dense weights fitted during their
+    layer's run and its stacked experts after it, the bytes are those of the fits beside the conversion."""
+    checkpoint = moe_with_tokenizer(stories, tmp_path / "ckpt")
+    made: list[fit_ahead.FitAhead] = []
+
+    class Recorded(fit_ahead.FitAhead):
+        def __init__(self, *args: object) -> None:
+            super().__init__(*args)  # type: ignore[arg-type]
+            made.append(self)
+
+    monkeypatch.setattr(compile_module, "FitAhead", Recorded)
+    bins = {}
+    for name, ahead_threads in (("beside", 10**6), ("ahead", 1)):
+        monkeypatch.setattr(fit_ahead, "AHEAD_THREADS", ahead_threads)
+        compile_bundle(CompileConfig(checkpoint, tmp_path / name, stages=2, cache_dir=None))
+        bins[name] = _bins(tmp_path / name)
+    assert bins["beside"] and bins["ahead"] == bins["beside"]
+    assert made[0].early == 0 and made[1].early > 0 and made[1].handed == made[0].handed
