@@ -27,13 +27,20 @@ def _bins(bundle: Path) -> dict[str, str]:
     return {str(f.relative_to(bundle)): hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(bundle.rglob("*.bin"))}
 
 
-def test_fitting_ahead_stores_the_same_bytes(stories: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _recorded() -> tuple[type[fit_ahead.FitAhead], list[fit_ahead.FitAhead]]:
+    """A FitAhead that keeps each one made, and the list it keeps them in."""
     made: list[fit_ahead.FitAhead] = []
 
     class Recorded(fit_ahead.FitAhead):
         def __init__(self, *args: object) -> None:
             super().__init__(*args)  # type: ignore[arg-type]
             made.append(self)
+
+    return Recorded, made
+
+
+def test_fitting_ahead_stores_the_same_bytes(stories: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    Recorded, made = _recorded()
 
     def compile_with(name: str, kind: object, ahead_threads: int) -> dict[str, str]:
         monkeypatch.setattr(compile_module, "FitAhead", kind)
@@ -61,12 +68,7 @@ def test_a_layer_prepared_ahead_for_a_cached_piece_is_not_held(stories: Path, tm
     """Stage 1 compiled alone fills the piece cache; the whole compile then takes stage 1's piece from it, so the
     layer prepared ahead for that piece is never traced: the bundle is still the uncached one, and nothing loaded
     ahead is left held."""
-    made: list[fit_ahead.FitAhead] = []
-
-    class Recorded(fit_ahead.FitAhead):
-        def __init__(self, *args: object) -> None:
-            super().__init__(*args)  # type: ignore[arg-type]
-            made.append(self)
+    Recorded, made = _recorded()
 
     monkeypatch.setattr(compile_module, "FitAhead", Recorded)
     monkeypatch.setattr(fit_ahead, "AHEAD_THREADS", 1)
@@ -83,12 +85,7 @@ def test_a_mixture_of_experts_fitted_beside_its_run_stores_the_same_bytes(storie
     """A random Qwen3-MoE's default compile: with the layers prepared ahead, its dense weights fitted during their
     layer's run and its stacked experts after it, the bytes are those of the fits beside the conversion."""
     checkpoint = moe_with_tokenizer(stories, tmp_path / "ckpt")
-    made: list[fit_ahead.FitAhead] = []
-
-    class Recorded(fit_ahead.FitAhead):
-        def __init__(self, *args: object) -> None:
-            super().__init__(*args)  # type: ignore[arg-type]
-            made.append(self)
+    Recorded, made = _recorded()
 
     monkeypatch.setattr(compile_module, "FitAhead", Recorded)
     bins = {}
