@@ -76,7 +76,6 @@ class FitAhead:
         self.ahead: int | None = None  # the layer the thread's work loads ahead, until it is taken
         self.handed = 0  # fits the compression took (``fit_int4``) rather than fitted itself
         self.load_ahead = torch.get_num_threads() >= AHEAD_THREADS
-        self.overlap = self.load_ahead  # each weight fitted beside the float32 run of its own layer (``_fit_layer``)
         self.early = 0  # weights fitted while their layer's float32 run went on
         self.fitter = ThreadPoolExecutor(1, thread_name_prefix="ovshard-fit", initializer=torch.set_num_threads,
                                          initargs=(torch.get_num_threads(),))
@@ -171,12 +170,12 @@ class FitAhead:
         moments: dict[tuple[int, int], torch.Tensor] = {}  # the fitter's own, for the inputs it was given
 
         def each(projection: str, inputs: torch.Tensor) -> None:
-            if projection in wanted and self.overlap:
+            if projection in wanted:
                 early[projection] = *wanted.pop(projection), inputs.shape[0]
                 jobs.append(self.fitter.submit(self._fit_one, layer, projection, *early[projection][:2], inputs,
                                                moments))
         try:
-            self.activations.catch(layer, each)
+            self.activations.catch(layer, each if self.load_ahead else None)
         finally:
             for job in jobs:  # every fit begun is waited for, whatever the run raised
                 job.exception()
