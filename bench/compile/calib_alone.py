@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ovshard.bundle.stage import StageSpec
+from ovshard.bundle.weights import WeightFormat
 from ovshard.frontend import int4_fit
 from ovshard.frontend.calibration import Activations, calibration_text
 from ovshard.frontend.checkpoint import open_checkpoint
@@ -44,6 +45,7 @@ def main() -> int:
     return_freed_blocks()  # the compile's allocator setting
     ckpt = open_checkpoint(args.checkpoint)
     spec = StageSpec(0, 1, 0, ckpt.dims.num_layers)
+    fmt = WeightFormat(group_size=args.group)
     with tempfile.TemporaryDirectory(prefix="ovshard-calib-alone-") as tmp:
         text = calibration_text(ckpt, "text", 8, 128, Path(tmp))
     rows = []
@@ -61,8 +63,10 @@ def main() -> int:
                 projection = name.removesuffix("_weight")
                 if name == projection or tensor.dim() != 2 or projection not in acts.caught:
                     continue
+                group = fmt.group_for(tensor.shape[-1])  # the compile's group (NNCF's fallback where it does not fit)
+                if group is None:  # stored INT8: never fitted
+                    continue
                 inputs = acts.caught[projection]
-                group = args.group if tensor.shape[-1] % args.group == 0 else tensor.shape[-1]  # narrow: one group
                 if id(inputs) not in seen:  # q, k and v (gate and up) share their inputs' moments, as in the compile
                     seen[id(inputs)], s = _clock(int4_fit.second_moments, inputs, group)
                     moments_s += s

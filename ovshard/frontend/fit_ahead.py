@@ -12,7 +12,7 @@ prepared from the weights its trace lends (``Calibration.lend``) while the trace
 layer's float32 weights more, held ahead. Where layers are loaded ahead, each weight's fit also starts as soon as
 its matmul has run, on a thread of its own with half of torch's threads, beside the rest of the float32 run: the
 fit's small ops gain nothing from 8 threads to 16, the run's large matmuls do (16 cores, the 8B shape: a layer
-0.80-0.93x the time of fitting after the run).
+1.41-1.51x a data-free one, against 1.61-1.67x fitting after the run).
 
 Loading ahead pays where cores are spare. On a 16-core Xeon (the 8B shape, 4 and 8 layers, ``--budget 1.0``) a
 calibrated layer cost 1.42-1.59x a data-free one with it (median 1.53x), at 1.40-1.48x the peak memory, against
@@ -79,8 +79,8 @@ class FitAhead:
         self.early = 0  # weights fitted while their layer's float32 run went on
         self.fitter = ThreadPoolExecutor(1, thread_name_prefix="ovshard-fit", initializer=torch.set_num_threads,
                                          initargs=(torch.get_num_threads(),))
-        # the fits beside the run on half the threads: the run's matmuls take every core (16 cores, the 8B shape: a
-        # layer 0.80-0.93x the time with 8 fit threads, no gain with 16, slower with 4)
+        # the fits beside the run on half the threads: the run's matmuls take every core (16 cores, the 8B shape: 16
+        # fit threads gained nothing over 8, 4 were slower)
         self.workers = max(1, torch.get_num_threads() // FIT_SHARE)
 
     def weights(self, layer: int) -> Weights | None:
