@@ -96,7 +96,7 @@ def _gemma_gguf() -> Path:
 # name -> ovshard compile flags; "fp32" is every row's reference. "b" is --budget: 1.00 = every decoder weight
 # INT4. Data-free rows say --calibration none (the default calibrates); "fit" is ovshard's own scale fit (the default
 # method), "se" NNCF's scale estimation (2 rounds, no grid search), "awq+se" adds AWQ; "text" is the shipped
-# calibration text (8 samples of 128 tokens over its whole length, the default); without "text", the model's own
+# calibration text (4 samples of 128 tokens over its whole length, the default); without "text", the model's own
 # sampled text (--calibration auto).
 FREE = ["--calibration", "none"]
 SYM = ["--weights", "int4_sym"]  # named, so that no per-model rule of the default (source_weights) applies
@@ -140,6 +140,7 @@ ROWS = {
     "int4_sym g128 b1.50 emb asym g32": ["--budget", "1.5", "--embedding", "int4_asym", *FREE],
     # data-aware (NNCF, layer by layer in the streamed compile); "auto": the model's own text
     "default": [],  # ovshard compile's default: int4_sym g128 b1.15 fit text, or a per-model rule's format
+    "default s8": ["--calibration-samples", "8"],  # the default's format with 8 calibration samples (twice its own)
     "int4_sym g128 b1.15 fit text": SYM,  # the default where no per-model rule applies
     "int4_sym g128 b1.15 fit text all": ["--all-layers"],  # the default with an INT4 embedding and lm_head
     "int4_sym g128 b1.04 fit text": ["--budget", "1.04"],  # at llama.cpp Q4_0's size
@@ -147,7 +148,10 @@ ROWS = {
     "int4_sym g32 b1.06 fit text": ["--group-size", "32", "--budget", "1.06"],
     "int4_sym g64 b1.06 fit text": ["--group-size", "64", "--budget", "1.06"],
     "int4_sym g128 b1.00 fit text": ["--budget", "1.0"],
-    "int4_sym g128 b1.15 fit text s16": [*SYM, "--calibration-samples", "16"],  # twice the default's samples and forward
+    "int4_sym g128 b1.15 fit text s16": [*SYM, "--calibration-samples", "16"],  # 4x the default's samples and forward
+    "int4_sym g128 b1.15 fit text s8": [*SYM, "--calibration-samples", "8"],  # twice the default's samples and forward
+    "int4_sym g128 b1.15 fit text s8 t64": [*SYM, "--calibration-samples", "8", "--calibration-tokens", "64"],  # the
+    # forward of 4 samples of 128 tokens, as 8 samples each half as long
     "int4_sym g128 b1.15 se text": [*SYM, *NNCF_SE],  # the default before ovshard's own fit
     "int4_sym g128 b1.00 se text": ["--budget", "1.0", *NNCF_SE],
     "int4_sym g128 b1.00 awq+se": ["--weights", "int4_sym", "--budget", "1.0", "--calibration", "auto", *AWQ_SE],

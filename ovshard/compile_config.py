@@ -66,7 +66,7 @@ class CompileConfig:
     # data-aware INT4: "default" (the shipped text where the compile can use it, else none: default_calibration), "text",
     # "auto" (the model's own text), a text file's path or "none"
     calibration: str = "default"
-    calibration_samples: int = 8
+    calibration_samples: int = 4
     calibration_tokens: int = 128  # tokens per calibration sample
     # multi-head latent attention's cache: "latent" (the latent and rotary key, kv_b absorbed) or "expanded" (every
     # head's key and value: 38x the bytes at DeepSeek-V3's width, a faster step on CPU; frontend/mla.py)

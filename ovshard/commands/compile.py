@@ -67,7 +67,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "of prose and code that ship with ovshard), auto (the model's own sampled text from neutral "
                    "prompts), a UTF-8 text file, or none (data-free). Default: text where the checkpoint has a "
                    "tokenizer and the compile is streamed in one job, else none")
-    p.add_argument("--calibration-samples", type=int, default=8, help="calibration samples (default 8)")
+    p.add_argument("--calibration-samples", type=int, default=4, help="calibration samples (default 4)")
     p.add_argument("--calibration-tokens", type=int, default=128, help="tokens per calibration sample (default 128)")
     p.add_argument("--calibration-methods", metavar="M[,M]",
                    help="data-aware methods: scale_fit (ovshard's own, int4_sym, alone; the default there) or "

@@ -78,7 +78,7 @@ def calibration_text(ckpt: Checkpoint, source: str, samples: int, tokens: int, s
     calibration text) or a text file's path."""
     if samples < 1 or tokens < MIN_TOKENS:
         raise ConfigError(f"--calibration-samples {samples} of {tokens} tokens: expected at least 1 sample of at "
-                          f"least {MIN_TOKENS} tokens, e.g. --calibration-samples 8")
+                          f"least {MIN_TOKENS} tokens, e.g. --calibration-samples 4")
     tokenizer = _tokenizer(ckpt, scratch)
     bos = (ckpt.generation_config or {}).get("bos_token_id", ckpt.description.bos_token_id)
     if source == "auto":

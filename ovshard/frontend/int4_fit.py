@@ -13,9 +13,10 @@ no grid of shrunk min-max scales: clipping the largest weights of a group that w
 text and lost on other text (SmolLM2-135M, docs/results/2026-12-int4-fit.md).
 
 Every candidate is evaluated after rounding its scale to f16, as stored, so the error compared is the stored
-weight's. All of it is matmuls (through oneDNN: ``ovshard.frontend.onednn``) and elementwise ops over a tile of
-one group's rows at a time (``BLOCK_BYTES``), whose moments [g, g] stay in cache for all its rows; memory stays a
-few tiles of a weight. Each (row, group) is fitted on its own, so the bytes are the same at any thread count.
+weight's. All of it is matmuls (through oneDNN: ``ovshard.frontend.onednn``), dot products a row and elementwise
+ops over a tile of one group's rows at a time (``BLOCK_BYTES``), whose moments [g, g] stay in cache for all its
+rows; memory stays a few tiles of a weight. Each (row, group) is fitted on its own, so the bytes are the same at
+any thread count.
 """
 
 from __future__ import annotations
@@ -113,8 +114,6 @@ def _fit_tiles(weight: torch.Tensor, moments: torch.Tensor, fit_block: Callable[
 def _fit_block_asym(w: torch.Tensor, ht: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_fit_block` for asymmetric codes: the signed codes ``q - z`` take the place of ``q``."""
     low = w.amin(-1, keepdim=True)
-    hw = linear(w, ht)
-    whw = (w * hw).sum(-1, keepdim=True)
 
     def rounded(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         z = torch.div(-low, s).round_().clamp_(0, 15)
@@ -122,14 +121,13 @@ def _fit_block_asym(w: torch.Tensor, ht: torch.Tensor) -> tuple[torch.Tensor, to
 
     s = _f16((w.amax(-1, keepdim=True) - low) / 15)
     c, z = rounded(s)
-    best_err = torch.full_like(whw, float("inf"))
+    best_err = torch.full_like(low, float("inf"))
     best_s, best_base, best_z = s, s, z
     for step in range(ROUNDS + 1):
-        chw = (c * hw).sum(-1, keepdim=True)
-        chc = (c * linear(c, ht)).sum(-1, keepdim=True)
+        chw, chc = _moments_of(c, w, ht)
         refit = _f16(torch.where((chc > 0) & (chw > 0), chw / chc, s))
         for cand in (s, refit):
-            err = whw - 2 * cand * chw + cand * cand * chc
+            err = _error(cand, chw, chc)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_s = torch.where(better, cand, best_s)
@@ -160,22 +158,20 @@ def _minmax(w: torch.Tensor) -> torch.Tensor:
 def _fit_block(w: torch.Tensor, ht: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The best codes and f16 scales of ``w`` [rows, g] for one group's moments, given transposed (``ht`` = H^T).
 
-    For codes ``q`` and a scale ``s`` the error expands to ``w^T H w - 2 s q^T H w + s^2 q^T H q``: with ``H w``
-    computed once, each set of codes costs one matmul (``H q``) and two dot products, and the scales tried for
+    For codes ``q`` and a scale ``s`` the error expands to ``w^T H w - 2 s q^T H w + s^2 q^T H q``. The first term
+    is the same for every candidate of a row, so candidates are compared without it (:func:`_error`); each set of
+    codes costs one matmul (``H q``) and two dot products a row (:func:`_moments_of`), and the scales tried for
     them (the one they were rounded at, their least-squares one) a few ops on [rows, 2]. Of all the pairs, in the
     order met, the first of least error is kept."""
-    hw = linear(w, ht)  # [rows, g]: w H
-    whw = (w * hw).sum(-1, keepdim=True)
     s = _f16(_minmax(w))
     codes, tried, errors = [torch.div(w, s).round_().clamp_(LOW, HIGH)], [], []
     for step in range(ROUNDS + 1):
         q = codes[step]
-        qhw = (q * hw).sum(-1, keepdim=True)
-        qhq = (q * linear(q, ht)).sum(-1, keepdim=True)
+        qhw, qhq = _moments_of(q, w, ht)
         refit = _f16(torch.where(qhq > 0, qhw / qhq, s))  # the least-squares scale of these codes
         scales = torch.cat((s, refit), -1)  # [rows, 2]: the scales tried for these codes
         tried.append(scales)
-        errors.append(whw - 2 * scales * qhw + scales * scales * qhq)
+        errors.append(_error(scales, qhw, qhq))
         if step < ROUNDS:
             s = refit
             codes.append(torch.div(w, s).round_().clamp_(LOW, HIGH))
@@ -185,6 +181,25 @@ def _fit_block(w: torch.Tensor, ht: torch.Tensor) -> tuple[torch.Tensor, torch.T
     for step in range(ROUNDS - 1, -1, -1):
         chosen = torch.where(best < 2 * (step + 1), codes[step], chosen)
     return chosen.to(torch.int8), torch.cat(tried, -1).gather(-1, best).to(torch.float16)
+
+
+def _moments_of(q: torch.Tensor, w: torch.Tensor, ht: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q^T H w`` and ``q^T H q`` of each row of codes ``q`` [rows, g] (float) and weights ``w``, [rows, 1] each:
+    one matmul (``q H``, H symmetric) and two dot products a row, each one pass over its tile (a batched
+    [1, g] x [g, 1] matmul; a product then a sum would write and read a whole tile between them)."""
+    hq = linear(q, ht)  # [rows, g]: q H
+    return _rowdot(w, hq), _rowdot(q, hq)
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The dot product of each row of ``a`` and ``b`` [rows, g]: [rows, 1]."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(a.shape[0], 1)
+
+
+def _error(scale: torch.Tensor, qhw: torch.Tensor, qhq: torch.Tensor) -> torch.Tensor:
+    """``d^T H d - w^T H w`` of codes at ``scale`` (``-2 s q^T H w + s^2 q^T H q``): the error up to a row's constant,
+    all that comparing the candidates of a row needs."""
+    return scale * (scale * qhq - 2 * qhw)
 
 
 @contextmanager
