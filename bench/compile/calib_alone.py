@@ -21,6 +21,7 @@ import torch
 
 from ovshard.bundle.stage import StageSpec
 from ovshard.bundle.weights import WeightFormat
+from ovshard.compile_config import CompileConfig
 from ovshard.frontend import int4_fit
 from ovshard.frontend.calibration import Activations, calibration_text
 from ovshard.frontend.checkpoint import open_checkpoint
@@ -41,13 +42,15 @@ def main() -> int:
     parser.add_argument("--threads", default="2", help="torch thread counts, comma-separated")
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=CompileConfig.calibration_samples,
+                        help="calibration samples (the compile's default)")
     args = parser.parse_args()
     return_freed_blocks()  # the compile's allocator setting
     ckpt = open_checkpoint(args.checkpoint)
     spec = StageSpec(0, 1, 0, ckpt.dims.num_layers)
     fmt = WeightFormat(group_size=args.group)
     with tempfile.TemporaryDirectory(prefix="ovshard-calib-alone-") as tmp:
-        text = calibration_text(ckpt, "text", 8, 128, Path(tmp))
+        text = calibration_text(ckpt, "text", args.samples, CompileConfig.calibration_tokens, Path(tmp))
     rows = []
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
