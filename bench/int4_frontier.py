@@ -150,8 +150,8 @@ ROWS = {
     "int4_sym g128 b1.00 fit text": ["--budget", "1.0"],
     "int4_sym g128 b1.15 fit text s16": [*SYM, "--calibration-samples", "16"],  # 4x the default's samples and forward
     "int4_sym g128 b1.15 fit text s8": [*SYM, "--calibration-samples", "8"],  # twice the default's samples and forward
-    "int4_sym g128 b1.15 fit text s8 t64": [*SYM, "--calibration-samples", "8", "--calibration-tokens", "64"],  # the
-    # forward of 4 samples of 128 tokens, as 8 samples each half as long
+    # the forward of the default's 4 samples of 128 tokens, as 8 samples each half as long
+    "int4_sym g128 b1.15 fit text s8 t64": [*SYM, "--calibration-samples", "8", "--calibration-tokens", "64"],
     "int4_sym g128 b1.15 se text": [*SYM, *NNCF_SE],  # the default before ovshard's own fit
     "int4_sym g128 b1.00 se text": ["--budget", "1.0", *NNCF_SE],
     "int4_sym g128 b1.00 awq+se": ["--weights", "int4_sym", "--budget", "1.0", "--calibration", "auto", *AWQ_SE],

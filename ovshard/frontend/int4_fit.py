@@ -185,8 +185,8 @@ def _fit_block(w: torch.Tensor, ht: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 def _moments_of(q: torch.Tensor, w: torch.Tensor, ht: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``q^T H w`` and ``q^T H q`` of each row of codes ``q`` [rows, g] (float) and weights ``w``, [rows, 1] each:
-    one matmul (``q H``, H symmetric) and two dot products a row, each one pass over its tile (a batched
-    [1, g] x [g, 1] matmul; a product then a sum would write and read a whole tile between them)."""
+    one matmul (``q H``) and two dot products a row, each one pass over its tile (a batched [1, g] x [g, 1]
+    matmul; a product then a sum would write and read a whole tile between them)."""
     hq = linear(q, ht)  # [rows, g]: q H
     return _rowdot(w, hq), _rowdot(q, hq)
 
@@ -197,8 +197,8 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _error(scale: torch.Tensor, qhw: torch.Tensor, qhq: torch.Tensor) -> torch.Tensor:
-    """``d^T H d - w^T H w`` of codes at ``scale`` (``-2 s q^T H w + s^2 q^T H q``): the error up to a row's constant,
-    all that comparing the candidates of a row needs."""
+    """``d^T H d - w^T H w`` of codes at ``scale`` (``-2 s q^T H w + s^2 q^T H q``, H symmetric): the error up to a
+    row's constant, all that comparing the candidates of a row needs."""
     return scale * (scale * qhq - 2 * qhw)
 
 
