@@ -107,6 +107,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
              "the CPU plugin's fully connected kernels alone: formats x settings x threads", None,
              ("--shapes", "64x128", "--threads", "1", "--formats", "i4:32", "--settings", "bf16", "--mb", "1",
               "--repeats", "2")),
+        Step("cpu_kernels/zero_points",
+             "INT4 weights with f16 zero points (Q4_1 blocks) as stored against split into codes and group sums",
+             (), ("--shapes", "64x128", "--blocks", "2", "--threads", "1", "--rounds", "1")),
         Step("op_profile",
              "one step of a one-stage bundle from OpenVINO's performance counters: per op type and "
              "layer", None, ("{bundle1}", "--threads", "1", "--steps", "2")),

@@ -45,6 +45,7 @@ PIECE_BIN = "piece.bin"
 # the modules whose code decides a piece's bytes: their source is part of every key
 _KEY_MODULES = ("ovshard/frontend/stage_module.py", "ovshard/frontend/pieces.py", "ovshard/frontend/trace.py",
                 "ovshard/ir/splice.py", "passes/compress_weights.py", "passes/fuse_projections.py",
+                "passes/split_zero_points.py",
                 "ovshard/frontend/int4_fit.py", "ovshard/frontend/calibration.py")
 # the modules whose code decides a converted tokenizer's files and chat record (manifest.py: its schema)
 _TOKENIZER_MODULES = ("ovshard/frontend/tokenizer.py", "ovshard/frontend/chat.py", "ovshard/bundle/manifest.py")

@@ -9,6 +9,7 @@ from ovshard.passes.fuse_projections import FuseProjectionsPass
 from ovshard.passes.inject_beam_idx_gather import InjectBeamIdxGatherPass
 from ovshard.passes.make_stateful_kv import MakeStatefulKVPass
 from ovshard.passes.precompute_rotary import PrecomputeRotaryPass
+from ovshard.passes.split_zero_points import SplitZeroPointsPass
 
 __all__ = [
     "WEIGHT_FORMATS",
@@ -17,6 +18,7 @@ __all__ = [
     "InjectBeamIdxGatherPass",
     "MakeStatefulKVPass",
     "PrecomputeRotaryPass",
+    "SplitZeroPointsPass",
     "WeightFormat",
     "pipeline",
 ]
@@ -31,6 +33,7 @@ def pipeline(weights: WeightFormat) -> list[GraphPass]:
     return [
         CompressWeightsPass(weights),  # fp16 / NNCF int8 / int4 weights, per WeightFormat (layer scope)
         FuseProjectionsPass(),  # q/k/v and gate/up stored alike -> one MatMul + VariadicSplit (layer scope)
+        SplitZeroPointsPass(),  # f16 zero points -> signed codes + a MatMul of group sums (layer scope)
         PrecomputeRotaryPass(),  # rotary frequency math -> Gather by position_ids from a constant table
         MakeStatefulKVPass(),  # past/present KV I/O -> ReadValue (zero initializer) / Assign
         InjectBeamIdxGatherPass(),  # beam_idx i32 Parameter + Gather(axis 0) on every KV ReadValue

@@ -40,7 +40,7 @@ def test_manifest_describes_every_stage(stories_bundle: Path) -> None:
     assert m.weights.mode == "fp32"
     assert m.generation.eos_token_ids == (2, 1)
     assert {r.name for r in m.pass_log} == {"PrecomputeRotaryPass", "MakeStatefulKVPass", "InjectBeamIdxGatherPass",
-                                               "CompressWeightsPass", "FuseProjectionsPass"}
+                                               "CompressWeightsPass", "FuseProjectionsPass", "SplitZeroPointsPass"}
     assert m.source.fingerprint.startswith("sha256:")
     assert json.loads((stories_bundle / names.MANIFEST_FILE).read_text())["plan"]["strategy"] == "balanced-reads"
 

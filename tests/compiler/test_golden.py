@@ -29,7 +29,7 @@ def test_pass_dumps_match_golden(stories: Path, tmp_path: Path, update_golden: b
     compile_bundle(CompileConfig(stories, tmp_path / "bundle", stages=2,
                                  dumps=DumpOptions(dumps, after="all", with_ir=False)))
     produced = {p.relative_to(dumps): p.read_text() for p in sorted(dumps.rglob("*.txt"))}
-    assert len(produced) == 2 * 6, sorted(produced)  # 00_input + 5 passes, per stage
+    assert len(produced) == 2 * 7, sorted(produced)  # 00_input + 6 passes, per stage
     if update_golden:
         shutil.rmtree(GOLDEN_DIR, ignore_errors=True)
         for rel, text in produced.items():
