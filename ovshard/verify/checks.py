@@ -58,7 +58,9 @@ def weight_precisions(runtime: ov.Model) -> Counter:
     matrices whose input width its compressed kernels do not take (stories260K's 172-wide down_proj).
     A mixture of experts' router, f32 on purpose (``CompressWeightsPass``), is counted as ``"f32 router"``:
     a FullyConnected whose scores go to a TopK (directly or through its softmax) or, a shared expert's gate,
-    whose output is one wide.
+    whose output is one wide. The MatMul of group sums that ``SplitZeroPointsPass`` adds for f16 zero points
+    (its input a ReduceSum, its weights folded from the stored zero points and scales) is counted as
+    ``"f32 zero points"``.
     """
     found: Counter = Counter()
     for op in runtime.get_ordered_ops():
@@ -70,12 +72,23 @@ def weight_precisions(runtime: ov.Model) -> Counter:
         if precision == "f32" and _is_router(op):
             found["f32 router"] += 1
             continue
+        if precision == "f32" and _layer_type(_producer(op)) == "Reduce":
+            found["f32 zero points"] += 1  # SplitZeroPointsPass's MatMul of group sums, folded from f16 z and s
+            continue
         found[f"{precision} from compressed" if precision in _FLOAT and folded else precision] += 1
     return found
 
 
 def _layer_type(node: ov.Node) -> str:
     return str(node.get_rt_info()["layerType"].astype(str))
+
+
+def _producer(op: ov.Node) -> ov.Node:
+    """The node that computes ``op``'s first input, past the plugin's precision Reorders."""
+    node = op.input_value(0).get_node()
+    while _layer_type(node) == "Reorder":
+        node = node.input_value(0).get_node()
+    return node
 
 
 def _is_router(op: ov.Node) -> bool:
@@ -124,7 +137,7 @@ def runtime_rows(bundle: Path, m: Manifest, device: str, core: ov.Core) -> list[
             rows.append(Row(entry.index, "weight storage", m.weights.mode, found, "pass"))
         else:
             # unpacked at load, or a router kept f32 on purpose: fine
-            stored = {p for p in precisions if not p.endswith((" from compressed", " router"))}
+            stored = {p for p in precisions if not p.endswith((" from compressed", " router", " zero points"))}
             ok = bool(stored) and stored <= wanted
             rows.append(Row(entry.index, "weight storage", f"{m.weights.mode}: {'/'.join(sorted(wanted))}",
                             found, _verdict(ok)))

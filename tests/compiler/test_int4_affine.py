@@ -10,6 +10,7 @@ the format by default (all Q4_0: int4_sym in groups of 32, data-free, which hold
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,14 @@ def test_a_q4_gguf_keeps_its_blocks_by_default(tmp_path: Path, qtype: str, mode:
     assert fmt.calibration == "none" and read_manifest(tmp_path / "other").weights.mode == other
     errors = {name: float(np.mean((logits[name] - logits["fp32"]) ** 2)) for name in ("default", "other")}
     assert errors["default"] < 0.5 * errors["other"], errors
+    # the runtime graph stores what the format promises: Q4_1's f16 zero points split (signed codes, a MatMul of
+    # group sums: SplitZeroPointsPass), Q4_0's signed groups as they were
+    checked = subprocess.run([sys.executable, "-m", "ovshard.cli", "verify", str(tmp_path / "default"), "--json"],
+                             capture_output=True, text=True, timeout=600)
+    assert checked.returncode == 0, checked.stdout[-2000:] + checked.stderr[-2000:]
+    storage = next(row for row in json.loads(checked.stdout)["rows"] if row["check"] == "weight storage")
+    assert storage["verdict"] == "pass" and "i4: " in storage["found"], storage
+    assert ("f32 zero points" in storage["found"]) == (qtype == "Q4_1"), storage
 
 
 def test_any_format_option_keeps_the_per_model_rules_off(tmp_path: Path) -> None:
