@@ -13,12 +13,12 @@ and the second reads one value a group: ``x`` reshaped to [..., groups, G] and s
 a [rows, groups] matrix that the plugin folds from the stored ``z`` and ``s`` at load (no byte more in the
 bundle). The codes are stored signed (``q - 8``: each nibble's top bit flipped) because the int8 path rounds the
 activations and the correction uses their exact sums: with codes in [0, 15] that rounding is multiplied by
-codes around 7.5 and no longer cancels against the correction (a layer's output error 1.9x larger, measured),
-with codes in [-8, 7] it is what int4_sym's nodes take. Without dynamic quantization the products are the same
+codes around 7.5 and no longer cancels against the correction (a residual block's output error 1.7x larger,
+a 30-block chain's 3x, measured), with codes in [-8, 7] it is what int4_sym's nodes take. Without dynamic quantization the products are the same
 as before to f32 rounding.
 
-Measured (bench/cpu_kernels/zero_points.py, docs/results/2026-12-one-node.md): a decode step of SmolLM2-135M's
-Q4_1 GGUF compiled by default ran 1.3x faster on a 2-core Intel Xeon, and a chain of 2048 x 8192 matrices 1.5x.
+Measured (bench/cpu_kernels/zero_points.py, docs/results/2026-12-one-node.md): SmolLM2-135M's Q4_1 GGUF compiled
+by default decoded 1.2x faster on a 2-core Intel Xeon (its step 1.1-1.2x), a chain of 2048 x 8192 matrices 1.5x.
 
 Runs after FuseProjectionsPass, so fused q/k/v and gate/up share one group sum. A weight another op also reads
 (an embedding table tied to the lm_head) keeps its form.
