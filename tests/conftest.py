@@ -46,13 +46,17 @@ RENAMED = {"<0x00>": "<|im_start|>", "▁Lily": "<|im_end|>"}
 
 def free_port_base(count: int) -> int:
     """The first of ``count`` consecutive loopback ports that are free now (for a fixed --port-base): drawn at
-    random, so that two test runs on one machine do not reach for the same ports."""
+    random, so that two test runs on one machine do not reach for the same ports, and below the system's
+    ephemeral range, so that no process binding port 0 (Ray's workers and agents start many) is handed one of
+    them before the stages bind them."""
     import random
     import socket
 
+    from ovshard.runtime.wire.address import ephemeral_low
+
     draw = random.Random(os.getpid())
     for _ in range(200):
-        base = draw.randrange(20000, 60000 - count)
+        base = draw.randrange(20000, max(ephemeral_low(), 20000 + 2 * count) - count)
         socks = []
         try:
             for port in range(base, base + count):

@@ -3,7 +3,9 @@ proxy imports it without the rest of the runtime)."""
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
 
 from ovshard.errors import OvshardError
 
@@ -18,9 +20,33 @@ def parse_address(text: str, option: str = "address") -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST = 10000  # free_port's candidates start here: above the ports services are configured on
+
+
 def free_port() -> int:
-    """A loopback port nothing listened on a moment ago. Racy by nature (another process may take it): a
-    listener that can, binds port 0 instead."""
+    """A port nothing listens on now, chosen below the system's ephemeral range (the ports the system hands a
+    process that binds port 0, as Ray's workers and agents do, so none of them takes it before its listener
+    binds it). Still racy with a process that binds this very port: a listener that can, binds port 0 instead.
+    Falls back to an ephemeral port where no candidate is free."""
+    low = ephemeral_low()
+    rng = random.Random()
+    for _ in range(64):
+        port = rng.randrange(LOWEST, low) if low > LOWEST else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def ephemeral_low() -> int:
+    """The first port of the system's ephemeral range (Linux's default 32768 where it cannot be read)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
