@@ -29,19 +29,16 @@ def free_port() -> int:
     process that binds port 0, as Ray's workers and agents do, so none of them takes it before its listener
     binds it). Still racy with a process that binds this very port: a listener that can, binds port 0 instead.
     Falls back to an ephemeral port where no candidate is free."""
-    low = ephemeral_low()
-    rng = random.Random()
-    for _ in range(64):
-        port = rng.randrange(LOWEST, low) if low > LOWEST else 0
+    low, rng = ephemeral_low(), random.Random()
+    candidates = [rng.randrange(LOWEST, low) for _ in range(64)] if low > LOWEST else []
+    for port in [*candidates, 0]:
         with socket.socket() as s:
             try:
                 s.bind(("", port))
             except OSError:
                 continue
             return int(s.getsockname()[1])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    raise OvshardError("no free port: not even the system would hand one out (port 0)")
 
 
 def ephemeral_low() -> int:
