@@ -231,7 +231,7 @@ class CompressWeightsPass(GraphPass):
 
         logging.getLogger("nncf").setLevel(logging.WARNING)
         ops_here = weight_ops(model)
-        tables = _ends(model, ctx, ops_here) if self.fmt.table is not None else set()
+        tables = _ends(model, ctx, ops_here) if self._table_format() is not None else set()
         backup = (set() if self.fmt.mode == "int8" else backup_ops(model, ctx, self.fmt)) - tables
         rest = [op.get_friendly_name() for op in ops_here if op.get_friendly_name() not in backup | tables]
         routers = router_ops(model)
@@ -265,13 +265,21 @@ class CompressWeightsPass(GraphPass):
                     del data_aware
                     gc.collect()
 
+    def _table_format(self) -> WeightFormat | None:
+        """The embedding's and lm_head's own INT4 format: ``WeightFormat.table`` (``--embedding``), or the decoder's
+        own where ``all_layers`` asks for ovshard's fit (a fit works on the layers' inputs, which a table's piece
+        has not: the tables are fitted to the lm_head's inputs as ``--embedding`` fits them); None: NNCF's."""
+        if self.fmt.table is not None:
+            return self.fmt.table
+        return self.fmt if self.fmt.all_layers and OWN_FIT in self.fmt.methods else None
+
     def _tables(self, model: ov.Model, ctx: PassContext, tables: set[str], others: list[str]) -> None:
-        """The embedding and lm_head in the format's INT4 table format (``WeightFormat.table``): in a calibrated
-        streamed compile fitted to the lm_head's inputs (``Calibration.fit_table``), else NNCF's data-free INT4."""
+        """The embedding and lm_head in their INT4 format (``_table_format``): in a calibrated streamed compile
+        fitted to the lm_head's inputs (``Calibration.fit_table``), else NNCF's data-free INT4."""
         import nncf
         from nncf.quantization.advanced_parameters import AdvancedCompressionParameters, GroupSizeFallbackMode
 
-        table = self.fmt.table
+        table = self._table_format()
         assert table is not None
         if OWN_FIT in self.fmt.methods and ctx.calibration is not None:
             free = [] if ctx.dims.tie_word_embeddings else [  # an untied embedding never feeds the lm_head

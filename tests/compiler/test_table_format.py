@@ -98,15 +98,17 @@ def _table_constants(bundle: Path) -> list[bytes]:
 
 
 @pytest.mark.slow
-def test_a_calibrated_table_is_the_same_at_one_and_two_stages(stories: Path, tmp_path: Path) -> None:
-    """``--embedding int4_sym`` in the default (calibrated) compile: the tied table is INT4, one constant in a
-    one-stage bundle, the same bytes in the first stage (embedding) and the last (lm_head) of a two-stage one."""
+@pytest.mark.parametrize("flags", [["--embedding", "int4_sym"], ["--all-layers"]], ids=["embedding", "all-layers"])
+def test_a_calibrated_table_is_the_same_at_one_and_two_stages(stories: Path, tmp_path: Path, flags: list[str]) -> None:
+    """``--embedding int4_sym`` or ``--all-layers`` (the table in the decoder's own format) in the default
+    (calibrated) compile: the tied table is INT4, fitted to the lm_head's inputs, one constant in a one-stage bundle,
+    the same bytes in the first stage (embedding) and the last (lm_head) of a two-stage one."""
     tables = {}
     for stages in (1, 2):
         out = tmp_path / f"s{stages}"
         done = subprocess.run([sys.executable, "-m", "ovshard.cli", "-q", "compile", str(stories), "-o", str(out),
-                               "--stages", str(stages), "--no-cache", "--max-positions", "256", "--embedding",
-                               "int4_sym"], capture_output=True, text=True, timeout=600)
+                               "--stages", str(stages), "--no-cache", "--max-positions", "256", *flags],
+                              capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
         tables[stages] = _table_constants(out)
     assert len(tables[1]) == 1 and len(tables[2]) == 2, {k: len(v) for k, v in tables.items()}
