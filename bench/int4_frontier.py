@@ -148,6 +148,8 @@ ROWS = {
     "int4_sym g32 b1.06 fit text": ["--group-size", "32", "--budget", "1.06"],
     "int4_sym g64 b1.06 fit text": ["--group-size", "64", "--budget", "1.06"],
     "int4_sym g128 b1.00 fit text": ["--budget", "1.0"],
+    # every weight INT4, the embedding and lm_head too: the fewest bytes a token reads (a Q4_0-class speed row)
+    "int4_sym g128 b1.00 fit text all": ["--budget", "1.0", "--all-layers"],
     "int4_sym g128 b1.15 fit text s16": [*SYM, "--calibration-samples", "16"],  # 4x the default's samples and forward
     "int4_sym g128 b1.15 fit text s8": [*SYM, "--calibration-samples", "8"],  # twice the default's samples and forward
     # the forward of the default's 4 samples of 128 tokens, as 8 samples each half as long

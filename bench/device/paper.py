@@ -23,8 +23,10 @@ keeps what it measured):
   cost     compile cost per decoder layer at the last shape: data-free against the default (calibrated: the
            scale fit on the shipped text), wall seconds and peak RSS at 2 and 4 layers.
   one      one node: decode tokens/s of ``ovshard run --local --threads T`` against ``llama-bench -t T`` on the
-           Q4_K_M and Q4_0 files, both pinned (taskset) to the same T cores, rounds interleaved; the time to
-           the first token of a 512-token prompt (llama-bench -p 512 against ovshard's prefill).
+           Q4_0 file, both pinned (taskset) to the same T cores, rounds interleaved; the time to the first token
+           of a 512-token prompt (llama-bench -p 512 against ovshard's prefill). ``PAPER_VARIANTS`` adds
+           one-stage compiles with other flags as more sides of the same rounds, e.g. ``"int4=--budget 1.0
+           --all-layers"`` (``;`` between variants), each with its bytes a token beside its rate.
   table    the paper's table, 8B: a "node" is one ``ovshard serve`` pinned to its own 4 cores behind a relay
            with 0.3 ms one-way delay and a 1 Gbit/s cap per direction (ovshard's DelayProxy: containers here
            allow no network namespace), the head in this process on the cores left; 1 node/1 user, 2/1, 2/2,
@@ -67,6 +69,11 @@ from llama_build import fastest  # noqa: E402
 STORIES = Path(os.environ.get("PAPER_TOKENIZER_FROM", ROOT.parent / "shared" / "models" / "stories260K"))
 PROMPT_1B = [128000, 791, 4062, 14198, 39935, 35308, 927, 279, 16053, 5679, 13, 578, 4062, 374, 1618, 311]
 NODE_CORES = int(os.environ.get("PAPER_NODE_CORES", 4))  # cores of one "node" in the table
+# name=flags;...: more one-stage compiles of each shape (data-free, as the default's), sides of the one phase
+VARIANTS = {name: tuple(flags.split()) for name, _, flags in
+            (v.partition("=") for v in os.environ.get("PAPER_VARIANTS", "").split(";") if v.strip())}
+# the largest shape's compile: 4 stages for the table (regrouped into 2 and 1), 1 where no table runs
+LARGEST_STAGES = int(os.environ.get("PAPER_LARGEST_STAGES", 4))
 DELAY_S = 0.0003  # one way, per hop: a home LAN
 LINK_BYTES_PER_S = 125e6  # 1 Gbit/s
 TABLE = ((1, 1), (2, 1), (2, 2), (2, 8), (4, 4))  # (nodes, users); --table replaces it
@@ -191,22 +198,28 @@ def setup(work: Path, llama_src: Path, shapes: list[str], results: Results) -> d
     ggufs, bundles = {}, {}
     for shape in shapes:
         ggufs[shape] = {k: str(v) for k, v in gguf_files(work, llama_src, built["bins"], shape, ckpts[shape]).items()}
-        largest = shape == shapes[-1]
-        fine = work / f"bundle-{shape}-{4 if largest else 1}st"
+        stages = LARGEST_STAGES if shape == shapes[-1] else 1
+        fine = work / f"bundle-{shape}-{stages}st"
         if not (fine / "manifest.json").is_file():
-            log(f"compiling {shape} (default, data-free, {4 if largest else 1} stages)")
-            facts[f"compile {shape}"] = compile_bundle(ckpts[shape], fine, 4 if largest else 1,
-                                                       ("--calibration", "none"))
+            log(f"compiling {shape} (default, data-free, {stages} stages)")
+            facts[f"compile {shape}"] = compile_bundle(ckpts[shape], fine, stages, ("--calibration", "none"))
             log(f"compiled {shape}: {facts[f'compile {shape}']}")
         bundles[shape] = {"1": str(fine)}  # keys as JSON keeps them
-        if largest:
-            bundles[shape] = {"4": str(fine), "2": str(regroup(fine, [[0, 1], [2, 3]], work / f"bundle-{shape}-2st")),
-                              "1": str(regroup(fine, [[0, 1, 2, 3]], work / f"bundle-{shape}-1st"))}
+        for name, flags in VARIANTS.items():
+            out = work / f"bundle-{shape}-1st-{name}"
+            if not (out / "manifest.json").is_file():
+                log(f"compiling {shape} ({name}: {' '.join(flags)}, data-free, 1 stage)")
+                facts[f"compile {shape} {name}"] = compile_bundle(ckpts[shape], out, 1, ("--calibration", "none", *flags))
+            bundles[shape][f"1 {name}"] = str(out)
+        if stages == 4:
+            bundles[shape].update({"4": str(fine), "2": str(regroup(fine, [[0, 1], [2, 3]], work / f"bundle-{shape}-2st")),
+                                   "1": str(regroup(fine, [[0, 1, 2, 3]], work / f"bundle-{shape}-1st"))})
         shutil.rmtree(ckpts[shape])
         log(f"{shape} ready; disk free {shutil.disk_usage(work).free / 2**30:.1f} GB")
     llama = fastest(llama_src, LLAMA_TARGETS, Path(ggufs[shapes[0]]["Q4_0"]), log=log)
     log(f"llama.cpp: {llama.label}")
-    state = {"bins": str(llama.bins), "llama.cpp": llama.label, "bundles": bundles, "ggufs": ggufs, "facts": facts}
+    state = {"bins": str(llama.bins), "llama.cpp": llama.label, "bundles": bundles, "ggufs": ggufs, "facts": facts,
+             "variants": {name: " ".join(flags) for name, flags in VARIANTS.items()}}
     results.put("setup", state)
     return state
 
@@ -279,16 +292,19 @@ def one_node(state: dict[str, Any], results: Results, shapes: list[str], rounds:
     rows = []
     for shape in shapes:
         bundle = state["bundles"][shape]["1"]
+        ours = {"ovshard": bundle, **{f"ovshard {name}": state["bundles"][shape][f"1 {name}"]
+                                      for name in state.get("variants", {}) if f"1 {name}" in state["bundles"][shape]}}
         for threads in thread_counts:
             if shape == shapes[-1] and threads < NODE_CORES:
                 continue  # the largest shape from a node's cores up
             cores = f"0-{threads - 1}"
-            samples: dict[str, list[float]] = {"ovshard": [], **{k: [] for k in state["ggufs"][shape]}}
+            samples: dict[str, list[float]] = {**{k: [] for k in ours}, **{k: [] for k in state["ggufs"][shape]}}
             for r in range(rounds):
                 sides = list(samples) if r % 2 == 0 else list(samples)[::-1]
                 for side in sides:
-                    if side == "ovshard":
-                        value = ovshard_run(bundle, cores, threads, prompt_for(bundle), tokens)["decode_tokens_per_s"]
+                    if side in ours:
+                        value = ovshard_run(ours[side], cores, threads, prompt_for(bundle),
+                                            tokens)["decode_tokens_per_s"]
                     else:
                         value = llama_bench(state["bins"], cores, state["ggufs"][shape][side], threads, 0, tokens)
                     samples[side].append(value)
@@ -297,14 +313,22 @@ def one_node(state: dict[str, Any], results: Results, shapes: list[str], rounds:
             ttft = {k: round(512 / llama_bench(state["bins"], cores, g, threads, 512, 0), 3)
                     for k, g in state["ggufs"][shape].items()}
             for kind in state["ggufs"][shape]:
-                ratios = [a / b for a, b in zip(samples["ovshard"], samples[kind], strict=True)]
-                rows.append({"shape": shape, "threads": threads, "llama.cpp file": kind,
-                             "llama.cpp build": state.get("llama.cpp", "native"),
-                             "ovshard tok/s": round(statistics.median(samples["ovshard"]), 2),
-                             "llama.cpp tok/s": round(statistics.median(samples[kind]), 2),
-                             "ratio": round(statistics.median(ratios), 3),
-                             "ttft 512 ovshard s": round(ttft_ours, 3), "ttft 512 llama.cpp s": ttft[kind]})
+                for side, path in ours.items():
+                    ratios = [a / b for a, b in zip(samples[side], samples[kind], strict=True)]
+                    rows.append({"shape": shape, "threads": threads, "ovshard": side, "llama.cpp file": kind,
+                                 "llama.cpp build": state.get("llama.cpp", "native"),
+                                 "ovshard MB": _weights_mb(path), "llama.cpp MB": round(Path(state["ggufs"][shape][kind]).stat().st_size / 1e6),
+                                 "ovshard tok/s": round(statistics.median(samples[side]), 2),
+                                 "llama.cpp tok/s": round(statistics.median(samples[kind]), 2),
+                                 "ratio": round(statistics.median(ratios), 3),
+                                 "ttft 512 ovshard s": round(ttft_ours, 3) if side == "ovshard" else "",
+                                 "ttft 512 llama.cpp s": ttft[kind]})
             results.put("one", {"rows": rows, "tokens": tokens, "rounds": rounds, "prompt": "16 tokens"})
+
+
+def _weights_mb(bundle: str) -> int:
+    """A bundle's stage weights (every stage's .bin but the tokenizer's), MB."""
+    return round(sum(p.stat().st_size for p in Path(bundle).glob("*.bin") if "tokenizer" not in p.name) / 1e6)
 
 
 # ----------------------------------------------------------------------------------------------- table
