@@ -30,6 +30,7 @@ class Text:
         self.stops = m.generation.eos_token_ids  # what generation stops at
         self._lock = threading.Lock()  # a compiled tokenizer model runs one call at a time
         self._pieces: list[str | None] | None = None  # plain_pieces() of the detokenizer, built on first use
+        self._building = threading.Lock()  # one build of the pieces at a time (a background one and a call)
         if m.tokenizer:
             import openvino_tokenizers  # noqa: F401  (registers the tokenizer ops)
 
@@ -92,9 +93,17 @@ class Text:
         first call decodes the vocabulary a few times (a tenth of a second for 50k tokens)."""
         if self.detok is None:
             return None
-        if self._pieces is None:
-            self._pieces = plain_pieces(self.decode_rows, self.vocab_size)
+        with self._building:
+            if self._pieces is None:
+                self._pieces = plain_pieces(self.decode_rows, self.vocab_size)
         return self._pieces
+
+    def build_pieces_behind(self) -> None:
+        """Build :meth:`pieces` on a daemon thread: the streams of this Text decode plain tokens twice until they
+        are built, then look them up (``ovshard chat`` and `generate` build them while the user types or the
+        first prompt runs; the detokenizer's calls release the GIL)."""
+        if self.detok is not None and self._pieces is None:
+            threading.Thread(target=self.pieces, name="detokenizer-pieces", daemon=True).start()
 
     @property
     def built_pieces(self) -> list[str | None] | None:
@@ -188,6 +197,14 @@ class IncrementalDetokenizer:
         self._prefix = 0  # window start: ids before it are fully emitted and no longer decoded
         self._read = 0  # ids before this are emitted; [prefix, read) gives the text already sent
 
+    @property
+    def pieces(self) -> Sequence[str | None] | None:
+        return self._pieces
+
+    def use_pieces(self, pieces: Sequence[str | None]) -> None:
+        """Look plain tokens up from now on (pieces built after the stream began): each push decides alone."""
+        self._pieces = pieces
+
     def _text(self, start: int, end: int) -> str:
         return self._decode(self._ids[start:end]) if end > start else ""
 
@@ -226,7 +243,8 @@ class TextStream:
     from nothing and is shown without special tokens. Stop ids (end of turn, eos) add no text. Text that may
     be the start of a stop string is held back until it cannot be, and the first stop string met ends the
     text (``stopped``). The pushes and ``finish()`` together give the completion's text. Once the Text's
-    :meth:`~Text.pieces` are built, plain tokens are looked up, not decoded (the API builds them at start).
+    :meth:`~Text.pieces` are built, plain tokens are looked up, not decoded (the API builds them at start, `chat`
+    and `generate` behind, and a stream takes them up from the token they appear at).
     """
 
     def __init__(self, text: Text, prompt: Sequence[int], *, turn: bool | None = None,
@@ -246,6 +264,8 @@ class TextStream:
         """The text ``token`` adds that can be shown now ("" while it may begin a stop string)."""
         if self.stopped or token in self.stop_ids:
             return ""
+        if self.detok.pieces is None and self.text.built_pieces is not None:  # built behind since the start
+            self.detok.use_pieces(self.text.built_pieces)
         self.held += self._clean(self.detok.push(token))
         return self._release(final=False)
 

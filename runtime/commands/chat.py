@@ -214,6 +214,7 @@ def main_chat(args: argparse.Namespace) -> int:
     """``ovshard chat BUNDLE --stages ... | --local``: read stdin, answer on stdout, notices on stderr."""
     m = read_manifest(args.bundle)
     text = chat_text(args.bundle, m, sys.stderr)
+    text.build_pieces_behind()  # while the stages load and the user types: a plain token's text is then looked up
     config = sampling_config(args, text.stops)
     speculation = speculation_config(args, m)
     conversation = Conversation(args.system)

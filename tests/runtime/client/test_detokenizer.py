@@ -50,6 +50,26 @@ def test_pieces_give_what_the_decodes_give(ids: list[int], decode: Callable[[lis
     assert pushed(IncrementalDetokenizer(decode, pieces), ids) == pushed(IncrementalDetokenizer(decode), ids)
 
 
+@given(st.lists(st.integers(0, len(PIECES) - 1), max_size=30), st.integers(0, 30),
+       st.sampled_from([byte_decode, sentencepiece_like_decode, cleanup_decode]))
+def test_pieces_taken_up_mid_stream_give_what_the_decodes_give(ids: list[int], at: int,
+                                                               decode: Callable[[list[int]], str]) -> None:
+    """A stream that began without the table and takes it up at any token (built behind, as `ovshard chat`
+    builds it) gives the pushes the decodes give, and looks up the plain tokens after that point."""
+    pieces = plain_pieces(rows_of(decode), len(PIECES))
+    calls = []
+    counted = IncrementalDetokenizer(lambda ids: calls.append(1) or decode(ids))
+    got = []
+    for n, token in enumerate(ids):
+        if n == at:
+            counted.use_pieces(pieces)
+        got.append(counted.push(token))
+    got.append(counted.flush())
+    assert got == pushed(IncrementalDetokenizer(decode), ids)
+    if at == 0 and all(pieces[t] is not None for t in ids):
+        assert len(calls) <= 1  # every token plain: the first one decoded, every later one looked up
+
+
 def test_context_dependent_tokens_are_not_plain() -> None:
     """Bytes of unfinished characters, the empty special token and, under a cleanup, the punctuation it rewrites
     have no piece; plain words and spaces have theirs, with the space a sentencepiece rule drops at the start."""
