@@ -14,8 +14,9 @@ fallback too), and a one-line notice on stderr says so.
 Ctrl-C during an answer stops that answer and returns to the prompt. A SIGINT handler installed for the
 turn only sets a flag, which the token loop reads after each token, so no KeyboardInterrupt fires inside
 the head's socket code; the token generator is then closed, which closes the stream on every stage. The
-partial answer stays in the conversation, as it was shown. With ``--local`` the stage workers ignore
-SIGINT (a terminal sends Ctrl-C to the whole process group); they stop when the chat ends.
+partial answer stays in the conversation, as it was shown. With ``--local`` a one-stage bundle runs in this
+process (as `ovshard run` runs it: no socket between a token and its stage; ``--workers`` for worker processes),
+and stage workers ignore SIGINT (a terminal sends Ctrl-C to the whole process group); they stop when the chat ends.
 """
 
 from __future__ import annotations
@@ -32,18 +33,22 @@ from typing import Protocol, TextIO
 
 from ovshard.bundle.manifest import Manifest, read_manifest
 from ovshard.errors import OvshardError
+from ovshard.runtime.client.local_head import LocalHead
 from ovshard.runtime.client.text import Text, TextStream
 from ovshard.runtime.commands.options import (
     add_decoding,
     add_pipeline,
+    add_placement,
     add_security,
     pipeline_head,
+    runs_in_process,
     sampling_config,
     speculation_config,
 )
 from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.decoding.speculative import Speculation
 from ovshard.runtime.engine.sampler import SamplingConfig
+from ovshard.runtime.node.config import model_cache, stage_config
 
 PROMPT = "> "  # shown before each line when stdin is a terminal
 HELP = "/reset forgets the conversation, /stats shows the last answer's figures, /quit leaves"
@@ -218,8 +223,20 @@ def main_chat(args: argparse.Namespace) -> int:
     config = sampling_config(args, text.stops)
     speculation = speculation_config(args, m)
     conversation = Conversation(args.system)
-    with pipeline_head(args, ignore_sigint=True) as head:
+    with chat_head(args) as head:
         return Chat(head, text, config, speculation, conversation, sys.stdin, sys.stdout, sys.stderr).run()
+
+
+@contextmanager
+def chat_head(args: argparse.Namespace) -> Iterator[Generates]:
+    """The stages in this process (``--local``, one stage or ``--in-process``; paged, one sequence whose blocks
+    the next turn's prompt reuses), else the head over workers that ignore SIGINT."""
+    if args.local and runs_in_process(args):
+        with LocalHead(args.bundle, config=stage_config(args.exact, args.threads), cache_dir=model_cache(None)) as head:
+            yield head
+        return
+    with pipeline_head(args, ignore_sigint=True) as head:
+        yield head
 
 
 def _line_editing() -> None:
@@ -242,7 +259,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_pipeline(p)
     p.add_argument("--system", help="a system prompt: the first message of every conversation (kept by /reset)")
     p.add_argument("--exact", action="store_true", help="with --local: f32 inference and KV cache")
-    p.add_argument("--threads", type=int, help="with --local: CPU threads per worker process")
+    p.add_argument("--threads", type=int, help="with --local: CPU threads per stage")
+    add_placement(p)
     add_decoding(p, max_tokens=256)
     add_security(p)
     p.set_defaults(func=main_chat)

@@ -25,9 +25,11 @@ from ovshard.runtime.client.scheduler import Scheduler
 from ovshard.runtime.client.text import Text, TextStream, encode_prompts
 from ovshard.runtime.commands.options import (
     EXACT_HELP,
+    add_placement,
     add_sampling,
     add_security,
     pipeline_head,
+    runs_in_process,
     sampling_config,
     speculation_config,
 )
@@ -60,13 +62,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--local", action="store_true", required=True, help="everything on this machine")
     p.add_argument("--exact", action="store_true", help=EXACT_HELP)
     p.add_argument("--threads", type=int, help="CPU threads per stage (default: all)")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--in-process", action="store_true",
-                       help="run every stage in this process, whatever their number: no sockets or frames per "
-                            "token, one tick at a time (the default for a one-stage bundle)")
-    where.add_argument("--workers", action="store_true",
-                       help="one worker process per stage over loopback TCP even for a one-stage bundle (to "
-                            "compare, or to measure the networked path)")
+    add_placement(p)
     p.add_argument("--kv", choices=("auto", "stateful"), default="auto",
                    help="KV cache of every stage: auto (paged where a stage converts, else stateful) or stateful "
                         "(one ReadValue/Assign cache a stream, as `serve --kv stateful`)")
@@ -205,7 +201,7 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    in_process = _runs_in_process(args)
+    in_process = runs_in_process(args)
     with ThreadPoolExecutor(1) as pool:
         ready = pool.submit(_text_and_prompt, args, True)  # while the stages compile (OpenVINO releases the GIL)
         try:
@@ -218,17 +214,3 @@ def run(args: argparse.Namespace) -> int:
                 return _generate(args, lambda: nullcontext(head), ready)
         finally:
             ready.cancel()
-
-
-def _runs_in_process(args: argparse.Namespace) -> bool:
-    """Whether `run` runs the stages in this process: --in-process, or a one-stage bundle (a worker process would
-    only add a socket's round trip to every step) unless --workers. Says which."""
-    stages = read_manifest(args.bundle).num_stages
-    in_process = args.in_process or (stages == 1 and not args.workers)
-    counted = "one stage" if stages == 1 else f"{stages} stages"
-    if in_process:
-        kv = "paged" if args.kv == "auto" else "stateful"
-        log.info("%s: running in this process (%s), no worker%s", counted, kv, "" if stages == 1 else "s")
-    else:
-        log.info("%s: one worker process per stage over loopback TCP", counted)
-    return in_process

@@ -37,6 +37,31 @@ def add_pipeline(p: argparse.ArgumentParser) -> None:
     where.add_argument("--local", action="store_true", help="start one worker process per stage on loopback")
 
 
+def add_placement(p: argparse.ArgumentParser) -> None:
+    """--in-process / --workers: where `--local` runs the stages (`run` and `chat`)."""
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--in-process", action="store_true",
+                       help="with --local: every stage in this process, whatever their number: no sockets or "
+                            "frames per token, one tick at a time (the default for a one-stage bundle)")
+    where.add_argument("--workers", action="store_true",
+                       help="with --local: one worker process per stage over loopback TCP even for a one-stage "
+                            "bundle (to compare, or to measure the networked path)")
+
+
+def runs_in_process(args: argparse.Namespace) -> bool:
+    """Whether `--local` runs the stages in this process: --in-process, or a one-stage bundle (a worker process
+    would only add a socket's round trip to every step) unless --workers. Says which."""
+    stages = read_manifest(args.bundle).num_stages
+    in_process = args.in_process or (stages == 1 and not args.workers)
+    counted = "one stage" if stages == 1 else f"{stages} stages"
+    if in_process:
+        kv = "paged" if getattr(args, "kv", "auto") == "auto" else "stateful"
+        log.info("%s: running in this process (%s), no worker%s", counted, kv, "" if stages == 1 else "s")
+    else:
+        log.info("%s: one worker process per stage over loopback TCP", counted)
+    return in_process
+
+
 def add_security(p: argparse.ArgumentParser) -> None:
     p.add_argument("--credentials", type=Path, metavar="DIR",
                    help="this node's folder from `ovshard keygen` (ca.pem, cert.pem, key.pem): mutual TLS on "

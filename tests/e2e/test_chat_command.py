@@ -133,22 +133,25 @@ def ignores_sigint(pid: int) -> bool:
     return bool(int(mask.split()[1], 16) >> (signal.SIGINT - 1) & 1)
 
 
-def test_chat_keeps_the_history_and_reset_forgets_it(bundle: Path, reference: Reference) -> None:
+@pytest.mark.parametrize("placement", [[], ["--in-process"]], ids=["workers", "in-process"])
+def test_chat_keeps_the_history_and_reset_forgets_it(bundle: Path, reference: Reference, placement: list[str]) -> None:
     """Through `chat --local`, the second answer is the greedy answer to the whole conversation rendered by the
     template (not to its question alone), /stats reports it with the tokens the first turn left in the prefix
-    cache, /reset brings back the first answer, EOF exits 0, and the --local workers ignore SIGINT (a terminal's Ctrl-C reaches the whole process group)."""
+    cache, /reset brings back the first answer, EOF exits 0, and the --local workers ignore SIGINT (a terminal's
+    Ctrl-C reaches the whole process group); with --in-process (a one-stage bundle's default) the same answers
+    and prefix cache with no worker process at all."""
     first = reference.answer([user(NAME)])
     conversation = [user(NAME), assistant(first), user(DOG)]
     second = reference.answer(conversation)
     assert second != reference.answer([user(DOG)])  # the history changes the answer
-    chat = subprocess.Popen([*CLI, "chat", str(bundle), "--local", "--exact", "--speculative", "off"],
+    chat = subprocess.Popen([*CLI, "chat", str(bundle), "--local", "--exact", "--speculative", "off", *placement],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert chat.stdin is not None and chat.stdout is not None and chat.stderr is not None
     chat.stdin.write(NAME + "\n")
     chat.stdin.flush()
     line = chat.stdout.readline()  # the workers are up: the answer streams
     workers = children(chat.pid)
-    assert len(workers) == 2 and all(ignores_sigint(pid) for pid in workers)
+    assert len(workers) == (0 if placement else 2) and all(ignores_sigint(pid) for pid in workers)
     chat.stdin.write(f"{DOG}\n/stats\n/reset\n{NAME}\n")
     chat.stdin.close()
     out, err = line + chat.stdout.read(), chat.stderr.read()
