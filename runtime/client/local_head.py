@@ -46,6 +46,8 @@ from ovshard.runtime.scheduling.plan_types import PlannerStats, TickBudget
 from ovshard.runtime.scheduling.requests import Request
 from ovshard.runtime.wire import protocol as p
 
+IN_PROCESS = "in-process"  # a stage's address where the API's views name one
+
 
 class InProcessLink:
     """The stages in this process as the engine's Link (the module docstring)."""
@@ -146,6 +148,19 @@ class LocalHead:
         self.engine = Engine(self, self.link, self.budget, self.manifest.runtime_hints.max_positions,
                              self.manifest.architecture.vocab_size, retry_s=0.0, timeout=3600.0,
                              background=background)
+
+    # ----- what the API server reads of a head: one process, nothing moves and nothing is reached -----
+    down: str | None = None  # a head over workers says here why the chain cannot serve; stages here always can
+    retargets = refusals = replayed_tokens = 0  # a head over workers counts its moves and replays
+
+    @property
+    def addresses(self) -> list[str]:
+        return [IN_PROCESS] * self.manifest.num_stages
+
+    def health(self, timeout: float = 2.0) -> list[dict[str, object]]:
+        """Each stage "up" (they are this process's own; a failure ends the requests, not the stages)."""
+        return [{"stage": i, "address": IN_PROCESS, "state": "up", "rtt_ms": 0.0}
+                for i in range(self.manifest.num_stages)]
 
     # ----- the engine's host -----
     def reconnect(self, stale: Link, deadline: float, cause: OvshardError) -> Link:

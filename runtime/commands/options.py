@@ -52,7 +52,7 @@ def runs_in_process(args: argparse.Namespace) -> bool:
     """Whether `--local` runs the stages in this process: --in-process, or a one-stage bundle (a worker process
     would only add a socket's round trip to every step) unless --workers. Says which."""
     stages = read_manifest(args.bundle).num_stages
-    in_process = args.in_process or (stages == 1 and not args.workers)
+    in_process = getattr(args, "in_process", False) or (stages == 1 and not getattr(args, "workers", False))
     counted = "one stage" if stages == 1 else f"{stages} stages"
     if in_process:
         kv = "paged" if getattr(args, "kv", "auto") == "auto" else "stateful"

@@ -30,6 +30,7 @@ from typing import Any
 from ovshard.bundle.manifest import Manifest
 from ovshard.errors import OvshardError
 from ovshard.runtime.client.head import Head
+from ovshard.runtime.client.local_head import LocalHead
 from ovshard.runtime.client.scheduler import Busy, Scheduler
 from ovshard.runtime.client.text import Text, TextStream
 from ovshard.runtime.engine.sampler import SamplingConfig
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 class ApiService:
     """What the routes need, without HTTP: prompts to ids, a request's run with stop strings, its text."""
 
-    def __init__(self, bundle: Path, manifest: Manifest, head: Head, session: Scheduler, text: Text,
+    def __init__(self, bundle: Path, manifest: Manifest, head: Head | LocalHead, session: Scheduler, text: Text,
                  model: str, default_max_tokens: int = 256) -> None:
         self.bundle, self.manifest, self.head, self.session, self.text = bundle, manifest, head, session, text
         self.model, self.default_max_tokens = model, default_max_tokens

@@ -323,3 +323,37 @@ def test_a_prompt_seen_before_is_served_from_the_prefix_cache(server: Api) -> No
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert cached is not None and cached >= 32 and cached < again.usage.prompt_tokens
+
+
+def test_a_one_stage_bundle_is_served_from_the_apis_own_process(stories: Path, tmp_path: Path) -> None:
+    """`api --local` on a one-stage bundle runs the stage in its own process (no worker): greedy text equal to
+    `ovshard run`'s, concurrent requests each as alone, a repeated history from the prefix cache, /health and
+    /v1/pipeline naming the stage in-process; `--workers` starts a worker instead and answers the same."""
+    import psutil
+
+    one = compile_fp32(stories, tmp_path / "one", stages=1)
+    with api(one, "--exact", local=True) as server:
+        assert psutil.Process(server.process.pid).children() == []
+        answer = server.client.completions.create(model="one", prompt=PROMPT, max_tokens=30, temperature=0)
+        assert answer.choices[0].text == run_text(one, 30)
+        prompts = [PROMPT, "The cat", "Lily saw", "One day"]
+        solo = [server.client.completions.create(model="one", prompt=q, max_tokens=40, temperature=0).choices[0].text
+                for q in prompts]
+        together = at_once(lambda q: server.client.completions.create(model="one", prompt=q, max_tokens=40,
+                                                                       temperature=0).choices[0].text, prompts, 120)
+        assert together == solo
+        history = [{"role": "user", "content": " ".join([PROMPT] * 8)}]
+        first = server.client.chat.completions.create(model="one", messages=history, max_tokens=12, temperature=0)
+        again = server.client.chat.completions.create(model="one", messages=history, max_tokens=12, temperature=0)
+        assert again.choices[0].message.content == first.choices[0].message.content
+        assert again.usage is not None and again.usage.prompt_tokens_details is not None
+        assert (again.usage.prompt_tokens_details.cached_tokens or 0) >= 32
+        health = json.loads(urllib.request.urlopen(f"{server.url}/health", timeout=30).read())
+        assert health["status"] == "ok" and [(s["state"], s["address"]) for s in health["stages"]] == \
+            [("up", "in-process")]
+        view = json.loads(urllib.request.urlopen(f"{server.url}/v1/pipeline", timeout=30).read())
+        assert [s["address"] for s in view["stages"]] == ["in-process"]
+    with api(one, "--exact", "--workers", local=True) as workers:
+        assert len(psutil.Process(workers.process.pid).children()) == 1
+        again_text = workers.client.completions.create(model="one", prompt=PROMPT, max_tokens=30, temperature=0)
+        assert again_text.choices[0].text == answer.choices[0].text
