@@ -56,10 +56,18 @@ def footprint(pid: int) -> tuple[list[int], int]:
     return [p.memory_info().rss for p in (head, *head.children())], head.num_threads()
 
 
-def test_a_crowd_is_served_in_turn_by_memory_and_leaves_nothing_behind(bundle: Path) -> None:
+@pytest.fixture(scope="module")
+def one_stage(stories: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return compile_fp32(stories, tmp_path_factory.mktemp("limits1") / "stories", stages=1)
+
+
+@pytest.mark.parametrize("where", ["workers", "in-process"])
+def test_a_crowd_is_served_in_turn_by_memory_and_leaves_nothing_behind(where: str, request: pytest.FixtureRequest) -> None:
     """64 streaming clients at once against `ovshard api --local`'s defaults, every 4th going away mid-stream: every
     kept one ends with stop or length, none is refused, the slowest takes at most 3x the median; then no KV block,
-    request or sequence is held, no thread is left, and each process's RSS is within 64 MB of a warm-up's."""
+    request or sequence is held, no thread is left, and each process's RSS is within 64 MB of a warm-up's. Over
+    two stage workers, and over a one-stage bundle's stage in the server's own process."""
+    bundle = request.getfixturevalue("bundle" if where == "workers" else "one_stage")
     with api(bundle, local=True) as server:
         assert {finish for finish, _ in at_once(lambda i: streamed(server.client, i), list(range(8)))} \
             <= {"stop", "length", "dropped"}
