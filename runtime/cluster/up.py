@@ -58,6 +58,12 @@ def _actor_name(bundle: Path, stage: int, generation: int) -> str:
     return f"{PREFIX}{stage}-{bundle_tag(bundle)}-{generation}"
 
 
+def stage_of(name: str) -> int | None:
+    """The stage index in an actor's name (``_actor_name``), None for a name of another form."""
+    index = name[len(PREFIX):].split("-", 1)[0] if name.startswith(PREFIX) else ""
+    return int(index) if index.isdigit() else None
+
+
 def place(stages: int, alive: list[str]) -> list[str]:
     """The node id of each stage for ``--placement bundle``: the alive nodes in turn (this command's first),
     so consecutive stages sit on different nodes while there are nodes."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from ovshard.errors import OvshardError
 from ovshard.runtime.cluster.supervise import Replan, Supervisor, Timeouts, ask_rebalance, published_states
-from ovshard.runtime.cluster.up import Cluster, Planner, UpConfig, actor_states, join_ray
+from ovshard.runtime.cluster.up import Cluster, Planner, UpConfig, actor_states, join_ray, stage_of
 from ovshard.runtime.commands.options import add_http, add_security
 
 log = logging.getLogger(__name__)
@@ -162,6 +162,8 @@ def main_status(args: Any) -> int:
             if state["state"] == "DEAD":
                 continue
             row = dict(state)
+            if (stage := stage_of(state["name"])) is not None:  # named even while its node is gone
+                row["stage"] = stage
             try:
                 row.update(ray.get(ray.get_actor(state["name"]).info.remote(), timeout=10))
             except Exception as e:  # restarting, or gone: the state says which

@@ -41,3 +41,14 @@ def test_the_clusters_error_messages_go_to_stderr_and_leave_stdout_to_the_json_l
     out, err = capsys.readouterr()
     assert "heartbeats" in err and "heartbeats" not in out
     assert "a task's own print" in out
+
+
+def test_a_stage_actors_name_tells_its_stage_while_its_node_cannot_answer() -> None:
+    """`ovshard status` names an actor's stage from its name (its info() fails while its node is gone): the
+    index of every generation's name, and nothing for a name of another form."""
+    from pathlib import Path
+
+    from ovshard.runtime.cluster.up import _actor_name, stage_of
+
+    assert [stage_of(_actor_name(Path("/b"), k, g)) for k, g in ((0, 0), (3, 1), (12, 7))] == [0, 3, 12]
+    assert stage_of("ovshard-stage-x-1234-0") is None and stage_of("other-actor") is None
