@@ -38,7 +38,7 @@ def add_pipeline(p: argparse.ArgumentParser) -> None:
 
 
 def add_placement(p: argparse.ArgumentParser) -> None:
-    """--in-process / --workers: where `--local` runs the stages (`run` and `chat`)."""
+    """--in-process / --workers: where `--local` runs the stages (`run`, `chat` and `api`)."""
     where = p.add_mutually_exclusive_group()
     where.add_argument("--in-process", action="store_true",
                        help="with --local: every stage in this process, whatever their number: no sockets or "

@@ -83,13 +83,19 @@ def test_stop_strings_end_the_answer(server: Api) -> None:
     assert answer.choices[0].finish_reason == "stop"
 
 
+def alone_and_at_once(client: openai.OpenAI, model: str) -> tuple[list[str], list[str]]:
+    """Four prompts' greedy completions asked one after another, then all four at once."""
+    prompts = [PROMPT, "The cat", "Lily saw", "One day"]
+
+    def ask(q: str) -> str:
+        return client.completions.create(model=model, prompt=q, max_tokens=40, temperature=0).choices[0].text
+
+    return [ask(q) for q in prompts], at_once(ask, prompts, 120)
+
+
 def test_four_concurrent_requests_each_equal_their_solo_answer(server: Api) -> None:
     """Four clients at once get exactly what each gets alone."""
-    prompts = [PROMPT, "The cat", "Lily saw", "One day"]
-    solo = [server.client.completions.create(model="stories", prompt=q, max_tokens=40, temperature=0).choices[0].text
-            for q in prompts]
-    together = at_once(lambda q: server.client.completions.create(model="stories", prompt=q, max_tokens=40,
-                                                                   temperature=0).choices[0].text, prompts, 120)
+    solo, together = alone_and_at_once(server.client, "stories")
     assert together == solo
 
 
@@ -336,11 +342,7 @@ def test_a_one_stage_bundle_is_served_from_the_apis_own_process(stories: Path, t
         assert psutil.Process(server.process.pid).children() == []
         answer = server.client.completions.create(model="one", prompt=PROMPT, max_tokens=30, temperature=0)
         assert answer.choices[0].text == run_text(one, 30)
-        prompts = [PROMPT, "The cat", "Lily saw", "One day"]
-        solo = [server.client.completions.create(model="one", prompt=q, max_tokens=40, temperature=0).choices[0].text
-                for q in prompts]
-        together = at_once(lambda q: server.client.completions.create(model="one", prompt=q, max_tokens=40,
-                                                                       temperature=0).choices[0].text, prompts, 120)
+        solo, together = alone_and_at_once(server.client, "one")
         assert together == solo
         history = [{"role": "user", "content": " ".join([PROMPT] * 8)}]
         first = server.client.chat.completions.create(model="one", messages=history, max_tokens=12, temperature=0)
