@@ -98,13 +98,6 @@ class Text:
                 self._pieces = plain_pieces(self.decode_rows, self.vocab_size)
         return self._pieces
 
-    def build_pieces_behind(self) -> None:
-        """Build :meth:`pieces` on a daemon thread: the streams of this Text decode plain tokens twice until they
-        are built, then look them up (``ovshard chat`` and `generate` build them while the user types or the
-        first prompt runs; the detokenizer's calls release the GIL)."""
-        if self.detok is not None and self._pieces is None:
-            threading.Thread(target=self.pieces, name="detokenizer-pieces", daemon=True).start()
-
     @property
     def built_pieces(self) -> list[str | None] | None:
         """:meth:`pieces` if a call built them already (a server builds them once at start), else None."""
@@ -243,8 +236,8 @@ class TextStream:
     from nothing and is shown without special tokens. Stop ids (end of turn, eos) add no text. Text that may
     be the start of a stop string is held back until it cannot be, and the first stop string met ends the
     text (``stopped``). The pushes and ``finish()`` together give the completion's text. Once the Text's
-    :meth:`~Text.pieces` are built, plain tokens are looked up, not decoded (the API builds them at start, `chat`
-    and `generate` behind, and a stream takes them up from the token they appear at).
+    :meth:`~Text.pieces` are built, plain tokens are looked up, not decoded (the API builds them at start, `run`
+    while its stages load, `chat` behind, and a stream takes them up from the token they appear at).
     """
 
     def __init__(self, text: Text, prompt: Sequence[int], *, turn: bool | None = None,

@@ -22,8 +22,8 @@ from ovshard.runtime.commands.options import (
     add_pipeline,
     add_placement,
     add_security,
+    local_in_process,
     pipeline_head,
-    runs_in_process,
 )
 from ovshard.runtime.engine.paged import BLOCK_SIZE, blocks_for
 from ovshard.runtime.node.config import kv_pool_blocks, model_cache, stage_config
@@ -55,7 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def api_head(args: Any) -> Iterator[Head | LocalHead]:
     """``--local`` with one stage (or ``--in-process``): the stages in this process, the engine on its own thread,
     their KV pool the size a worker's has by default (the same requests at once); else the head over workers."""
-    if getattr(args, "local", False) and runs_in_process(args):
+    if local_in_process(args):
         manifest = read_manifest(args.bundle)
         slots = max(1, kv_pool_blocks(manifest) // blocks_for(manifest.runtime_hints.max_positions, BLOCK_SIZE))
         with LocalHead(args.bundle, config=stage_config(args.exact, args.threads), cache_dir=model_cache(None),

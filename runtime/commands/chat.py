@@ -26,6 +26,7 @@ import signal
 import sys
 import threading
 from collections.abc import Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,8 +41,8 @@ from ovshard.runtime.commands.options import (
     add_pipeline,
     add_placement,
     add_security,
+    local_in_process,
     pipeline_head,
-    runs_in_process,
     sampling_config,
     speculation_config,
 )
@@ -219,19 +220,22 @@ def main_chat(args: argparse.Namespace) -> int:
     """``ovshard chat BUNDLE --stages ... | --local``: read stdin, answer on stdout, notices on stderr."""
     m = read_manifest(args.bundle)
     text = chat_text(args.bundle, m, sys.stderr)
-    text.build_pieces_behind()  # while the stages load and the user types: a plain token's text is then looked up
     config = sampling_config(args, text.stops)
     speculation = speculation_config(args, m)
     conversation = Conversation(args.system)
-    with chat_head(args) as head:
-        return Chat(head, text, config, speculation, conversation, sys.stdin, sys.stdout, sys.stderr).run()
+    # the detokenizer's table of plain tokens is built while the stages load and the user types (a stream takes it
+    # up once it is there); leaving waits for it, so that no thread is inside OpenVINO as the process ends
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(text.pieces)
+        with chat_head(args) as head:
+            return Chat(head, text, config, speculation, conversation, sys.stdin, sys.stdout, sys.stderr).run()
 
 
 @contextmanager
 def chat_head(args: argparse.Namespace) -> Iterator[Generates]:
     """The stages in this process (``--local``, one stage or ``--in-process``; paged, one sequence whose blocks
     the next turn's prompt reuses), else the head over workers that ignore SIGINT."""
-    if args.local and runs_in_process(args):
+    if local_in_process(args):
         with LocalHead(args.bundle, config=stage_config(args.exact, args.threads), cache_dir=model_cache(None)) as head:
             yield head
         return

@@ -48,6 +48,17 @@ def add_placement(p: argparse.ArgumentParser) -> None:
                             "bundle (to compare, or to measure the networked path)")
 
 
+def local_in_process(args: argparse.Namespace) -> bool:
+    """Whether `chat` or `api` runs the stages in this process: under ``--local`` as :func:`runs_in_process` says;
+    ``--in-process`` or ``--workers`` without ``--local`` is a usage error (they place local stages only)."""
+    if getattr(args, "local", False):
+        return runs_in_process(args)
+    if getattr(args, "in_process", False) or getattr(args, "workers", False):
+        raise OvshardError("--in-process and --workers choose where --local runs the "
+                           "stages; add --local, or leave them out to use the workers of --stages")
+    return False
+
+
 def runs_in_process(args: argparse.Namespace) -> bool:
     """Whether `--local` runs the stages in this process: --in-process, or a one-stage bundle (a worker process
     would only add a socket's round trip to every step) unless --workers. Says which."""

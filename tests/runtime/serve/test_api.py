@@ -253,6 +253,15 @@ def test_listening_beyond_loopback_needs_an_api_key(bundle: Path) -> None:
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("command", ["api", "chat"])
+def test_a_placement_without_local_is_a_usage_error(bundle: Path, command: str) -> None:
+    """--in-process or --workers with --stages (they place --local stages only): exit 2, naming --local."""
+    out = subprocess.run([*CLI, command, str(bundle), "--stages", "127.0.0.1:1,127.0.0.1:2", "--workers"],
+                         capture_output=True, text=True, timeout=60, input="")
+    assert out.returncode == 2 and "--workers choose where --local runs the stages" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
 
