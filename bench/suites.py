@@ -134,6 +134,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
         Step("api_load", "ovshard api at 1-8 clients against the bare Session",
              ("--models", "stories260K,llama-3.2-1b", "--requests", "2"), ("--quick",)),
         Step("api/api_crowd", "64 streamed openai clients at once, every 4th going away", None, None),
+        Step("api/placement", "a one-stage bundle's api (and chat) in the command's process against a worker",
+             ("{bundle1}", "--rounds", "3"), ("{bundle1}", "--rounds", "1", "--tokens", "8")),
         Step("api/api_ttft_probe",
              "time to the first text: a raw socket client against the openai client", None,
              None),
