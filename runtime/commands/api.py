@@ -6,15 +6,14 @@ import argparse
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from ovshard.bundle.manifest import read_manifest
 from ovshard.errors import OvshardError
 from ovshard.runtime.client.head import Head
-from ovshard.runtime.client.local_head import LocalHead
 from ovshard.runtime.client.scheduler import Scheduler
 from ovshard.runtime.client.text import Text
 from ovshard.runtime.commands.options import (
@@ -22,11 +21,10 @@ from ovshard.runtime.commands.options import (
     add_pipeline,
     add_placement,
     add_security,
-    local_in_process,
-    pipeline_head,
+    stages_head,
 )
 from ovshard.runtime.engine.paged import BLOCK_SIZE, blocks_for
-from ovshard.runtime.node.config import kv_pool_blocks, model_cache, stage_config
+from ovshard.runtime.node.config import kv_pool_blocks
 from ovshard.runtime.serve.api import ApiService, serve_api
 from ovshard.runtime.wire.address import parse_address
 from ovshard.runtime.wire.tls import is_loopback
@@ -51,21 +49,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-@contextmanager
-def api_head(args: Any) -> Iterator[Head | LocalHead]:
-    """``--local`` with one stage (or ``--in-process``): the stages in this process, the engine on its own thread,
-    their KV pool the size a worker's has by default (the same requests at once); else the head over workers."""
-    if local_in_process(args):
-        manifest = read_manifest(args.bundle)
-        slots = max(1, kv_pool_blocks(manifest) // blocks_for(manifest.runtime_hints.max_positions, BLOCK_SIZE))
-        with LocalHead(args.bundle, config=stage_config(args.exact, args.threads), cache_dir=model_cache(None),
-                       slots=slots, background=True, prefill_chunk=args.prefill_chunk) as head:
-            yield head
-        return
-    with pipeline_head(args) as head:
-        yield head
-
-
 def run(args: Any, watch: Callable[[Head], Callable[[], None]] | None = None) -> int:
     """``ovshard api``: a head over ``--stages`` (or local workers) and the HTTP server in front of it;
     ``watch(head)`` (``up``: the supervisor that moves the head with the stages) starts once the head is
@@ -76,7 +59,10 @@ def run(args: Any, watch: Callable[[Head], Callable[[], None]] | None = None) ->
         raise OvshardError(f"--listen {args.listen}: expected --api-key KEY (or $OVSHARD_API_KEY) to serve the API "
                            "beyond this machine, found none; pass one, listen on 127.0.0.1, or pass --insecure")
     manifest = read_manifest(args.bundle)
-    with api_head(args) as head, ExitStack() as stack:
+    # in this process: the engine on its own thread, the KV pool a worker's default (the same requests at once)
+    slots = max(1, kv_pool_blocks(manifest) // blocks_for(manifest.runtime_hints.max_positions, BLOCK_SIZE))
+    with stages_head(args, slots=slots, background=True, prefill_chunk=args.prefill_chunk) as head, \
+            ExitStack() as stack:
         if watch is not None:
             assert isinstance(head, Head), "up's supervisor moves a head over workers"
             stack.callback(watch(head))

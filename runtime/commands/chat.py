@@ -34,22 +34,19 @@ from typing import Protocol, TextIO
 
 from ovshard.bundle.manifest import Manifest, read_manifest
 from ovshard.errors import OvshardError
-from ovshard.runtime.client.local_head import LocalHead
 from ovshard.runtime.client.text import Text, TextStream
 from ovshard.runtime.commands.options import (
     add_decoding,
     add_pipeline,
     add_placement,
     add_security,
-    local_in_process,
-    pipeline_head,
     sampling_config,
     speculation_config,
+    stages_head,
 )
 from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.decoding.speculative import Speculation
 from ovshard.runtime.engine.sampler import SamplingConfig
-from ovshard.runtime.node.config import model_cache, stage_config
 
 PROMPT = "> "  # shown before each line when stdin is a terminal
 HELP = "/reset forgets the conversation, /stats shows the last answer's figures, /quit leaves"
@@ -227,20 +224,9 @@ def main_chat(args: argparse.Namespace) -> int:
     # up once it is there); leaving waits for it, so that no thread is inside OpenVINO as the process ends
     with ThreadPoolExecutor(1) as pool:
         pool.submit(text.pieces)
-        with chat_head(args) as head:
+        # in this process: paged, one sequence whose blocks the next turn's prompt reuses; workers ignore SIGINT
+        with stages_head(args, ignore_sigint=True) as head:
             return Chat(head, text, config, speculation, conversation, sys.stdin, sys.stdout, sys.stderr).run()
-
-
-@contextmanager
-def chat_head(args: argparse.Namespace) -> Iterator[Generates]:
-    """The stages in this process (``--local``, one stage or ``--in-process``; paged, one sequence whose blocks
-    the next turn's prompt reuses), else the head over workers that ignore SIGINT."""
-    if local_in_process(args):
-        with LocalHead(args.bundle, config=stage_config(args.exact, args.threads), cache_dir=model_cache(None)) as head:
-            yield head
-        return
-    with pipeline_head(args, ignore_sigint=True) as head:
-        yield head
 
 
 def _line_editing() -> None:

@@ -29,14 +29,13 @@ from ovshard.runtime.commands.options import (
     add_sampling,
     add_security,
     pipeline_head,
-    runs_in_process,
     sampling_config,
     speculation_config,
+    stages_head,
 )
 from ovshard.runtime.decoding.decode import Stats
 from ovshard.runtime.decoding.speculative import Speculation
 from ovshard.runtime.engine.sampler import SamplingConfig
-from ovshard.runtime.node.config import model_cache, stage_config
 from ovshard.runtime.scheduling.requests import Request
 
 log = logging.getLogger(__name__)
@@ -201,16 +200,11 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    in_process = runs_in_process(args)
     with ThreadPoolExecutor(1) as pool:
-        ready = pool.submit(_text_and_prompt, args, True)  # while the stages compile (OpenVINO releases the GIL)
-        try:
-            if in_process:  # caches for as many full-length sequences as run at once
-                with LocalHead(args.bundle, config=stage_config(args.exact, args.threads), cache_dir=model_cache(None),
-                               paged=args.kv == "auto", slots=args.streams if args.prompts_file else 1,
-                               background=bool(args.prompts_file)) as local:
-                    return _generate(args, lambda: nullcontext(local), ready)
-            with pipeline_head(args) as head:  # the workers start now, the tokenizer loads beside them
+        ready = pool.submit(_text_and_prompt, args, True)  # while the stages load (OpenVINO releases the GIL)
+        try:  # in this process: caches for as many full-length sequences as run at once
+            with stages_head(args, paged=args.kv == "auto", slots=args.streams if args.prompts_file else 1,
+                             background=bool(args.prompts_file)) as head:
                 return _generate(args, lambda: nullcontext(head), ready)
         finally:
             ready.cancel()

@@ -8,19 +8,21 @@ import signal
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 from ovshard.bundle.manifest import Manifest, read_manifest
 from ovshard.errors import OvshardError
 from ovshard.runtime.client.admission import DEFAULT_QUEUE
 from ovshard.runtime.client.head import BUDGET, Head
 from ovshard.runtime.client.launch import local_workers
+from ovshard.runtime.client.local_head import LocalHead
 from ovshard.runtime.client.streams import STREAM_SLOTS
 from ovshard.runtime.decoding.speculative import Speculation, make_speculation
 from ovshard.runtime.engine.kv import CompactionPolicy
 from ovshard.runtime.engine.plugin import describe_plugin_config
 from ovshard.runtime.engine.sampler import SamplingConfig
 from ovshard.runtime.engine.stage import EXACT_HINTS
-from ovshard.runtime.node.config import stage_config
+from ovshard.runtime.node.config import model_cache, stage_config
 from ovshard.runtime.wire.address import parse_address
 from ovshard.runtime.wire.tls import Credentials, client_context, is_loopback, load_credentials
 
@@ -63,7 +65,7 @@ def runs_in_process(args: argparse.Namespace) -> bool:
     """Whether `--local` runs the stages in this process: --in-process, or a one-stage bundle (a worker process
     would only add a socket's round trip to every step) unless --workers. Says which."""
     stages = read_manifest(args.bundle).num_stages
-    in_process = getattr(args, "in_process", False) or (stages == 1 and not getattr(args, "workers", False))
+    in_process = args.in_process or (stages == 1 and not args.workers)
     counted = "one stage" if stages == 1 else f"{stages} stages"
     if in_process:
         kv = "paged" if getattr(args, "kv", "auto") == "auto" else "stateful"
@@ -183,6 +185,19 @@ def make_head(args: argparse.Namespace, addresses: list[str]) -> Head:
                            "trusted network")
     return Head(args.bundle, addresses, retry_s=args.retry_s, tls=client_context(creds) if creds else None,
                 prefill_chunk=getattr(args, "prefill_chunk", None))
+
+
+@contextmanager
+def stages_head(args: argparse.Namespace, ignore_sigint: bool = False, **local: Any) -> Iterator[Head | LocalHead]:
+    """The stages in this process where :func:`local_in_process` says so (a LocalHead with ``local``'s options and
+    the node's --exact, --threads and model cache), else :func:`pipeline_head` (`run`, `chat` and `api`)."""
+    if local_in_process(args):
+        with LocalHead(args.bundle, config=stage_config(args.exact, args.threads), cache_dir=model_cache(None),
+                       **local) as head:
+            yield head
+        return
+    with pipeline_head(args, ignore_sigint) as head:
+        yield head
 
 
 @contextmanager
