@@ -56,6 +56,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
         Step("compile/calib_alone",
              "a calibrated layer's own parts alone at each thread count: its float32 run and its scale fit",
              None, ("{stories}", "--rounds", "1")),
+        Step("int4_sim",
+             "the default INT4 compile simulated in torch on SmolLM2's float weights: variants of its format and "
+             "INT8 choice, perplexity on four texts", None, None),
         Step("compile/under_load",
              "the default compile of a real model again and again, every core held by numpy: each must end",
              None, ("{stories}", "--runs", "1", "--load", "1")),
