@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -125,7 +126,9 @@ class Sim:
 
         torch.set_grad_enabled(False)
         ckpt = open_source(gguf)
-        self.samples = [torch.tensor([s]) for s in calibration_text(ckpt, "text", 4, 128, gguf.parent / ".sim").samples]
+        with tempfile.TemporaryDirectory() as scratch:  # the tokenizer's files, for the calibration text
+            samples = calibration_text(ckpt, "text", 4, 128, Path(scratch)).samples
+        self.samples = [torch.tensor([s]) for s in samples]
         self.int8 = set(choose_int8(ckpt, WeightFormat()))
         self.model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
