@@ -56,9 +56,14 @@ def linears(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Linear]]:
             yield f"{i}.{key}", module
 
 
-def group_for(width: int, group: int = 128) -> int:
-    """NNCF's fallback group (``WeightFormat.group_for``): the largest power of two dividing the width."""
-    return group if width % group == 0 else width & -width
+def group_for(width: int) -> int:
+    """The default format's INT4 group over ``width`` inputs (NNCF's fallback where 128 does not divide it)."""
+    from ovshard.bundle.weights import WeightFormat
+
+    group = WeightFormat().group_for(width)
+    if group is None:
+        raise SystemExit(f"a {width}-wide weight has no INT4 group: this simulation covers INT4 weights only")
+    return group
 
 
 def int8_rows(w: torch.Tensor) -> torch.Tensor:
@@ -171,6 +176,9 @@ class Sim:
         """The INT8 weights by the calibration's loss (module docstring), within the default's bytes."""
         import torch.nn.functional as F
 
+        from ovshard.bundle.weights import WeightFormat
+        from ovshard.plan.precision import int4_bytes, int8_bytes
+
         def divergence() -> float:
             return sum(float((r.exp() * (r - F.log_softmax(self.model(s).logits[0], -1))).sum(-1).mean())
                        for s, r in zip(self.samples, ref, strict=True)) / len(self.samples)
@@ -182,7 +190,7 @@ class Sim:
             loss[key] = divergence()
             m.weight.copy_(self.float[key])
             progress(f"kl: {n + 1} of {len(self.float)} weights scored", "int4_sim")
-        extra = {k: w.numel() * (0.5 - 2.0 / group_for(w.shape[1])) for k, w in self.float.items()}
+        extra = {k: int8_bytes(*w.shape) - int4_bytes(WeightFormat(), *w.shape) for k, w in self.float.items()}
         allowed, chosen, spent = sum(extra[k] for k in self.int8), set(), 0.0
         for key in sorted(loss, key=lambda k: loss[k] / extra[k], reverse=True):
             if spent + extra[key] <= allowed:
