@@ -27,7 +27,9 @@ keeps what it measured):
            of a 512-token prompt (llama-bench -p 512 against ovshard's prefill). ``PAPER_VARIANTS`` adds
            one-stage compiles with other flags as more sides of the same rounds, e.g. ``"int4=--budget 1.0
            --all-layers"`` (``;`` between variants), each with its bytes a token beside its rate.
-  table    the paper's table, 8B: a "node" is one ``ovshard serve`` pinned to its own 4 cores behind a relay
+  table    the paper's table, 8B: a "node" is one ``ovshard serve`` pinned to its own 4 cores
+           (``PAPER_NODE_CORES``: another count, e.g. 2, where nodes of 4 together reach the host's memory
+           bandwidth, which separate PCs would not share) behind a relay
            with 0.3 ms one-way delay and a 1 Gbit/s cap per direction (ovshard's DelayProxy: containers here
            allow no network namespace), the head in this process on the cores left; 1 node/1 user, 2/1, 2/2,
            2/8 and 4/4 (users = concurrent streams, greedy, paged workers: continuous batching); aggregate
@@ -366,7 +368,11 @@ def table(state: dict[str, Any], results: Results, shape: str, rounds: int, toke
     from ovshard.runtime.tools.wanproxy import DelayProxy
 
     bundles = state["bundles"][shape]
-    head_cores = set(range(2 * NODE_CORES, os.cpu_count() or 2 * NODE_CORES)) or {0}
+    # the head on the cores no node of the widest row takes (the 4-node row on a 16-core machine at 4 cores a
+    # node leaves none: then the cores beyond two nodes, shared with the last two)
+    cpus = os.cpu_count() or 2 * NODE_CORES
+    first = max(n for n, _ in layout) * NODE_CORES
+    head_cores = set(range(first if first < cpus else 2 * NODE_CORES, cpus)) or {0}
     os.sched_setaffinity(0, head_cores)
     samples: dict[tuple[int, int], list[float]] = {key: [] for key in layout}
     rpc: list[float] = []
