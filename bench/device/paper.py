@@ -76,6 +76,9 @@ VARIANTS = {name: tuple(flags.split()) for name, _, flags in
             (v.partition("=") for v in os.environ.get("PAPER_VARIANTS", "").split(";") if v.strip())}
 # the largest shape's compile: 4 stages for the table (regrouped into 2 and 1), 1 where no table runs
 LARGEST_STAGES = int(os.environ.get("PAPER_LARGEST_STAGES", 4))
+# PAPER_LLAMA=0: setup builds no llama.cpp and writes no GGUF (minutes of a short lend), so the table runs without
+# its llama.cpp RPC row and the one phase cannot run
+WITH_LLAMA = os.environ.get("PAPER_LLAMA", "1") != "0"
 DELAY_S = 0.0003  # one way, per hop: a home LAN
 LINK_BYTES_PER_S = 125e6  # 1 Gbit/s
 TABLE = ((1, 1), (2, 1), (2, 2), (2, 8), (4, 4))  # (nodes, users); --table replaces it
@@ -191,15 +194,19 @@ def setup(work: Path, llama_src: Path, shapes: list[str], results: Results) -> d
     from llama_build import build
 
     builder = threading.Thread(target=lambda: built.update(bins=build(llama_src, LLAMA_TARGETS, log=log)))
-    builder.start()  # the build runs beside the checkpoints' writing
+    if WITH_LLAMA:
+        builder.start()  # the build runs beside the checkpoints' writing
     facts: dict[str, Any] = {}
     ckpts = {shape: checkpoint(work, shape) for shape in shapes}
-    builder.join()
-    if "bins" not in built:
-        raise RuntimeError("the llama.cpp build failed (see above)")
+    if WITH_LLAMA:
+        builder.join()
+        if "bins" not in built:
+            raise RuntimeError("the llama.cpp build failed (see above)")
     ggufs, bundles = {}, {}
     for shape in shapes:
-        ggufs[shape] = {k: str(v) for k, v in gguf_files(work, llama_src, built["bins"], shape, ckpts[shape]).items()}
+        if WITH_LLAMA:
+            ggufs[shape] = {k: str(v) for k, v in gguf_files(work, llama_src, built["bins"], shape,
+                                                             ckpts[shape]).items()}
         stages = LARGEST_STAGES if shape == shapes[-1] else 1
         fine = work / f"bundle-{shape}-{stages}st"
         if not (fine / "manifest.json").is_file():
@@ -218,9 +225,10 @@ def setup(work: Path, llama_src: Path, shapes: list[str], results: Results) -> d
                                    "1": str(regroup(fine, [[0, 1, 2, 3]], work / f"bundle-{shape}-1st"))})
         shutil.rmtree(ckpts[shape])
         log(f"{shape} ready; disk free {shutil.disk_usage(work).free / 2**30:.1f} GB")
-    llama = fastest(llama_src, LLAMA_TARGETS, Path(ggufs[shapes[0]]["Q4_0"]), log=log)
-    log(f"llama.cpp: {llama.label}")
-    state = {"bins": str(llama.bins), "llama.cpp": llama.label, "bundles": bundles, "ggufs": ggufs, "facts": facts,
+    llama = fastest(llama_src, LLAMA_TARGETS, Path(ggufs[shapes[0]]["Q4_0"]), log=log) if WITH_LLAMA else None
+    log(f"llama.cpp: {llama.label if llama else 'not built (PAPER_LLAMA=0)'}")
+    state = {"bins": str(llama.bins) if llama else None, "llama.cpp": llama.label if llama else None,
+             "bundles": bundles, "ggufs": ggufs, "facts": facts,
              "variants": {name: " ".join(flags) for name, flags in VARIANTS.items()}}
     results.put("setup", state)
     return state
@@ -291,6 +299,8 @@ def llama_bench(bins: str, cores: str, gguf: str, threads: int, prompt: int, tok
 
 def one_node(state: dict[str, Any], results: Results, shapes: list[str], rounds: int, tokens: int,
              thread_counts: list[int]) -> None:
+    if not state["bins"]:
+        raise SystemExit("the one phase compares against llama.cpp: run setup without PAPER_LLAMA=0")
     rows = []
     for shape in shapes:
         bundle = state["bundles"][shape]["1"]
@@ -393,7 +403,7 @@ def table(state: dict[str, Any], results: Results, shape: str, rounds: int, toke
                 samples[(nodes, users)].append(got["tokens_per_s"])
                 log(f"table: round {r} {nodes} nodes {users} users: {got['tokens_per_s']:.2f} tok/s")
             results.put("table", _table_rows(shape, samples, rpc, tokens))
-        for _ in range(rounds if (2, 1) in layout else 0):  # llama.cpp RPC, 2 nodes, 1 user, with the ovshard workers idle
+        for _ in range(rounds if (2, 1) in layout and state["bins"] else 0):  # llama.cpp RPC, 2 nodes, 1 user, with the ovshard workers idle
             with ExitStack() as servers:
                 ports = []
                 for i in range(2):
