@@ -21,6 +21,9 @@ Variants (``--variants``):
     minmax    the default's INT8 weights, the INT4 ones data-free (min-max scales), in the default's groups
     down      only the down projections INT8, the rest as the default
     int4      no decoder weight INT8
+    rare      the tied table's rarer half of its rows (the higher ids: BPE merges come in order of frequency) INT4,
+              fitted to the lm_head's inputs, and the bytes that saves spent on more decoder weights INT8, the
+              next by the default's own ranking
 
     CI=true .venv/bin/python bench/int4_sim.py [--variants default,asym,gptq,kl] [--out bench/results]
 """
@@ -41,7 +44,7 @@ sys.path.insert(0, str(HERE))
 from harness import progress, write_results  # noqa: E402
 
 TEXTS = ("apache-2.0", "story", "code", "dialogue")
-VARIANTS = ("default", "asym", "gptq", "kl", "g32", "minmax", "down", "int4")
+VARIANTS = ("default", "asym", "gptq", "kl", "g32", "minmax", "down", "int4", "rare")
 PROJECTIONS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
                "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 
@@ -130,7 +133,7 @@ class Sim:
         from ovshard.verify import perplexity
 
         torch.set_grad_enabled(False)
-        ckpt = open_source(gguf)
+        ckpt = self.ckpt = open_source(gguf)
         with tempfile.TemporaryDirectory() as scratch:  # the tokenizer's files, for the calibration text
             samples = calibration_text(ckpt, "text", 4, 128, Path(scratch)).samples
         self.samples = [torch.tensor([s]) for s in samples]
@@ -143,13 +146,15 @@ class Sim:
         self.float = {key: m.weight.clone() for key, m in linears(self.model)}
         self.table = self.model.model.embed_tokens.weight.clone()
         self.inputs = self._capture()
+        self.head_inputs = self.inputs.pop("head")
         self.reference = self.perplexities()
 
     def _capture(self) -> dict[str, torch.Tensor]:
-        """Every projection's inputs [tokens, in] on the calibration samples, the float model's."""
+        """Every projection's inputs [tokens, in] on the calibration samples, the float model's (the lm_head's
+        as "head")."""
         caught: dict[str, list[torch.Tensor]] = {}
         hooks = [m.register_forward_hook(lambda _m, inp, _o, key=key: caught.setdefault(key, []).append(
-            inp[0].reshape(-1, inp[0].shape[-1]))) for key, m in linears(self.model)]
+            inp[0].reshape(-1, inp[0].shape[-1]))) for key, m in [*linears(self.model), ("head", self.model.lm_head)]]
         for sample in self.samples:
             self.model(sample)
         for hook in hooks:
@@ -162,8 +167,13 @@ class Sim:
         return {t: perplexity.score(lambda c: self.model(torch.tensor([c])).logits[0].numpy(), chunks).perplexity
                 for t, chunks in self.chunks.items()}
 
-    def apply(self, int8: set[str], int4: Callable[[str], torch.Tensor]) -> None:
-        self.model.model.embed_tokens.weight.copy_(int8_rows(self.table))
+    def apply(self, int8: set[str], int4: Callable[[str], torch.Tensor], int4_from: int | None = None) -> None:
+        """The table INT8 per row (its rows from ``int4_from`` on INT4, fitted to the lm_head's inputs), ``int8``
+        INT8, every other decoder weight ``int4(key)``."""
+        table = int8_rows(self.table)
+        if int4_from is not None:
+            table[int4_from:] = fitted(self.table[int4_from:], self.head_inputs)
+        self.model.model.embed_tokens.weight.copy_(table)
         for key, m in linears(self.model):
             m.weight.copy_(int8_rows(self.float[key]) if key in int8 else int4(key))
 
@@ -199,17 +209,34 @@ class Sim:
         return chosen
 
 
+    def rare_choice(self, int4_from: int) -> set[str]:
+        """The default's INT8 weights and, in the default's ranking (``ovshard.plan.precision``: INT4 error of the
+        weight alone), the next ones that the table's rows from ``int4_from`` on save by being INT4."""
+        from ovshard.bundle.weights import WeightFormat
+        from ovshard.plan.precision import candidates, int4_bytes, int8_bytes
+
+        rows, width = self.table[int4_from:].shape
+        saved = int8_bytes(rows, width) - int4_bytes(WeightFormat(), rows, width)
+        chosen, spent = set(self.int8), 0.0
+        for c in sorted(candidates(self.ckpt, WeightFormat()), key=lambda c: c.error, reverse=True):
+            if c.key not in chosen and spent + c.extra_bytes <= saved:
+                chosen.add(c.key)
+                spent += c.extra_bytes
+        return chosen
+
+
 def run(sim: Sim, variant: str) -> dict:
     began = time.perf_counter()
-    int8 = {"kl": sim.kl_choice, "int4": set, "down": lambda: {k for k in sim.float if k.endswith(".down")}}.get(
-        variant, lambda: sim.int8)()
+    half = sim.table.shape[0] // 2
+    int8 = {"kl": sim.kl_choice, "int4": set, "down": lambda: {k for k in sim.float if k.endswith(".down")},
+            "rare": lambda: sim.rare_choice(half)}.get(variant, lambda: sim.int8)()
     if variant == "gptq":
         sim.apply(int8, lambda key: gptq(sim.float[key], sim.inputs[key]))
     elif variant == "minmax":
         sim.apply(int8, lambda key: minmax(sim.float[key]))
     else:
         sim.apply(int8, lambda key: fitted(sim.float[key], sim.inputs[key], asym=variant == "asym",
-                                           group=32 if variant == "g32" else 0))
+                                           group=32 if variant == "g32" else 0), half if variant == "rare" else None)
     found = sim.perplexities()
     sim.restore()
     row = {"variant": variant, "int8_weights": len(int8)}
