@@ -300,7 +300,7 @@ def llama_bench(bins: str, cores: str, gguf: str, threads: int, prompt: int, tok
 def one_node(state: dict[str, Any], results: Results, shapes: list[str], rounds: int, tokens: int,
              thread_counts: list[int]) -> None:
     if not state["bins"]:
-        raise SystemExit("the one phase compares against llama.cpp: run setup without PAPER_LLAMA=0")
+        raise RuntimeError("the one phase compares against llama.cpp: run setup without PAPER_LLAMA=0")
     rows = []
     for shape in shapes:
         bundle = state["bundles"][shape]["1"]
