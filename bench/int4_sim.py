@@ -22,8 +22,8 @@ Variants (``--variants``):
     down      only the down projections INT8, the rest as the default
     int4      no decoder weight INT8
     rare      the tied table's rarer half of its rows (the higher ids: BPE merges come in order of frequency) INT4,
-              fitted to the lm_head's inputs, and the bytes that saves spent on more decoder weights INT8, the
-              next by the default's own ranking
+              fitted to the lm_head's inputs, and the bytes that saves added to the INT8 choice's budget (the
+              compile's own choice, more weights INT8)
 
     CI=true .venv/bin/python bench/int4_sim.py [--variants default,asym,gptq,kl] [--out bench/results]
 """
@@ -208,26 +208,24 @@ class Sim:
                 spent += extra[key]
         return chosen
 
-
     def rare_choice(self, int4_from: int) -> set[str]:
-        """The default's INT8 weights and, in the default's ranking (``ovshard.plan.precision``: INT4 error of the
-        weight alone), the next ones that the table's rows from ``int4_from`` on save by being INT4."""
+        """The compile's own INT8 choice (``ovshard.plan.precision.choose_int8``) with its budget raised by the
+        bytes the table's rows from ``int4_from`` on save by being INT4."""
+        from dataclasses import replace
+
         from ovshard.bundle.weights import WeightFormat
-        from ovshard.plan.precision import candidates, int4_bytes, int8_bytes
+        from ovshard.plan.precision import BASE, all_int4_bytes, choose_int8, int4_bytes, int8_bytes
 
         rows, width = self.table[int4_from:].shape
         saved = int8_bytes(rows, width) - int4_bytes(WeightFormat(), rows, width)
-        chosen, spent = set(self.int8), 0.0
-        for c in sorted(candidates(self.ckpt, WeightFormat()), key=lambda c: c.error, reverse=True):
-            if c.key not in chosen and spent + c.extra_bytes <= saved:
-                chosen.add(c.key)
-                spent += c.extra_bytes
-        return chosen
+        fmt = WeightFormat()
+        return set(choose_int8(self.ckpt, replace(fmt, budget=fmt.budget + saved / all_int4_bytes(self.ckpt.dims, BASE))))
 
 
 def run(sim: Sim, variant: str) -> dict:
     began = time.perf_counter()
     half = sim.table.shape[0] // 2
+    rare = half if variant == "rare" else None  # the table's rows from here on INT4
     int8 = {"kl": sim.kl_choice, "int4": set, "down": lambda: {k for k in sim.float if k.endswith(".down")},
             "rare": lambda: sim.rare_choice(half)}.get(variant, lambda: sim.int8)()
     if variant == "gptq":
@@ -236,7 +234,7 @@ def run(sim: Sim, variant: str) -> dict:
         sim.apply(int8, lambda key: minmax(sim.float[key]))
     else:
         sim.apply(int8, lambda key: fitted(sim.float[key], sim.inputs[key], asym=variant == "asym",
-                                           group=32 if variant == "g32" else 0), half if variant == "rare" else None)
+                                           group=32 if variant == "g32" else 0), rare)
     found = sim.perplexities()
     sim.restore()
     row = {"variant": variant, "int8_weights": len(int8)}
