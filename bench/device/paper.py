@@ -34,7 +34,7 @@ keeps what it measured):
            allow no network namespace), the head in this process on the cores left; 1 node/1 user, 2/1, 2/2,
            2/8 and 4/4 (users = concurrent streams, greedy, paged workers: continuous batching); aggregate
            tokens/s and the ratio to 1 node/1 user. llama.cpp RPC for the 2-node 1-user row: two
-           ``ggml-rpc-server -t 4`` pinned likewise behind the same relays, ``llama-bench --rpc``.
+           ``ggml-rpc-server`` pinned likewise (``-t`` the node's cores) behind the same relays, ``llama-bench --rpc``.
   quarter  the 70B shape's quarter as one node's stage at 1K and 8K context, and the 4-node rates it implies
   wan      the 8B layout behind 100 ms links: naive pipeline decode against streams and prompt lookup
            (both in bench/device/far.py)
