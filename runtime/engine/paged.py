@@ -56,7 +56,7 @@ from ovshard.bundle.stage import StageSpec
 from ovshard.errors import BundleError, PagedUnsupportedError
 from ovshard.runtime.engine.logit_rows import lm_head
 from ovshard.runtime.engine.plugin import plugin_config
-from ovshard.runtime.engine.static_step import DecodeStep, static_decode_model, why_no_copy
+from ovshard.runtime.engine.static_step import WIDEN_POSITIONS, DecodeStep, static_decode_model, why_no_copy
 
 __all__ = ["CacheSpec", "PagedRows", "PagedStage", "blocks_for", "compile_paged", "gather_logit_rows",
            "paged_inputs", "to_paged"]
@@ -355,11 +355,14 @@ class PagedStage:
         """A 2-token step, then a 1-token step, on block 0: the CPU plugin prepares its prompt kernels (packs their
         weights, generates their code) at the first step of several tokens, so a node pays that at load, not on
         its first request (the Llama-3.2-1B shape on 2 cores: a first 512-token prompt 4.2-4.5 s cold, 2.1 s
-        after this 2.0-2.4 s warm-up, later prompts 2.0-2.2 s either way; docs/results/2026-12-one-node.md).
+        after this 2.0-2.4 s warm-up, later prompts 2.0-2.2 s either way; docs/results/2026-12-one-node.md); and
+        the static copy's attention told of WIDEN_POSITIONS at once (DecodeStep.widen).
         Block 0 holds garbage after: every sequence writes the positions of its blocks before it reads them."""
         x = np.zeros((2,) if self.hidden is None else (2, self.hidden), np.int64 if self.hidden is None else np.float32)
         self.run([PagedRows(x, 0, [0], 1 if self.sliced else None)])  # ids [2] or rows [2, H]
         self.run([PagedRows(x[:1], 2, [0], 1 if self.sliced else None)])
+        if self.decode is not None:
+            self.decode.widen(min(self.num_blocks * self.block_size, self.max_positions, WIDEN_POSITIONS))
 
     def cache(self, name: str) -> np.ndarray:
         """Cache ``name`` as its plugin type and shape [num_blocks, ...] (a view; u4 stays packed bytes)."""

@@ -33,12 +33,16 @@ from ovshard import memory
 from ovshard.bundle import names
 from ovshard.errors import PagedUnsupportedError
 
-__all__ = ["DecodeStep", "why_no_copy", "static_decode_model"]
+__all__ = ["DecodeStep", "WIDEN_POSITIONS", "why_no_copy", "static_decode_model"]
 
 log = logging.getLogger(__name__)
 
 CACHE_PREFIXES = ("key_cache.", "value_cache.")
 COPY_MAX_BYTES = 1 << 30  # above this a step is long enough that its fixed saving no longer pays for the weights twice
+# positions DecodeStep.widen tells the plugin of at load: short chats never pay its score kernels' remaking, while
+# the scratch rows sized for them (threads x heads x 32 x this x 4 bytes a layer, written only as far as a step
+# reaches) stay small
+WIDEN_POSITIONS = 1024
 
 
 def _shapes(primary: str, hidden: int | None, num_blocks: int) -> dict[str, tuple[list[int], type]]:
@@ -80,7 +84,8 @@ def static_decode_model(model: ov.Model, primary: str, hidden: int | None, num_b
 
 class DecodeStep:
     """The static copy's request: the paged stage's ``caches`` bound, its input arrays bound once and written
-    in place. ``steps`` counts the steps it ran (a paged stage takes this path for one sequence and one row)."""
+    in place. ``steps`` counts the inferences it ran (a paged stage takes this path for one sequence and one row;
+    ``widen`` runs one more)."""
 
     def __init__(self, compiled: ov.CompiledModel, primary: str, hidden: int | None, num_blocks: int,
                  caches: Mapping[str, ov.Tensor]) -> None:
@@ -95,6 +100,22 @@ class DecodeStep:
             self.request.set_tensor(name, ov.Tensor(array, shared_memory=True))
         self.arrays[names.SUBSEQUENCE_BEGINS][:] = (0, 1)
         self.arrays[names.BLOCK_INDICES_BEGINS][0] = 0
+
+    def widen(self, positions: int) -> None:
+        """One step at position 0 of block 0 that tells the plugin's attention the context reaches ``positions``:
+        it sizes its score rows for the longest context it has been told of and, each time that grows past another
+        block, makes its score kernels again (an extra 4-7 ms a step at each 32nd position on SmolLM2's 30 layers,
+        ~0.2 ms a step over a long answer; docs/results/2026-12-one-node.md). Told once here, later steps within
+        ``positions`` run as fast; each step still passes its own length, so none loops over the rest. Writes
+        position 0 of block 0 (PagedStage.warm's garbage, which every sequence overwrites before reading)."""
+        arrays = self.arrays
+        arrays[self.primary][:] = 0
+        arrays[names.POSITION_IDS][0] = arrays[names.PAST_LENS][0] = 0
+        arrays[names.MAX_CONTEXT_LEN][()] = positions
+        arrays[names.BLOCK_INDICES][:1] = 0
+        arrays[names.BLOCK_INDICES_BEGINS][1] = 1
+        self.request.infer()
+        self.steps += 1
 
     def run(self, x: np.ndarray, position: int, table: Sequence[int]) -> np.ndarray:
         """One row ``x`` (ids [1] or rows [1, H]) at ``position`` with the sequence's ``table`` (the blocks
