@@ -91,12 +91,12 @@ def profile(bundle: Path, threads: int, context: int, steps: int, prefill: int, 
     kinds, order, walls = {}, {}, []
     # The plugin's counters are each node's mean over every inference since the model was compiled: the profiled
     # runs' own mean is (total after them - total before them) / their count, totals being mean x inferences.
-    # A decode step with --static-decode runs on the static copy's request (it counts its steps); every other
+    # A decode step with --static-decode runs on the static copy's request (it counts its inferences); every other
     # step on the dynamic one, whose inferences are the load's 2-token warm-up step (and its 1-token one when
     # no static copy takes it) and the warm runs here.
     decode = stage.decode if static and not prefill else None
     request, compiled = (stage.request, stage.compiled) if decode is None else (decode.request, decode.compiled)
-    done = decode.steps if decode is not None else len(warm) + (1 if stage.decode else 2)
+    done = decode.inferences if decode is not None else len(warm) + (1 if stage.decode else 2)
     before = _totals(request, done)
     for x, position in runs:
         start = time.perf_counter()

@@ -84,13 +84,13 @@ def static_decode_model(model: ov.Model, primary: str, hidden: int | None, num_b
 
 class DecodeStep:
     """The static copy's request: the paged stage's ``caches`` bound, its input arrays bound once and written
-    in place. ``steps`` counts the inferences it ran (a paged stage takes this path for one sequence and one row;
-    ``widen`` runs one more)."""
+    in place. ``steps`` counts the steps it ran (a paged stage takes this path for one sequence and one row);
+    ``inferences`` those and ``widen``'s."""
 
     def __init__(self, compiled: ov.CompiledModel, primary: str, hidden: int | None, num_blocks: int,
                  caches: Mapping[str, ov.Tensor]) -> None:
         self.compiled, self.request = compiled, compiled.create_infer_request()
-        self.primary, self.num_blocks, self.steps = primary, num_blocks, 0
+        self.primary, self.num_blocks, self.steps, self.inferences = primary, num_blocks, 0, 0
         for name, tensor in caches.items():
             self.request.set_tensor(name, tensor)
         inputs = {port.get_any_name() for port in compiled.inputs}
@@ -115,7 +115,7 @@ class DecodeStep:
         arrays[names.BLOCK_INDICES][:1] = 0
         arrays[names.BLOCK_INDICES_BEGINS][1] = 1
         self.request.infer()
-        self.steps += 1
+        self.inferences += 1
 
     def run(self, x: np.ndarray, position: int, table: Sequence[int]) -> np.ndarray:
         """One row ``x`` (ids [1] or rows [1, H]) at ``position`` with the sequence's ``table`` (the blocks
@@ -130,5 +130,6 @@ class DecodeStep:
         arrays[names.BLOCK_INDICES_BEGINS][1] = count
         self.request.infer()
         self.steps += 1
+        self.inferences += 1
         out = self.request.get_output_tensor(0).data
         return out.reshape(1, -1).copy()  # [1, 1, H|V] -> [1, H|V]
