@@ -108,28 +108,24 @@ class DecodeStep:
         ~0.2 ms a step over a long answer; docs/results/2026-12-one-node.md). Told once here, later steps within
         ``positions`` run as fast; each step still passes its own length, so none loops over the rest. Writes
         position 0 of block 0 (PagedStage.warm's garbage, which every sequence overwrites before reading)."""
-        arrays = self.arrays
-        arrays[self.primary][:] = 0
-        arrays[names.POSITION_IDS][0] = arrays[names.PAST_LENS][0] = 0
-        arrays[names.MAX_CONTEXT_LEN][()] = positions
-        arrays[names.BLOCK_INDICES][:1] = 0
-        arrays[names.BLOCK_INDICES_BEGINS][1] = 1
-        self.request.infer()
-        self.inferences += 1
+        self._infer(0, 0, [0], positions)
 
     def run(self, x: np.ndarray, position: int, table: Sequence[int]) -> np.ndarray:
         """One row ``x`` (ids [1] or rows [1, H]) at ``position`` with the sequence's ``table`` (the blocks
         covering [0, position + 1), already checked); returns its output row [1, H|V]."""
+        self._infer(x, position, table, position + 1)
+        self.steps += 1
+        out = self.request.get_output_tensor(0).data
+        return out.reshape(1, -1).copy()  # [1, 1, H|V] -> [1, H|V]
+
+    def _infer(self, x: np.ndarray | int, position: int, table: Sequence[int], reach: int) -> None:
+        """One inference of row ``x`` at ``position`` over ``table``, the plugin told the context reaches ``reach``."""
         arrays = self.arrays
         arrays[self.primary][:] = x
-        arrays[names.POSITION_IDS][0] = position
-        arrays[names.PAST_LENS][0] = position
-        arrays[names.MAX_CONTEXT_LEN][()] = position + 1
+        arrays[names.POSITION_IDS][0] = arrays[names.PAST_LENS][0] = position
+        arrays[names.MAX_CONTEXT_LEN][()] = reach
         count = len(table)
         arrays[names.BLOCK_INDICES][:count] = table
         arrays[names.BLOCK_INDICES_BEGINS][1] = count
         self.request.infer()
-        self.steps += 1
         self.inferences += 1
-        out = self.request.get_output_tensor(0).data
-        return out.reshape(1, -1).copy()  # [1, 1, H|V] -> [1, H|V]
