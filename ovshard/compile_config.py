@@ -145,27 +145,39 @@ SOURCE_GROUPS = {"Q4_1": "int4_affine", "Q4_0": "int4_sym"}
 
 
 def source_weights(config: CompileConfig, ckpt: Checkpoint) -> CompileConfig:
-    """The default format for this checkpoint: where every decoder matrix of a dense GGUF source is of one block type
-    of :data:`SOURCE_GROUPS`, its format in groups of 32, every decoder weight (``--budget 1.0``), data-free: those
-    groups hold the source's blocks as they are, so the bundle loses next to nothing against the source at its
-    size (SmolLM2-135M's Q4_1 file: +0.0% to +0.4% perplexity at 5.65 bits a parameter, against the calibrated
-    int4_sym default's +1.4% to +9.2% at 6.09; docs/results/2026-12-int4-accuracy.md); else unchanged. Warns where
-    a quantized source's weights are compressed again in another form."""
-    blocks = _source_blocks(ckpt) if ckpt.quantization is not None else None
+    """The default format for this checkpoint: where every decoder matrix of a dense source is in one block type of
+    :data:`SOURCE_GROUPS` (a GGUF file's own types, or a float checkpoint's values on that grid: a GGUF file
+    dequantized and saved as safetensors, ``ovshard.frontend.grids``), its format in groups of 32, every decoder
+    weight (``--budget 1.0``), data-free: those groups hold the source's blocks as they are, so the bundle loses next
+    to nothing against the source at its size (SmolLM2-135M's Q4_1 file: +0.0% to +0.4% perplexity at 5.65 bits a
+    parameter, against the calibrated int4_sym default's +1.4% to +9.2% at 6.09; docs/results/2026-12-int4-accuracy.md);
+    else unchanged. Warns where such blocks are compressed again in another form."""
+    from ovshard.frontend.grids import on_grid
+
+    quantized = ckpt.quantization is not None
+    blocks = _source_blocks(ckpt) if quantized else on_grid(ckpt) if config.weights.is_int4 else None
+    where = "the source's decoder matrices are" if quantized else "every decoder matrix of this float checkpoint " \
+        "lies on the grid of"
     if config.weights_from_source:
         if blocks is None:
             config = large_table(config, ckpt)
         else:
-            log.info("weights: the source's decoder matrices are %s: %s in groups of 32, data-free, holds them as "
-                     "they are (--weights, --group-size or --budget choose otherwise)", blocks, SOURCE_GROUPS[blocks])
+            log.info("weights: %s %s: %s in groups of 32, data-free, holds them as they are (--weights, --group-size "
+                     "or --budget choose otherwise)", where, blocks, SOURCE_GROUPS[blocks])
             calibration = "none" if config.calibration == "default" else config.calibration
             config = replace(config, weights=replace(config.weights, mode=SOURCE_GROUPS[blocks], group_size=32,
                                                      budget=1.0), calibration=calibration)
     kept = blocks is not None and (config.weights.mode, config.weights.group_size) == (SOURCE_GROUPS[blocks], 32)
-    if ckpt.quantization is not None and config.weights.mode not in ("fp32", "fp16") and not kept:
+    again = config.weights.mode not in ("fp32", "fp16") and not kept  # rounded a second time
+    if quantized and again:
         log.warning("%s is quantized (%s); ovshard dequantizes it and compresses it again (--weights %s), which "
                     "compounds the two quantization errors. Compile with --weights fp16 or fp32, or start from the "
                     "original safetensors checkpoint.", ckpt.path.name, ckpt.quantization, config.weights.mode)
+    elif blocks is not None and again:
+        log.warning("every decoder matrix of %s lies on llama.cpp's %s grid (a quantized model saved as floats); "
+                    "--weights %s rounds each weight again, which compounds the two quantization errors: leave "
+                    "--weights, --group-size and --budget out to keep its blocks as they are (%s, groups of 32)",
+                    ckpt.path.name, blocks, config.weights.mode, SOURCE_GROUPS[blocks])
     return config
 
 

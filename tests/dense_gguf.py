@@ -139,6 +139,23 @@ def write_gguf(path: Path, family: str, weights: dict[str, np.ndarray], qtype: s
     return path
 
 
+def saved_as_floats(gguf_file: Path, out: Path, dtype: str, tokenizer: bool = False) -> Path:
+    """``gguf_file`` dequantized by transformers and saved as a safetensors checkpoint (with its tokenizer), as a
+    user shares one."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    fresh.load_state_dict(model.state_dict())
+    fresh.save_pretrained(out)
+    if tokenizer:
+        AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(out)
+    return out
+
+
 def hf_reading(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """transformers' config and float32 state dict of a GGUF file."""
     from transformers import AutoModelForCausalLM

@@ -58,7 +58,7 @@ def main() -> int:
     parser.add_argument("--formats", default="nf4,cb4,mxfp4")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
-    model = frontier.models()[args.model]
+    model = frontier.models()[args.model]()
     rows = []
     with tempfile.TemporaryDirectory(prefix="nncf-formats-") as tmp:
         ref = Path(tmp) / "fp32"

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 WEIGHT_HELP = """weight format: fp32 (exact; for parity tests), fp16, int8 (per channel),
 int4_sym (default: with the sensitive weights in INT8 it measured ahead of int4_asym on the real models,
 docs/results/2026-12-int4-accuracy.md), int4_asym, int4_affine (asymmetric with an f16 zero point per group,
-llama.cpp's Q4_1 form at --group-size 32; data-free)"""
+llama.cpp's Q4_1 form at --group-size 32; data-free; the default where the decoder is Q4_1 blocks: a GGUF file's,
+or a float checkpoint's values on that grid)"""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

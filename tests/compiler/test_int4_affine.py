@@ -5,7 +5,8 @@ quantizer writes them: the block's minimum at code 0, its maximum at 15) comes b
 by the CPU plugin, within a small part of one step (the f16 rounding of the zero point): the format holds such a
 source's weights as they are, where NNCF's 4-bit zero point moves every group by up to half a step. Calibration
 is refused with a clear error: the format is data-free. A GGUF source whose decoder matrices are all Q4_1 gets
-the format by default (all Q4_0: int4_sym in groups of 32, data-free, which holds those blocks as they are).
+the format by default (all Q4_0: int4_sym in groups of 32, data-free, which holds those blocks as they are), and so
+does a float checkpoint whose decoder matrices lie on those grids (a GGUF file dequantized and saved as safetensors).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 
 from ovshard.bundle.weights import WeightFormat
 from ovshard.errors import ConfigError
+from ovshard.frontend.grids import grids_of
 from ovshard.plan.precision import int4_bytes, int4_error
 from passes.compress_weights import int4_affine_weight
 
@@ -97,6 +99,59 @@ def test_a_q4_gguf_keeps_its_blocks_by_default(tmp_path: Path, qtype: str, mode:
     storage = next(row for row in json.loads(checked.stdout)["rows"] if row["check"] == "weight storage")
     assert storage["verdict"] == "pass" and "i4: " in storage["found"], storage
     assert ("f32 zero points" in storage["found"]) == (qtype == "Q4_1"), storage
+
+
+def test_the_grid_test_finds_q4_blocks_in_float32_and_bfloat16_and_no_grid_in_float_weights() -> None:
+    import torch
+
+    rng = np.random.default_rng(1)
+    q4_1, step = (torch.from_numpy(a) for a in _q4_1(rng, 16, 256))
+    steps = torch.from_numpy(rng.uniform(0.002, 0.02, (16 * 8, 1)).astype(np.float32))
+    codes = torch.from_numpy(rng.integers(-8, 8, (16 * 8, 32)).astype(np.float32))
+    codes[:, 0] = -8  # the block's largest magnitude, at one end as llama.cpp's Q4_0 puts it
+    q4_0 = (codes * steps).reshape(16, 256)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert "Q4_1" in grids_of(q4_1.to(dtype).float())
+        assert "Q4_0" in grids_of(q4_0.to(dtype).float())
+    assert grids_of(torch.from_numpy(rng.standard_normal((16, 256)).astype(np.float32))) == set()
+    jitter = torch.from_numpy(rng.uniform(-0.4, 0.4, (16, 256)).astype(np.float32))
+    assert grids_of(q4_1 + jitter * step.repeat_interleave(32, 1)) == set()  # each weight up to 0.4 steps off
+    assert grids_of(torch.zeros(4, 64)) == {"Q4_0", "Q4_1"}  # a constant block lies on every grid
+    assert grids_of(q4_1[:, :250]) == set()  # inputs not a multiple of 32 wide: no blocks
+
+
+def test_a_float_checkpoint_on_q4_1s_grid_keeps_its_blocks_by_default(tmp_path: Path) -> None:
+    """A tiny llama's Q4_1 GGUF saved as a bfloat16 safetensors checkpoint: the default compile finds its grid and
+    stores every decoder weight int4_affine in groups of 32, data-free, closer to the fp32 bundle than int4_sym in the
+    same groups (whose compile warns that it rounds the grid again); the same weights off the grid (the F32 GGUF
+    saved the same way) keep the float default."""
+    from dense_gguf import hf_weights, saved_as_floats, write_gguf
+
+    from ovshard.bundle.manifest import read_manifest
+    from ovshard.runtime.client.inprocess import LocalPipeline
+    from ovshard.runtime.engine.stage import EXACT_HINTS
+
+    weights = hf_weights("llama")
+    on_grid = saved_as_floats(write_gguf(tmp_path / "q4.gguf", "llama", weights, qtype="Q4_1"), tmp_path / "grid_ckpt",
+                               "bfloat16")
+    off_grid = saved_as_floats(write_gguf(tmp_path / "f32.gguf", "llama", weights), tmp_path / "float_ckpt", "float32")
+    runs = {"fp32": (on_grid, ["--weights", "fp32"]), "default": (on_grid, []),
+            "other": (on_grid, ["--weights", "int4_sym", "--group-size", "32", "--budget", "1.0", "--calibration",
+                                "none"]),
+            "float": (off_grid, [])}
+    logits = {}
+    for name, (source, extra) in runs.items():
+        done = subprocess.run([sys.executable, "-m", "ovshard.cli", "-q", "compile", str(source), "-o",
+                               str(tmp_path / name), "--no-cache", *extra], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert ("rounds each weight again" in done.stderr) == (name == "other"), (name, done.stderr)
+        logits[name] = LocalPipeline(tmp_path / name, config=EXACT_HINTS).forward([1, *range(3, 40)])[0]
+    fmt = read_manifest(tmp_path / "default").weights
+    assert (fmt.mode, fmt.group_size, fmt.budget, fmt.int8_weights, fmt.calibration) == ("int4_affine", 32, 1.0, (),
+                                                                                         "none")
+    assert read_manifest(tmp_path / "float").weights.mode == "int4_sym"
+    errors = {name: float(np.mean((logits[name] - logits["fp32"]) ** 2)) for name in ("default", "other")}
+    assert errors["default"] < 0.5 * errors["other"], errors
 
 
 def test_any_format_option_keeps_the_per_model_rules_off(tmp_path: Path) -> None:
