@@ -202,12 +202,17 @@ class Sim:
                            w.numel()) for key, w in self.float.items()]
         return pick(found, self.ckpt.dims, fmt)
 
-    def bits(self, int8: set[str], fmt) -> float:
-        """Bits a parameter of the matrices as a one-stage bundle stores them (the tied table INT8 once)."""
+    def bits(self, int8: set[str], fmt, int4_from: int | None = None) -> float:
+        """Bits a parameter of the matrices as a one-stage bundle stores them (the tied table once: INT8, its rows
+        from ``int4_from`` on INT4)."""
+        from ovshard.bundle.weights import WeightFormat
         from ovshard.plan.precision import int4_bytes, int8_bytes
 
-        stored = int8_bytes(*self.table.shape) + sum(int8_bytes(*w.shape) if k in int8 else int4_bytes(fmt, *w.shape)
-                                                     for k, w in self.float.items())
+        rows, width = self.table.shape
+        cut = rows if int4_from is None else int4_from
+        table = int8_bytes(cut, width) + (int4_bytes(WeightFormat(), rows - cut, width) if cut < rows else 0.0)
+        stored = table + sum(int8_bytes(*w.shape) if k in int8 else int4_bytes(fmt, *w.shape)
+                             for k, w in self.float.items())
         return 8 * stored / (self.table.numel() + sum(w.numel() for w in self.float.values()))
 
     def kl_choice(self) -> set[str]:
@@ -271,7 +276,7 @@ def run(sim: Sim, variant: str) -> dict:
                                            group=32 if variant == "g32" else 0), rare)
     found = sim.perplexities()
     sim.restore()
-    bits = sim.bits(int8, fmt or WeightFormat(group_size=32 if variant == "g32" else 128))
+    bits = sim.bits(int8, fmt or WeightFormat(group_size=32 if variant == "g32" else 128), rare)
     row = {"variant": variant, "int8_weights": len(int8), "bits_per_parameter": round(bits, 2)}
     row.update({t: f"{100 * (found[t] / sim.reference[t] - 1):+.1f}%" for t in TEXTS})
     return {**row, "seconds": round(time.perf_counter() - began, 1)}
