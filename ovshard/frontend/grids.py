@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 BLOCK = 32
 ROWS = 8  # rows read from each decoder matrix
 TOLERANCE = 0.05  # of a step
-SHARE = 0.95  # of the values read within TOLERANCE of the grid
+SHARE = 0.99  # of the values read within TOLERANCE of the grid
 
 
 def grids_of(rows: torch.Tensor) -> set[str]:
@@ -38,11 +38,13 @@ def grids_of(rows: torch.Tensor) -> set[str]:
         return set()
     blocks = rows.double().reshape(-1, BLOCK)
     low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
-    peak = blocks.abs().amax(-1, keepdim=True)
-    steps = {"Q4_0": blocks / (peak / 8), "Q4_1": (blocks - low) / ((high - low) / 15)}
+    peak = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # the largest magnitude, signed: code -8
+    steps = {"Q4_0": blocks / (peak / -8), "Q4_1": (blocks - low) / ((high - low) / 15)}
     found = set()
     for name, k in steps.items():
         off = (k - k.round()).abs().nan_to_num(0.0)  # a constant block (0 / 0) lies on every grid
+        if name == "Q4_0":
+            off = torch.where(k.round() > 7, 1.0, off)  # codes -8..7: the other sign stops at 7 steps
         if float((off <= TOLERANCE).double().mean()) >= SHARE:
             found.add(name)
     return found

@@ -116,15 +116,21 @@ def test_the_grid_test_finds_q4_blocks_in_float32_and_bfloat16_and_no_grid_in_fl
     assert grids_of(torch.from_numpy(rng.standard_normal((16, 256)).astype(np.float32))) == set()
     jitter = torch.from_numpy(rng.uniform(-0.4, 0.4, (16, 256)).astype(np.float32))
     assert grids_of(q4_1 + jitter * step.repeat_interleave(32, 1)) == set()  # each weight up to 0.4 steps off
+    both_ends = q4_0.clone().reshape(-1, 32)
+    both_ends[:, 1] = steps[:, 0] * 8  # +8 steps beside -8: no Q4_0 block holds both (its codes are -8..7)
+    assert "Q4_0" not in grids_of(both_ends.reshape(16, 256))
     assert grids_of(torch.zeros(4, 64)) == {"Q4_0", "Q4_1"}  # a constant block lies on every grid
     assert grids_of(q4_1[:, :250]) == set()  # inputs not a multiple of 32 wide: no blocks
 
 
-def test_a_float_checkpoint_on_q4_1s_grid_keeps_its_blocks_by_default(tmp_path: Path) -> None:
-    """A tiny llama's Q4_1 GGUF saved as a bfloat16 safetensors checkpoint: the default compile finds its grid and
-    stores every decoder weight int4_affine in groups of 32, data-free, closer to the fp32 bundle than int4_sym in the
-    same groups (whose compile warns that it rounds the grid again); the same weights off the grid (the F32 GGUF
-    saved the same way) keep the float default."""
+@pytest.mark.parametrize(("qtype", "mode", "other"), [("Q4_1", "int4_affine", "int4_sym"),
+                                                      ("Q4_0", "int4_sym", "int4_affine")])
+def test_a_float_checkpoint_on_a_q4_grid_keeps_its_blocks_by_default(tmp_path: Path, qtype: str, mode: str,
+                                                                    other: str) -> None:
+    """A tiny llama's Q4_1 (Q4_0) GGUF saved as a bfloat16 safetensors checkpoint: the default compile finds its grid
+    and stores every decoder weight int4_affine (int4_sym) in groups of 32, data-free, closer to the fp32 bundle than
+    the other format in the same groups (whose compile warns that it rounds the grid again); the same weights off the
+    grid (the F32 GGUF saved the same way) keep the float default."""
     from dense_gguf import hf_weights, saved_as_floats, write_gguf
 
     from ovshard.bundle.manifest import read_manifest
@@ -132,12 +138,11 @@ def test_a_float_checkpoint_on_q4_1s_grid_keeps_its_blocks_by_default(tmp_path: 
     from ovshard.runtime.engine.stage import EXACT_HINTS
 
     weights = hf_weights("llama")
-    on_grid = saved_as_floats(write_gguf(tmp_path / "q4.gguf", "llama", weights, qtype="Q4_1"), tmp_path / "grid_ckpt",
+    on_grid = saved_as_floats(write_gguf(tmp_path / "q4.gguf", "llama", weights, qtype=qtype), tmp_path / "grid_ckpt",
                                "bfloat16")
     off_grid = saved_as_floats(write_gguf(tmp_path / "f32.gguf", "llama", weights), tmp_path / "float_ckpt", "float32")
     runs = {"fp32": (on_grid, ["--weights", "fp32"]), "default": (on_grid, []),
-            "other": (on_grid, ["--weights", "int4_sym", "--group-size", "32", "--budget", "1.0", "--calibration",
-                                "none"]),
+            "other": (on_grid, ["--weights", other, "--group-size", "32", "--budget", "1.0", "--calibration", "none"]),
             "float": (off_grid, [])}
     logits = {}
     for name, (source, extra) in runs.items():
@@ -147,8 +152,7 @@ def test_a_float_checkpoint_on_q4_1s_grid_keeps_its_blocks_by_default(tmp_path: 
         assert ("rounds each weight again" in done.stderr) == (name == "other"), (name, done.stderr)
         logits[name] = LocalPipeline(tmp_path / name, config=EXACT_HINTS).forward([1, *range(3, 40)])[0]
     fmt = read_manifest(tmp_path / "default").weights
-    assert (fmt.mode, fmt.group_size, fmt.budget, fmt.int8_weights, fmt.calibration) == ("int4_affine", 32, 1.0, (),
-                                                                                         "none")
+    assert (fmt.mode, fmt.group_size, fmt.budget, fmt.int8_weights, fmt.calibration) == (mode, 32, 1.0, (), "none")
     assert read_manifest(tmp_path / "float").weights.mode == "int4_sym"
     errors = {name: float(np.mean((logits[name] - logits["fp32"]) ** 2)) for name in ("default", "other")}
     assert errors["default"] < 0.5 * errors["other"], errors
