@@ -90,10 +90,10 @@ def int8_rows(w: torch.Tensor) -> torch.Tensor:
     return (torch.clamp(torch.round(w / scale) + zero, 0, 255) - zero) * scale
 
 
-def fitted(w: torch.Tensor, x: torch.Tensor, asym: bool = False, group: int = 0, fmt=None) -> torch.Tensor:
+def fitted(w: torch.Tensor, x: torch.Tensor, asym: bool = False, group: int = 0) -> torch.Tensor:
     from ovshard.frontend.int4_fit import fit, fit_asym, second_moments
 
-    moments = second_moments(x, group or (fmt.group_for(w.shape[1]) if fmt else group_for(w.shape[1])))
+    moments = second_moments(x, group or group_for(w.shape[1]))
     if asym:
         codes, zeros, scales = fit_asym(w.contiguous(), moments)
         return ((codes.float() - zeros.float()) * scales.float()).reshape(w.shape)
@@ -195,12 +195,10 @@ class Sim:
             m.weight.copy_(self.float[key])
 
     def choice(self, fmt) -> tuple[str, ...]:
-        """The compile's INT8 choice for ``fmt`` (``ovshard.plan.precision``), scored on the weights held here."""
-        from ovshard.plan.precision import Candidate, int4_bytes, int4_error, int8_bytes, pick
+        """The compile's INT8 choice for ``fmt`` (``ovshard.plan.precision.choose_int8``, over the checkpoint)."""
+        from ovshard.plan.precision import choose_int8
 
-        found = [Candidate(key, int4_error(w.numpy(), fmt), int8_bytes(*w.shape) - int4_bytes(fmt, *w.shape),
-                           w.numel()) for key, w in self.float.items()]
-        return pick(found, self.ckpt.dims, fmt)
+        return choose_int8(self.ckpt, fmt)
 
     def bits(self, int8: set[str], fmt, int4_from: int | None = None) -> float:
         """Bits a parameter of the matrices as a one-stage bundle stores them (the tied table once: INT8, its rows
@@ -266,7 +264,7 @@ def run(sim: Sim, variant: str) -> dict:
             "rare": lambda: sim.rare_choice(half)}.get(variant, lambda: sim.int8)()
     if fmt is not None:
         int8 = set(sim.choice(fmt))
-        sim.apply(int8, lambda key: fitted(sim.float[key], sim.inputs[key], fmt=fmt))
+        sim.apply(int8, lambda key: fitted(sim.float[key], sim.inputs[key], group=fmt.group_for(sim.float[key].shape[1])))
     elif variant == "gptq":
         sim.apply(int8, lambda key: gptq(sim.float[key], sim.inputs[key]))
     elif variant == "minmax":

@@ -156,8 +156,8 @@ def source_weights(config: CompileConfig, ckpt: Checkpoint) -> CompileConfig:
 
     quantized = ckpt.quantization is not None
     blocks = _source_blocks(ckpt) if quantized else on_grid(ckpt) if config.weights.is_int4 else None
-    where = "the source's decoder matrices are" if quantized else "every decoder matrix of this float checkpoint " \
-        "lies on the grid of"
+    where = ("the source's decoder matrices are" if quantized
+             else "every decoder matrix of this float checkpoint lies on the grid of")
     if config.weights_from_source:
         if blocks is None:
             config = large_table(config, ckpt)

@@ -181,13 +181,8 @@ def choose_int8(ckpt: Checkpoint, fmt: WeightFormat) -> tuple[str, ...]:
     """The decoder weights kept in INT8 for ``fmt`` (sorted keys); () when the format keeps none."""
     if not fmt.is_int4 or fmt.budget <= 1.0 or fmt.ratio >= 1.0:
         return ()
-    return pick(candidates(ckpt, fmt), ckpt.dims, fmt)
-
-
-def pick(found: list[Candidate], dims: ModelDims, fmt: WeightFormat) -> tuple[str, ...]:
-    """The candidates kept INT8 within ``fmt``'s budget and ratio, most INT4 error first (sorted keys)."""
-    scored = sorted(found, key=lambda c: c.error, reverse=True)
-    unit = replace(BASE, all_layers=fmt.all_layers)
+    scored = sorted(candidates(ckpt, fmt), key=lambda c: c.error, reverse=True)
+    dims, unit = ckpt.dims, replace(BASE, all_layers=fmt.all_layers)
     # a smaller group size spends part of each budget: held (the bundle's bytes) and read (a decode step's)
     allowed = fmt.budget * all_int4_bytes(dims, unit) - all_int4_bytes(dims, fmt)
     allowed_read = fmt.budget * all_int4_bytes(dims, unit, routed=True) - all_int4_bytes(dims, fmt, routed=True)
